@@ -1,0 +1,101 @@
+"""Train state on disk: what a checkpoint holds, and writing it so that a reader never sees half of one.
+
+A checkpoint folder holds `state.pt` (model, optimizer, scaler, scheduler, RNG states) and `meta.json`
+(step, data position, samples seen, MLflow run id, a digest of state.pt). `meta.json` is written last, by
+rename, so its presence marks a complete checkpoint; `verify()` re-checks the digest before a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE = "state.pt"
+META = "meta.json"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(folder: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write state then meta (with state's digest) into `folder`; returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    atomic_write_bytes(folder / STATE, data)
+    meta = dict(meta, state_sha256=hashlib.sha256(data).hexdigest(), state_bytes=len(data))
+    atomic_write_text(folder / META, json.dumps(meta, indent=1))
+    return folder
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / META).read_text())
+
+
+def verify(folder: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    folder = Path(folder)
+    try:
+        meta = read_meta(folder)
+    except (OSError, ValueError) as e:
+        return f"no readable {META} ({e.__class__.__name__})"
+    try:
+        data = (folder / STATE).read_bytes()
+    except OSError as e:
+        return f"no readable {STATE} ({e.__class__.__name__})"
+    if len(data) != meta.get("state_bytes") or hashlib.sha256(data).hexdigest() != meta.get("state_sha256"):
+        return f"{STATE} does not match the digest in {META} (torn or corrupted write)"
+    return None
+
+
+def load(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    folder = Path(folder)
+    state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+    return state, read_meta(folder)
+
+
+def shape_mismatch(model_state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
+    """Describe the first tensor whose name or shape differs between a model and a checkpoint."""
+    for name, t in model_state.items():
+        if name not in saved:
+            return f"tensor {name} is missing from the checkpoint"
+        if tuple(saved[name].shape) != tuple(t.shape):
+            return f"tensor {name} has shape {tuple(saved[name].shape)} in the checkpoint but {tuple(t.shape)} in the model"
+    extra = sorted(set(saved) - set(model_state))
+    return f"the checkpoint has tensor {extra[0]} that the model lacks" if extra else None

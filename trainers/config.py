@@ -1,0 +1,259 @@
+"""Stride's configuration: one typed, validated object from YAML + command-line overrides.
+
+Precedence: `section.field=value` on the command line > the YAML file > the defaults below.
+Defaults live only here. Values on the command line are parsed as YAML (`train.max_steps=null`,
+`model.hidden_sizes=[128,64]`), then type-checked by pydantic. Every user-fixable problem becomes a
+`ConfigError` whose message is one line naming the key, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A problem the user can fix; the message is the one line shown to them (exit code 2)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class RunSection(Section):
+    name: str = Field("char_gpt", description="Run name; results, checkpoints and resume live under storage_path/name")
+    storage_path: str = Field("./runs", description="Folder (shared by all nodes on a cluster) holding run folders")
+    seed: int = Field(0, description="Seed for data order and weight init; dropout uses seed + world_rank")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or "/" in v or "\\" in v or v in (".", ".."):
+            raise ValueError("must be a plain folder name without path separators; use e.g. run.name=my_run")
+        return v
+
+
+class DataSection(Section):
+    train_path: str = Field("data/pystdlib/train", description="Parquet folder, file or glob of the training split")
+    val_path: str | None = Field("data/pystdlib/val", description="Parquet folder, file or glob of the validation split (null: no validation)")
+    label_column: str = Field("label", description="Tabular: the integer class column")
+    feature_columns: list[str] = Field(default_factory=list, description="Tabular: input columns (empty: every numeric column but label and sample_id)")
+    standardize: bool = Field(False, description="Tabular: scale features by mean/std of the training split")
+    nan_policy: Literal["error", "impute"] = Field("error", description="Tabular: NaN in features is an error, or imputed with the training mean")
+
+
+class ModelSection(Section):
+    name: Literal["char_gpt", "mlp"] = Field("char_gpt", description="char_gpt (byte-level transformer) or mlp (tabular classifier)")
+    n_layers: int = Field(4, ge=1, description="char_gpt: transformer blocks")
+    n_heads: int = Field(4, ge=1, description="char_gpt: attention heads")
+    width: int = Field(128, ge=8, description="char_gpt: embedding width (divisible by n_heads)")
+    context: int = Field(128, ge=2, description="char_gpt: tokens per sequence seen by the model")
+    vocab_size: int = Field(256, ge=2, description="char_gpt: vocabulary size (bytes: 256)")
+    hidden_sizes: list[int] = Field(default_factory=lambda: [256, 256], description="mlp: hidden layer widths")
+    num_classes: int | None = Field(None, ge=2, description="mlp: number of classes (null: inferred from the labels)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelSection":
+        if self.name == "char_gpt" and self.width % self.n_heads:
+            raise ValueError(f"model.width ({self.width}) must be divisible by model.n_heads ({self.n_heads}); "
+                             f"use e.g. model.width={self.n_heads * max(1, round(self.width / self.n_heads))}")
+        return self
+
+
+class OptimSection(Section):
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer")
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate at reference_batch_size")
+    weight_decay: float = Field(0.01, ge=0.0, description="Decoupled weight decay (AdamW) or L2 (SGD)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    momentum: float = Field(0.9, ge=0.0, description="SGD momentum")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
+    reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps before cosine decay")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr")
+    grad_clip_norm: float | None = Field(1.0, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
+
+
+class TrainSection(Section):
+    batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (null: use epochs)")
+    epochs: float | None = Field(1, gt=0, description="Stop after this many epochs when max_steps is null")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 on recent GPUs, fp16 on older GPUs, fp32 on CPU")
+    eval_every_steps: int | None = Field(200, ge=1, description="Validate every N optimizer steps (and always at the end)")
+    log_every_steps: int = Field(20, ge=1, description="Log, report and write metrics.jsonl every N optimizer steps")
+    deterministic: bool = Field(False, description="Use deterministic algorithms (bitwise repeatable on CPU)")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
+
+    @model_validator(mode="after")
+    def _has_stop(self) -> "TrainSection":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("train.max_steps and train.epochs are both null; set one, e.g. train.max_steps=1000")
+        return self
+
+
+class ScalingSection(Section):
+    num_workers: int | Literal["auto"] = Field(2, description="Training workers (auto: one per GPU, or one per node on CPU)")
+    use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (Ray Data needs CPUs left over)")
+    max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
+
+    @field_validator("num_workers")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be at least 1 (or auto); use e.g. scaling.num_workers=2")
+        return v
+
+
+class CheckpointSection(Section):
+    every_steps: int | None = Field(200, ge=1, description="Checkpoint every N optimizer steps (and always at the end)")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept on storage")
+
+
+class TrackingSection(Section):
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
+    experiment: str = Field("stride", description="MLflow experiment name")
+
+
+class Config(Section):
+    run: RunSection = RunSection()
+    data: DataSection = DataSection()
+    model: ModelSection = ModelSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    scaling: ScalingSection = ScalingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    tracking: TrackingSection = TrackingSection()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.storage_path).expanduser().resolve() / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+SECTIONS: dict[str, type[Section]] = {name: f.annotation for name, f in Config.model_fields.items()}
+
+
+def _closest(word: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean {match[0]}?" if match else f"valid: {', '.join(options)}"
+
+
+def _check_keys(raw: dict[str, Any], origin: str) -> None:
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section '{section}'; {_closest(section, list(SECTIONS))}")
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {body!r}")
+        fields = list(SECTIONS[section].model_fields)
+        for key in body:
+            if key not in fields:
+                raise ConfigError(f"{origin}: unknown key '{section}.{key}'; {_closest(key, fields)}")
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`section.field=value` -> (section, field, YAML-parsed value)."""
+    key, sep, text = item.partition("=")
+    section, dot, field = key.strip().partition(".")
+    if not sep or not dot or not field:
+        raise ConfigError(f"override '{item}' must look like section.field=value, e.g. train.max_steps=100")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return section, field, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], origin: str = "command line") -> dict[str, Any]:
+    merged = {k: dict(v or {}) for k, v in raw.items()}
+    for item in overrides:
+        section, field, value = parse_override(item)
+        _check_keys({section: {field: value}}, origin)
+        merged.setdefault(section, {})[field] = value
+    return merged
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config ({path}) does not exist; pass a YAML file such as trainers/configs/char_gpt.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config ({path}) is not valid YAML{where}: {getattr(e, 'problem', e)}; fix the syntax") from None
+    if raw is None:
+        raise ConfigError(f"--config ({path}) is empty; it needs at least the sections you change, e.g. 'model: {{name: mlp}}'")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config ({path}) must be a mapping of sections, got a {type(raw).__name__}")
+    return raw
+
+
+def build_config(raw: dict[str, Any], origin: str = "config") -> Config:
+    _check_keys(raw, origin)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, raw)) from None
+
+
+def describe_validation_error(e: ValidationError, raw: dict[str, Any]) -> str:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if not str(p).isdigit()]
+    # pydantic reports the failing member of a union ("int", "literal['auto']"): keep section.field only.
+    loc = loc[:2]
+    key = ".".join(loc)
+    value: Any = raw
+    for part in loc:
+        value = value.get(part) if isinstance(value, dict) else None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("literal_error",):
+        msg = msg.replace("Input should be", "must be one of")
+    elif msg.startswith("Input should be"):
+        msg = "must be " + msg.removeprefix("Input should be ")
+    if not key:
+        return f"config: {msg}"
+    if key in msg:
+        return msg
+    field = SECTIONS[loc[0]].model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
+    hint = f" ({field.description})" if field is not None and field.description else ""
+    return f"{key} ({value!r}) {msg}; set {key}=<value>{hint}"
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    raw = read_yaml(path) if path is not None else {}
+    _check_keys(raw, str(path))
+    return build_config(apply_overrides(raw, list(overrides)), origin=str(path or "config"))
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+    """Workers rebuild the driver's resolved config from its dict."""
+    return Config.model_validate(d)
+
+
+# ---- derived values: functions of the config, never stored back into it ----
+
+def global_batch_size(cfg: Config, world_size: int) -> int:
+    return cfg.train.batch_size_per_worker * world_size * cfg.train.grad_accum_steps
+
+
+def scaled_lr(cfg: Config, world_size: int) -> float:
+    ratio = global_batch_size(cfg, world_size) / cfg.optim.reference_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.optim.lr_scaling]
+    return cfg.optim.lr * factor
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,362 @@
+"""The per-worker training loop.
+
+`train_loop_per_worker(config)` is what Ray Train runs on every worker; `run()` is the loop itself and only
+talks to the outside world through a `WorkerEnv` (rank, device, data, checkpoints, reports). trainers/torchrun.py
+builds the same `WorkerEnv` from torch.distributed, so the loop runs unchanged under `torchrun`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from datasets.order import Order, eval_rows
+from datasets.parquet import Arrays, DataError, DataSpec, table_to_arrays
+from trainers import checkpointing
+from trainers.config import Config, from_dict, global_batch_size
+from trainers.step import (Precision, build_model, build_optimizer, build_scheduler, evaluate, resolve_precision,
+                           train_step, all_reduce_mean)
+
+log = logging.getLogger("stride")
+
+
+@dataclass
+class WorkerEnv:
+    """Everything the loop needs from its runtime (Ray Train or torchrun)."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    load_split: Callable[[str, DataSpec], Arrays]
+    wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
+    latest_checkpoint: Callable[[], Path | None]
+    # report(metrics, checkpoint_folder_or_None): every rank calls it the same number of times.
+    report: Callable[[dict[str, Any], Path | None], None]
+    progress_bar: Callable[..., Any] | None = None
+
+
+def setup_logging(world_rank: int) -> None:
+    """Rank 0 logs at INFO, the others at WARNING; Stride's own handler, so other libraries stay as they are."""
+    log.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[stride rank {world_rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO if world_rank == 0 else logging.WARNING)
+
+
+def _to_batch(arrays: Arrays, rows: np.ndarray, cfg: Config, device: torch.device, stats) -> tuple[torch.Tensor, torch.Tensor]:
+    x = arrays.x[rows]
+    if cfg.model.name == "char_gpt":
+        t = torch.from_numpy(x[:, : cfg.model.context + 1].astype(np.int64))
+        inputs, targets = t[:, :-1], t[:, 1:]
+    else:
+        if stats is not None:
+            x = (x - stats[0]) / stats[1]
+        inputs, targets = torch.from_numpy(x), torch.from_numpy(arrays.y[rows])
+    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+def standardization(arrays: Arrays, cfg: Config):
+    """Mean/std of the training features; constant columns get std 1 so they map to 0, never NaN or inf."""
+    if cfg.model.name != "mlp" or not cfg.data.standardize:
+        return None
+    x = arrays.x.astype(np.float64)
+    mean = np.nanmean(x, axis=0)
+    std = np.nanstd(x, axis=0)
+    std[~np.isfinite(std) | (std < 1e-12)] = 1.0
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+def handle_nan(arrays: Arrays, cfg: Config, split: str, fill: np.ndarray | None) -> None:
+    if cfg.model.name != "mlp":
+        return
+    bad = np.isnan(arrays.x)
+    if not bad.any():
+        return
+    if cfg.data.nan_policy == "error":
+        raise DataError(f"data.{split}_path has {int(bad.sum())} NaN feature values; clean the data or set data.nan_policy=impute")
+    col_fill = fill if fill is not None else np.nan_to_num(np.nanmean(arrays.x, axis=0))
+    arrays.x[bad] = np.take(col_fill, np.nonzero(bad)[1])
+
+
+def total_steps(cfg: Config, order: Order) -> int:
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.epochs * order.micro_steps_per_epoch / cfg.train.grad_accum_steps))
+
+
+class MetricsFile:
+    """metrics.jsonl, written by rank 0. On resume, lines past the checkpoint's step are dropped so the
+    file continues exactly from the checkpointed step."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            checkpointing.atomic_write_text(path, "")
+        elif path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            checkpointing.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
+    """Train; returns rank 0's summary fields (the driver writes summary.json from them)."""
+    rank0 = env.world_rank == 0
+    setup_logging(env.world_rank)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if env.device.type == "cpu":
+        torch.set_num_threads(cfg.train.num_threads or max(1, int(runtime.get("cpus_per_worker", 1))))
+
+    # ---- data: every worker holds the split in memory; the order is a function of (seed, epoch) ----
+    t0 = time.perf_counter()
+    train_spec: DataSpec = runtime["train_spec"]
+    train = env.load_split("train", train_spec)
+    val = env.load_split("val", runtime["val_spec"]) if runtime.get("val_spec") else None
+    stats = standardization(train, cfg)
+    handle_nan(train, cfg, "train", None)
+    if val is not None:
+        handle_nan(val, cfg, "val", None if stats is None else stats[0])
+    B, W, A = cfg.train.batch_size_per_worker, env.world_size, cfg.train.grad_accum_steps
+    order = Order(len(train), cfg.run.seed, B * W)
+    if order.micro_steps_per_epoch == 0:
+        raise DataError(f"train.batch_size_per_worker ({B}) x {W} workers exceeds the {len(train)} training rows; "
+                        f"use a smaller train.batch_size_per_worker")
+    steps = total_steps(cfg, order)
+    log.info("data: %d train rows, %s val rows, loaded in %.1fs; global batch %d = %d per worker x %d workers x %d "
+             "accumulation; %d rows dropped per epoch", len(train), len(val) if val is not None else 0,
+             time.perf_counter() - t0, global_batch_size(cfg, W), B, W, A, order.rows_dropped_per_epoch)
+
+    # ---- model: identical init on every rank, per-rank RNG for dropout ----
+    torch.manual_seed(cfg.run.seed)
+    in_features = train.x.shape[1] if cfg.model.name == "mlp" else None
+    model = build_model(cfg, in_features, runtime.get("num_classes")).to(env.device)
+    precision_name = resolve_precision(cfg.train.precision, env.device)
+    if precision_name == "bf16" and env.device.type == "cpu" and rank0:
+        log.warning("train.precision=bf16 on CPU runs as asked but is far slower than fp32 on most CPUs")
+    precision = Precision.create(precision_name, env.device)
+    optimizer = build_optimizer(cfg, model, W)
+    scheduler = build_scheduler(cfg, optimizer, steps)
+    scaler = precision.grad_scaler()
+
+    # ---- restore ----
+    step, micro_step, samples_seen, restarts, mlflow_run_id = 0, 0, 0, 0, None
+    ckpt_dir = env.latest_checkpoint()
+    if ckpt_dir is not None:
+        state, meta = checkpointing.load(ckpt_dir)
+        mismatch = checkpointing.shape_mismatch(model.state_dict(), state["model"])
+        if mismatch:
+            raise DataError(f"checkpoint {ckpt_dir} does not fit model (the {mismatch}); use a new run.name "
+                            f"or the model settings it was trained with")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        step, samples_seen = meta["step"], meta["samples_seen"]
+        # The data position is (epoch, samples into the epoch): valid for any world size with the same
+        # global micro-batch (elastic resume), translated into this run's micro-step counter.
+        epoch, offset = meta["epoch"], meta["epoch_offset_samples"]
+        if offset % order.global_micro_batch:
+            raise DataError(f"checkpoint position ({offset} samples into epoch {epoch}) is not a multiple of the "
+                            f"global micro-batch {order.global_micro_batch}; resume with the same "
+                            f"train.batch_size_per_worker x num_workers as before")
+        micro_step = epoch * order.micro_steps_per_epoch + offset // order.global_micro_batch
+        restarts = meta.get("restarts", 0) + 1
+        mlflow_run_id = meta.get("mlflow_run_id")
+        rngs = state.get("rng_per_rank") or []
+        if len(rngs) == W:
+            checkpointing.set_rng_state(rngs[env.world_rank])
+        else:
+            torch.manual_seed(cfg.run.seed + env.world_rank + 7919 * restarts)
+        log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, step, epoch, offset, restarts)
+    else:
+        torch.manual_seed(cfg.run.seed + env.world_rank)
+    model = env.wrap_model(model)
+    raw_model = getattr(model, "module", model)
+
+    # ---- rank-0 duties: metrics file, MLflow, progress ----
+    run_dir = Path(runtime["run_dir"])
+    metrics_file = MetricsFile(run_dir / "metrics.jsonl", step if ckpt_dir is not None else None) if rank0 else None
+    tracker = None
+    if rank0 and runtime.get("mlflow_uri"):
+        from trainers.tracking import Tracker
+
+        tracker = Tracker(runtime["mlflow_uri"], cfg.tracking.experiment, cfg.run.storage_path)
+        mlflow_run_id = tracker.start(cfg.run.name, mlflow_run_id, cfg.to_dict(), runtime.get("mlflow_parent_run_id"))
+    bar = env.progress_bar(total=steps, initial=step, desc=cfg.run.name) if rank0 and env.progress_bar else None
+
+    def batches_for_eval():
+        rows = eval_rows(len(val), env.world_rank, W)
+        eb = max(B, 64)
+        for i in range(0, len(rows), eb):
+            yield _to_batch(val, rows[i:i + eb], cfg, env.device, stats)
+
+    def run_eval() -> dict[str, Any]:
+        return evaluate(model, precision, batches_for_eval(), cfg.model.name == "char_gpt", env.device) if val is not None else {}
+
+    def save_checkpoint(metrics: dict[str, Any]) -> Path | None:
+        epoch, in_epoch = order.position(micro_step)
+        # Every rank's RNG state goes into the checkpoint so dropout continues exactly after a resume.
+        rngs = [None] * W
+        if W > 1:
+            torch.distributed.all_gather_object(rngs, checkpointing.rng_state())
+        else:
+            rngs = [checkpointing.rng_state()]
+        if not rank0:
+            return None
+        folder = Path(tempfile.mkdtemp(prefix="stride-ckpt-"))
+        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "scaler": scaler.state_dict(), "rng_per_rank": rngs}
+        meta = {"step": step, "epoch": epoch, "epoch_offset_samples": in_epoch * order.global_micro_batch,
+                "samples_seen": samples_seen, "restarts": restarts, "mlflow_run_id": mlflow_run_id,
+                "world_size": W, "model": cfg.model.name, "initial_val_loss": initial_val, "metrics": metrics}
+        return checkpointing.save(folder, state, meta)
+
+    initial_val = None
+    if ckpt_dir is not None:
+        initial_val = meta.get("initial_val_loss")
+    if initial_val is None and val is not None:
+        initial_val = run_eval()["val_loss"]
+        log.info("untrained val_loss %.4f", initial_val)
+
+    # ---- the loop ----
+    model.train()
+    last_log_t, last_log_samples = time.perf_counter(), samples_seen
+    train_start = time.perf_counter()
+    start_step = step
+    last_metrics: dict[str, Any] = {}
+    last_val: dict[str, Any] = {}
+    while step < steps:
+        micro = []
+        for _ in range(A):
+            micro.append(_to_batch(train, order.rows(micro_step, env.world_rank, W), cfg, env.device, stats))
+            micro_step += 1
+        result = train_step(model, optimizer, scaler, precision, micro, cfg.optim.grad_clip_norm)
+        scheduler.step()
+        step += 1
+        samples_seen += B * W * A
+        if bar is not None:
+            bar.update(1)
+
+        is_last = step == steps
+        is_log = step % cfg.train.log_every_steps == 0 or is_last
+        is_eval = val is not None and ((cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or is_last)
+        is_ckpt = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or is_last
+        if not (is_log or is_eval or is_ckpt):
+            continue
+        epoch = order.position(micro_step)[0]
+        metrics: dict[str, Any] = {"step": step, "epoch": epoch, "samples_seen": samples_seen}
+        if is_log:
+            now = time.perf_counter()
+            loss = all_reduce_mean(result.loss, env.device)  # reduced across ranks only on log steps
+            sps = (samples_seen - last_log_samples) / max(now - last_log_t, 1e-9)
+            last_log_t, last_log_samples = now, samples_seen
+            metrics.update(train_loss=loss, lr=scheduler.get_last_lr()[0], samples_per_second=sps)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"train_loss is {loss} at step {step}; lower optim.lr or use train.precision=fp32")
+            if rank0:
+                metrics_file.write({k: metrics[k] for k in ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second")})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
+                else:
+                    eta = (steps - step) * (now - train_start) / max(step - start_step, 1)
+                    log.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f samples/s eta %.0fs",
+                             step, steps, epoch, loss, metrics["lr"], sps, eta)
+            last_metrics = metrics
+        if is_eval:
+            last_val = run_eval()
+            metrics.update(last_val)
+            if rank0:
+                metrics_file.write({"step": step, "val_loss": last_val["val_loss"], "val_accuracy": last_val["val_accuracy"]})
+                log.info("step %d val_loss %.4f%s", step, last_val["val_loss"],
+                         f" val_accuracy {last_val['val_accuracy']:.4f}" if last_val["val_accuracy"] is not None else "")
+        if tracker is not None:
+            tracker.log_metrics({k: v for k, v in metrics.items() if k not in ("step",)}, step)
+        folder = save_checkpoint(metrics) if is_ckpt else None
+        env.report({k: v for k, v in metrics.items() if v is not None}, folder)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # the runtime has persisted its own copy
+
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - train_start
+    summary = {
+        "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
+        "samples_seen": samples_seen, "rows_dropped": order.rows_dropped_per_epoch,
+        "train_loss": last_metrics.get("train_loss"), "val_loss": last_val.get("val_loss"),
+        "initial_val_loss": initial_val, "val_accuracy": last_val.get("val_accuracy"),
+        "val_bpb": last_val.get("val_bpb"),
+        "samples_per_second": (step - start_step) * B * W * A / max(wall, 1e-9) if step > start_step else None,
+        "train_wall_s": wall, "mlflow_run_id": mlflow_run_id, "restarts": restarts, "precision": precision_name,
+    }
+    if tracker is not None:
+        tracker.finish()
+    return summary if rank0 else {}
+
+
+# ---- Ray Train edge ----
+
+def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """Entry point Ray Train runs on each worker: builds the Ray `WorkerEnv`, then `run()`."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    cfg = from_dict(config["cfg"])
+    runtime = config["runtime"]
+
+    def load_split(name: str, spec: DataSpec) -> Arrays:
+        import pyarrow as pa
+
+        shard = ray.train.get_dataset_shard(name)
+        batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
+        table = pa.concat_tables(batches) if batches else None
+        if table is None:
+            raise DataError(f"data.{name}_path produced no rows through Ray Data")
+        return table_to_arrays(table, spec)
+
+    def latest_checkpoint() -> Path | None:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        # A local copy: the checkpoint may live on shared or remote storage.
+        local = Path(tempfile.mkdtemp(prefix="stride-restore-"))
+        return Path(ckpt.to_directory(str(local)))
+
+    def report(metrics: dict[str, Any], folder: Path | None) -> None:
+        checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if folder is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+    def progress_bar(**kwargs):
+        from ray.experimental.tqdm_ray import tqdm
+
+        return tqdm(**kwargs)
+
+    env = WorkerEnv(
+        world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
+        device=ray.train.torch.get_device(), load_split=load_split,
+        wrap_model=lambda m: ray.train.torch.prepare_model(m) if ctx.get_world_size() > 1 else m,
+        latest_checkpoint=latest_checkpoint, report=report,
+        progress_bar=progress_bar if runtime.get("progress_bar") else None,
+    )
+    return run(cfg, env, runtime)

@@ -1,0 +1,288 @@
+"""Stride's training driver: one command for a laptop, a Ray cluster or SLURM.
+
+    python trainers/main.py --config trainers/configs/char_gpt.yaml [section.field=value ...]
+    python trainers/main.py --config trainers/configs/tabular_mlp.yaml scaling.num_workers=2 train.max_steps=300
+    python trainers/main.py --config trainers/configs/char_gpt.yaml --print-config
+
+On a cluster (RAY_ADDRESS set, or inside `ray job submit`) it joins that cluster; otherwise it starts an
+embedded local Ray with token authentication and the dashboard on 127.0.0.1.
+
+    RAY_AUTH_TOKEN_PATH=... ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python trainers/main.py --config trainers/configs/char_gpt.yaml
+
+Exit codes: 0 success; 2 a problem you can fix (config, data, resources; one line on stderr); 1 training failed.
+Results: <run.storage_path>/<run.name>/{summary.json, metrics.jsonl, checkpoint_*}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+# Run as a script from anywhere (`python trainers/main.py`, or a Ray job's working dir without Stride
+# installed): make the repo root importable and keep trainers/ itself off the path.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from datasets.parquet import DataError, inspect  # noqa: E402
+from trainers.config import SECTIONS, Config, ConfigError, load_config, to_yaml  # noqa: E402
+from trainers.checkpointing import atomic_write_text  # noqa: E402
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """One line for the user; exit 2."""
+
+
+def parse_args(argv: list[str] | None):
+    sections = "\n".join(f"  {name:<11} {', '.join(cls.model_fields)}" for name, cls in SECTIONS.items())
+    ap = argparse.ArgumentParser(
+        prog="python trainers/main.py",
+        description="Train a model with Stride (Ray Train + Ray Data).",
+        epilog=f"Overrides are section.field=value (values parsed as YAML). Sections and fields:\n{sections}\n\n"
+               "Full table with descriptions: README.md, 'Configuration'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=False, help="YAML config (e.g. trainers/configs/char_gpt.yaml)")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    ap.add_argument("overrides", nargs="*", metavar="section.field=value")
+    return ap.parse_args(argv)
+
+
+def check_storage(cfg: Config) -> Path:
+    run_dir = cfg.run_dir
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is not writable ({e.strerror}); "
+                         f"set run.storage_path=<a folder you can write>") from None
+    return run_dir
+
+
+# ---- Ray: connect or start, and check that the job can ever be scheduled ----
+
+def _auth_env_for_embedded() -> None:
+    """Token auth for the embedded cluster without Ray's world-readable ~/.ray/auth_token: a fresh token
+    in a private 0600 file that lives as long as this process."""
+    import secrets
+    import tempfile
+
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        return
+    folder = tempfile.mkdtemp(prefix="stride-auth-")
+    path = Path(folder) / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+
+
+def quiet_ray_env() -> None:
+    # The controller polls workers every 2 s by default, which makes every ray.train.report() slow.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def init_ray(cfg: Config) -> bool:
+    """Connect to RAY_ADDRESS or start an embedded local Ray. Returns True when embedded."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        _auth_env_for_embedded()
+    import ray
+    from ray._raylet import Config as RayletConfig
+
+    RayletConfig.initialize("")  # re-read RAY_AUTH_MODE in case ray was imported before it was set
+    env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                                           "RAY_TRAIN_ENABLE_PRINT_PATCH") if k in os.environ}
+    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+    runtime_env = None if in_job else {"env_vars": dict(env_vars, PYTHONPATH=str(REPO_ROOT))}
+    logging_config = ray.LoggingConfig(log_level="WARNING")
+    if address:
+        try:
+            ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config, log_to_driver=True)
+        except Exception as e:  # noqa: BLE001 - turn connection problems into one line
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "auth" in text.lower() or "token" in text.lower() or "Unauthenticated" in text:
+                raise UsageError(f"RAY_ADDRESS ({address}) refused the connection ({text[:160]}); set RAY_AUTH_TOKEN_PATH "
+                                 f"to the cluster's token file (and RAY_AUTH_MODE=token)") from None
+            raise UsageError(f"RAY_ADDRESS ({address}) is not reachable ({text[:160]}); start the cluster "
+                             f"(python -m ray_cluster.local start) or unset RAY_ADDRESS to train on an embedded local Ray") from None
+        return False
+    cores = os.cpu_count() or 1
+    want = cfg.scaling.num_workers if isinstance(cfg.scaling.num_workers, int) else 1
+    # The embedded cluster is sized to the job (logical CPUs may exceed the cores, as torchrun would run them).
+    num_cpus = max(cores, math.ceil(want * cfg.scaling.cpus_per_worker))
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
+             logging_config=logging_config, configure_logging=True)
+    return True
+
+
+def resolve_scaling(cfg: Config) -> tuple[int, bool, dict]:
+    """num_workers/use_gpu 'auto' -> numbers, checked against what the cluster has. Raises UsageError."""
+    import ray
+
+    total = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    use_gpu = cfg.scaling.use_gpu if cfg.scaling.use_gpu != "auto" else gpus > 0
+    if cfg.scaling.num_workers == "auto":
+        num_workers = int(gpus) if use_gpu else max(1, len(nodes))
+    else:
+        num_workers = cfg.scaling.num_workers
+    need_cpu = num_workers * cfg.scaling.cpus_per_worker
+    if use_gpu and gpus < num_workers:
+        raise UsageError(f"scaling.num_workers ({num_workers}) with scaling.use_gpu=true needs {num_workers} GPUs but the "
+                         f"cluster has {gpus:g}; use scaling.num_workers={int(gpus)} or scaling.use_gpu=false"
+                         if gpus else f"scaling.use_gpu (true) needs GPUs but the cluster has none; "
+                         f"set scaling.use_gpu=false (or auto)")
+    biggest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
+    if cfg.scaling.cpus_per_worker > biggest:
+        raise UsageError(f"scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) exceeds the largest node's "
+                         f"{biggest:g} CPUs; use scaling.cpus_per_worker={biggest:g} or less")
+    if need_cpu > cpus + 1e-9:
+        fit = cpus / num_workers
+        raise UsageError(f"scaling.num_workers ({num_workers}) x scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) "
+                         f"= {need_cpu:g} CPUs exceeds the cluster's {cpus:g} CPUs; use "
+                         + (f"scaling.cpus_per_worker={fit:.2g}" if fit >= 0.1 else f"scaling.num_workers={max(1, int(cpus))}")
+                         + " or a bigger cluster")
+    return num_workers, bool(use_gpu), {"CPU": cpus, "GPU": gpus, "nodes": len(nodes)}
+
+
+def check_multinode_paths(cfg: Config, nodes: int) -> None:
+    if nodes <= 1:
+        return
+    for key in ("train_path", "val_path"):
+        p = getattr(cfg.data, key)
+        if p and "://" not in p and not os.environ.get("STRIDE_SHARED_FS"):
+            # A local path is only safe on a shared filesystem; say so instead of failing on a remote node.
+            raise UsageError(f"data.{key} ({p}) is a local path but the cluster has {nodes} nodes; put the data on "
+                             f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
+
+
+def fit(cfg: Config, run_dir: Path, specs: dict, progress_bar: bool) -> tuple[int, dict]:
+    import ray
+    import ray.data
+    import ray.train
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainers.loop import train_loop_per_worker
+    from trainers.tracking import default_uri
+
+    num_workers, use_gpu, resources = resolve_scaling(cfg)
+    check_multinode_paths(cfg, resources["nodes"])
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    # Read the Parquet shards in parallel Ray Data tasks *before* the worker gang reserves its CPUs: the reads
+    # can then never starve behind the gang (a Parquet read waiting forever for a CPU), and the blocks are read
+    # once, not once per worker. Workers stream the blocks from the object store via get_dataset_shard.
+    t0 = time.perf_counter()
+    datasets = {split: ray.data.read_parquet(list(spec.files)).select_columns(list(spec.columns)).materialize()
+                for split, spec in specs.items()}
+    print(f"stride: read {', '.join(f'{k} {v.num_rows} rows' for k, v in specs.items())} with Ray Data in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    exec_options = ray.data.ExecutionOptions(preserve_order=True)
+    runtime = {
+        "run_dir": str(run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
+        "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
+        "mlflow_uri": cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path),
+        "progress_bar": progress_bar,
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.to_dict(), "runtime": runtime},
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        run_config=RunConfig(name=cfg.run.name, storage_path=str(run_dir.parent),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures)),
+        datasets=datasets,
+        # Each worker streams the whole split once into memory; the sample order comes from datasets/order.py.
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=exec_options),
+    )
+    print(f"stride: training {cfg.run.name} on {num_workers} {'GPU' if use_gpu else 'CPU'} worker(s); "
+          f"cluster {resources['CPU']:g} CPUs, {resources['GPU']:g} GPUs, {resources['nodes']} node(s)", flush=True)
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        return EXIT_FAILED, {"status": "failed", "error": _error_line(e), "world_size": num_workers}
+    summary = dict(result.return_value or {}, status="completed")
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    if summary.get("mlflow_run_id") and summary["checkpoint"]:
+        from trainers.tracking import Tracker
+
+        tracker = Tracker(runtime["mlflow_uri"], cfg.tracking.experiment, cfg.run.storage_path)
+        tracker.run_id = summary["mlflow_run_id"]
+        tracker.set_tag("final_checkpoint", summary["checkpoint"])
+    return EXIT_OK, summary
+
+
+def _error_line(e: BaseException) -> str:
+    text = str(e)
+    # Ray wraps the worker's exception; keep its last line ("ValueError: ...").
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    try:
+        if args.config is None and not args.overrides:
+            raise UsageError("--config is required; e.g. --config trainers/configs/char_gpt.yaml")
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return EXIT_OK
+        run_dir = check_storage(cfg)
+        specs = {"train": inspect(cfg.data, cfg.model, "train")}
+        if cfg.data.val_path:
+            specs["val"] = inspect(cfg.data, cfg.model, "val")
+        quiet_ray_env()
+        embedded = init_ray(cfg)
+        code, summary = fit(cfg, run_dir, specs, progress_bar=sys.stdout.isatty())
+    except (ConfigError, DataError, UsageError) as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    summary.update(wall_s=time.time() - t_start, config=cfg.to_dict())
+    summary.setdefault("restarts", 0)
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    report_paths(cfg, run_dir, summary, embedded)
+    return code
+
+
+def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> None:
+    from trainers.tracking import default_uri
+
+    uri = cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path)
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "
+          f"val_loss {fmt(summary.get('val_loss'))} (untrained {fmt(summary.get('initial_val_loss'))})"
+          + (f" val_accuracy {fmt(summary.get('val_accuracy'))}" if summary.get("val_accuracy") is not None else ""))
+    if summary.get("error"):
+        print(f"stride: error: {summary['error']}", file=sys.stderr)
+    print(f"stride: summary     {run_dir / 'summary.json'}")
+    print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
+    print(f"stride: checkpoint  {summary.get('checkpoint')}")
+    print(f"stride: mlflow      run {summary.get('mlflow_run_id')} in {uri}  (view: mlflow ui --backend-store-uri {uri})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The training step, evaluation, precision, optimizer and schedule: plain PyTorch, no Ray.
+
+The same functions run under Ray Train (trainers/loop.py) and under `torchrun` (trainers/torchrun.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainers.config import Config, scaled_lr
+from trainers.models import MLP, CharGPT
+
+
+# ---- precision ----
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """`auto` -> bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU (bf16 there is ~20x slower)."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+@dataclass(frozen=True)
+class Precision:
+    device_type: str
+    dtype: torch.dtype | None
+
+    @classmethod
+    def create(cls, name: str, device: torch.device) -> "Precision":
+        return cls(device.type, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name])
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        # Dynamic loss scaling only for fp16; disabled it is a no-op pass-through.
+        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
+
+
+# ---- model, optimizer, schedule ----
+
+def build_model(cfg: Config, in_features: int | None = None, num_classes: int | None = None) -> nn.Module:
+    m = cfg.model
+    if m.name == "char_gpt":
+        return CharGPT(m.vocab_size, m.context, m.n_layers, m.n_heads, m.width, m.dropout)
+    assert in_features is not None and num_classes is not None, "mlp needs the data's shape"
+    return MLP(in_features, list(m.hidden_sizes), m.num_classes or num_classes, m.dropout)
+
+
+def build_optimizer(cfg: Config, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    o = cfg.optim
+    lr = scaled_lr(cfg, world_size)
+    # No weight decay on biases, norms and embeddings' 1-d parameters (the usual GPT recipe).
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step`: linear warm-up, then cosine to min_lr_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    o = cfg.optim
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, o.warmup_steps, total_steps, o.min_lr_ratio))
+
+
+# ---- one optimizer step ----
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean loss and the logits."""
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)), logits
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over micro-steps, this rank
+    grad_norm: float | None
+    finite: bool
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               precision: Precision, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+               grad_clip_norm: float | None) -> StepResult:
+    """Accumulate gradients over `micro_batches`, then one optimizer step.
+
+    The all-reduce runs only on the last micro-step (`no_sync` on the others); each micro-loss is divided by
+    the number of micro-steps so the accumulated gradient equals that of one batch of the combined size.
+    Gradients are unscaled before clipping so the clip threshold is in true units under fp16.
+    """
+    n = len(micro_batches)
+    total = torch.zeros((), dtype=torch.float32)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = i == n - 1
+        ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        with ctx:
+            with precision.autocast():
+                loss, _ = loss_fn(model, x, y)
+            scaler.scale(loss / n).backward()
+        total += loss.detach().float().cpu()
+    grad_norm = None
+    if grad_clip_norm is not None:
+        scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm))
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    mean = float(total) / n
+    # Under fp16 the scaler skips steps with inf/NaN gradients and lowers the scale: that counts as not finite.
+    finite = math.isfinite(mean) and (scale_before is None or scaler.get_scale() >= scale_before)
+    return StepResult(mean, grad_norm, finite)
+
+
+# ---- evaluation, reduced across ranks ----
+
+@torch.no_grad()
+def evaluate(model: nn.Module, precision: Precision, batches, text: bool, device: torch.device) -> dict[str, float]:
+    """Loss (and accuracy for classification, bits per byte for text) over this rank's rows, then summed
+    across ranks so every rank returns the global value over the whole split."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for x, y in batches:
+        with precision.autocast():
+            logits = model(x)
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        target = y.reshape(-1)
+        sums[0] += F.cross_entropy(logits, target, reduction="sum").double().cpu()
+        sums[1] += (logits.argmax(-1) == target).sum().double().cpu()
+        sums[2] += target.numel()
+    if was_training:
+        model.train()
+    sums = all_reduce_sum(sums, device)
+    loss = float(sums[0] / max(sums[2], 1))
+    out = {"val_loss": loss}
+    if text:
+        out["val_bpb"] = loss / math.log(2)
+        out["val_accuracy"] = None
+    else:
+        out["val_accuracy"] = float(sums[1] / max(sums[2], 1))
+    return out
+
+
+def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # NCCL needs CUDA tensors; gloo takes CPU tensors. float64 survives the round trip exactly enough.
+        buf = t.to(device) if device.type == "cuda" else t.clone()
+        dist.all_reduce(buf)
+        return buf.cpu()
+    return t
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64), device)[0]) / world

@@ -1,0 +1,114 @@
+"""Run Stride's loop without Ray, under torchrun: the same step, eval and checkpoint code as on Ray Train.
+
+    torchrun --nproc-per-node 2 trainers/torchrun.py --config trainers/configs/char_gpt.yaml [section.field=value ...]
+
+Used for A/B benchmarks against Ray Train and on machines without Ray. Data are read with pyarrow;
+checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run name resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from datasets.parquet import DataError, inspect, read_local, table_to_arrays  # noqa: E402
+from trainers import checkpointing  # noqa: E402
+from trainers.config import ConfigError, load_config  # noqa: E402
+from trainers.loop import WorkerEnv, run  # noqa: E402
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    found = sorted(p for p in run_dir.glob("checkpoint_*") if (p / checkpointing.META).exists())
+    return sorted(found, key=lambda p: checkpointing.read_meta(p)["step"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="torchrun ... trainers/torchrun.py")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        specs = {"train": inspect(cfg.data, cfg.model, "train")}
+        if cfg.data.val_path:
+            specs["val"] = inspect(cfg.data, cfg.model, "val")
+    except (ConfigError, DataError) as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return 2
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and cfg.scaling.use_gpu is not False
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def wrap_model(m: torch.nn.Module) -> torch.nn.Module:
+        if world_size == 1:
+            return m
+        return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None)
+
+    def report(metrics: dict, folder: Path | None) -> None:
+        # Rank 0 publishes the checkpoint under the run folder (rename = atomic), then prunes old ones.
+        if folder is not None and rank == 0:
+            dest = run_dir / f"checkpoint_{metrics['step']:08d}"
+            if dest.exists():
+                shutil.rmtree(dest)
+            shutil.copytree(folder, dest.with_name(dest.name + ".tmp"))
+            os.replace(dest.with_name(dest.name + ".tmp"), dest)
+            for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        if world_size > 1:
+            dist.barrier()
+
+    def latest_checkpoint() -> Path | None:
+        ckpts = complete_checkpoints(run_dir)
+        return ckpts[-1] if ckpts else None
+
+    def progress_bar(**kwargs):
+        from tqdm import tqdm
+
+        return tqdm(**kwargs)
+
+    env = WorkerEnv(rank, world_size, local_rank, device,
+                    load_split=lambda name, spec: table_to_arrays(read_local(spec), spec),
+                    wrap_model=wrap_model, latest_checkpoint=latest_checkpoint, report=report,
+                    progress_bar=progress_bar if sys.stdout.isatty() else None)
+    runtime = {"run_dir": str(run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
+               "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
+               "mlflow_uri": cfg.tracking.mlflow_uri}
+    t0 = time.time()
+    summary = run(cfg, env, runtime)
+    if rank == 0:
+        ckpts = complete_checkpoints(run_dir)
+        summary.update(status="completed", wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
+                       config=cfg.to_dict(), runtime="torchrun")
+        checkpointing.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

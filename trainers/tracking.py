@@ -1,0 +1,107 @@
+"""MLflow on rank 0: one MLflow run per training run, continued (never duplicated) on resume.
+
+When the tracking server cannot be reached the run trains anyway and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stride")
+
+
+def default_uri(storage_path: str | os.PathLike) -> str:
+    return f"sqlite:///{Path(storage_path).expanduser().resolve() / 'mlflow.db'}"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class Tracker:
+    """Thin wrapper over the MLflow client; every method is a no-op once the server proved unreachable."""
+
+    def __init__(self, uri: str, experiment: str, storage_path: str):
+        # Fail fast on an unreachable server instead of MLflow's default minutes of retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.uri, self.experiment, self.storage_path = uri, experiment, storage_path
+        self.client = MlflowClient(tracking_uri=uri)
+        self._mlflow = mlflow
+        self.run_id: str | None = None
+        self.enabled = True
+
+    def _guard(self, what: str, fn, *args, **kwargs):
+        if not self.enabled:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - tracking must never kill training
+            self.enabled = False
+            log.warning("MLflow at %s failed while %s (%s); training continues without MLflow",
+                        self.uri, what, str(e).splitlines()[0][:200])
+            return None
+
+    def start(self, run_name: str, run_id: str | None, params: dict[str, Any], parent_run_id: str | None = None) -> str | None:
+        def _start():
+            if run_id:
+                self.client.update_run(run_id, status="RUNNING")
+                return run_id
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None:
+                artifacts = None
+                if not self.uri.startswith(("http://", "https://", "databricks")):
+                    artifacts = (Path(self.storage_path).expanduser().resolve() / "mlartifacts").as_uri()
+                exp_id = self.client.create_experiment(self.experiment, artifact_location=artifacts)
+            else:
+                exp_id = exp.experiment_id
+            tags = {"mlflow.runName": run_name}
+            if parent_run_id:
+                tags["mlflow.parentRunId"] = parent_run_id
+            run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
+            from mlflow.entities import Param
+
+            flat = flatten(params)
+            batch = [Param(k, str(v)[:6000]) for k, v in flat.items()]
+            for i in range(0, len(batch), 100):
+                self.client.log_batch(run.info.run_id, params=batch[i:i + 100])
+            return run.info.run_id
+
+        self.run_id = self._guard("starting a run", _start)
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        if self.run_id is None:
+            return
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None]
+        if batch:
+            self._guard("logging metrics", self.client.log_batch, self.run_id, metrics=batch)
+
+    def set_tag(self, key: str, value: Any) -> None:
+        if self.run_id is not None:
+            self._guard("setting a tag", self.client.set_tag, self.run_id, key, str(value))
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        if self.run_id is not None:
+            self._guard("logging an artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.run_id is not None:
+            self._guard("ending the run", self.client.set_terminated, self.run_id, status)

@@ -56,6 +56,7 @@ def setup_logging(world_rank: int) -> None:
     log.addHandler(handler)
     log.propagate = False
     log.setLevel(logging.INFO if world_rank == 0 else logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report is noise next to ours
 
 
 def _to_batch(arrays: Arrays, rows: np.ndarray, cfg: Config, device: torch.device, stats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +116,51 @@ class MetricsFile:
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+STOP_FILE = ".stride-stop"
+
+
+def request_stop(run_dir: str | Path, status: str, signum: int) -> None:
+    """Ask a running job to checkpoint at the next step boundary and stop (used by signal handlers)."""
+    checkpointing.atomic_write_text(Path(run_dir) / STOP_FILE, json.dumps({"status": status, "signal": signum}))
+
+
+class StopRequest:
+    """Preemption and interrupts: a stop file in the run folder (written by the driver's signal handler,
+    or by anyone) or a signal to this process. Checked at every step boundary and agreed on by all
+    ranks with one tiny all-reduce, so either every rank stops at the same step or none does."""
+
+    def __init__(self, run_dir: Path, device: torch.device, world_size: int):
+        self.path = run_dir / STOP_FILE
+        self.device, self.world_size = device, world_size
+        self.local: dict[str, Any] | None = None
+
+    def on_signal(self, signum: int, _frame=None) -> None:
+        self.local = {"status": "interrupted", "signal": signum}
+
+    def install(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self.on_signal)
+            except ValueError:  # not the main thread (Ray Train runs the loop in a thread): the driver handles it
+                return
+
+    def requested(self) -> bool:
+        flag = 1.0 if (self.local is not None or self.path.exists()) else 0.0
+        if self.world_size > 1:
+            t = torch.tensor([flag], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = float(t[0])
+        return flag > 0
+
+    def status(self) -> str:
+        try:
+            return json.loads(self.path.read_text())["status"]
+        except (OSError, ValueError, KeyError):
+            return (self.local or {}).get("status", "interrupted")
 
 
 def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +250,9 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         tracker = Tracker(runtime["mlflow_uri"], cfg.tracking.experiment, cfg.run.storage_path)
         mlflow_run_id = tracker.start(cfg.run.name, mlflow_run_id, cfg.to_dict(), runtime.get("mlflow_parent_run_id"))
     bar = env.progress_bar(total=steps, initial=step, desc=cfg.run.name) if rank0 and env.progress_bar else None
+    stop = StopRequest(run_dir, env.device, W)
+    stop.install()
+    status = "completed"
 
     def batches_for_eval():
         rows = eval_rows(len(val), env.world_rank, W)
@@ -258,9 +307,14 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         if bar is not None:
             bar.update(1)
 
-        is_last = step == steps
+        stopping = stop.requested()
+        if stopping:
+            status = stop.status()
+            log.warning("stop requested (%s): checkpointing at step %d", status, step)
+        is_last = step == steps or stopping
         is_log = step % cfg.train.log_every_steps == 0 or is_last
-        is_eval = val is not None and ((cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0) or is_last)
+        is_eval = val is not None and ((cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0)
+                                       or (is_last and not stopping))
         is_ckpt = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or is_last
         if not (is_log or is_eval or is_ckpt):
             continue
@@ -296,12 +350,14 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         env.report({k: v for k, v in metrics.items() if v is not None}, folder)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # the runtime has persisted its own copy
+        if stopping:
+            break
 
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - train_start
     summary = {
-        "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
+        "status": status, "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
         "samples_seen": samples_seen, "rows_dropped": order.rows_dropped_per_epoch,
         "train_loss": last_metrics.get("train_loss"), "val_loss": last_val.get("val_loss"),
         "initial_val_loss": initial_val, "val_accuracy": last_val.get("val_accuracy"),

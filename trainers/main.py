@@ -174,10 +174,27 @@ def check_multinode_paths(cfg: Config, nodes: int) -> None:
                              f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
 
 
-def fit(cfg: Config, run_dir: Path, specs: dict, progress_bar: bool) -> tuple[int, dict]:
-    import ray
+def read_datasets(specs: dict) -> dict:
+    """Read the Parquet shards with Ray Data into the object store, *before* any worker gang reserves CPUs:
+    the reads then never starve behind the gang (a Parquet read waiting forever for a CPU), and the blocks are
+    read once, not once per worker. Workers stream the blocks from the object store via get_dataset_shard."""
     import ray.data
-    import ray.train
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    t0 = time.perf_counter()
+    datasets = {split: ray.data.read_parquet(list(spec.files)).select_columns(list(spec.columns)).materialize()
+                for split, spec in specs.items()}
+    print(f"stride: read {', '.join(f'{k} {v.num_rows} rows' for k, v in specs.items())} with Ray Data in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return datasets
+
+
+def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: bool = False, callbacks=(),
+                  runtime_extra: dict | None = None):
+    """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, runtime)."""
+    import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -186,44 +203,44 @@ def fit(cfg: Config, run_dir: Path, specs: dict, progress_bar: bool) -> tuple[in
 
     num_workers, use_gpu, resources = resolve_scaling(cfg)
     check_multinode_paths(cfg, resources["nodes"])
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    # Read the Parquet shards in parallel Ray Data tasks *before* the worker gang reserves its CPUs: the reads
-    # can then never starve behind the gang (a Parquet read waiting forever for a CPU), and the blocks are read
-    # once, not once per worker. Workers stream the blocks from the object store via get_dataset_shard.
-    t0 = time.perf_counter()
-    datasets = {split: ray.data.read_parquet(list(spec.files)).select_columns(list(spec.columns)).materialize()
-                for split, spec in specs.items()}
-    print(f"stride: read {', '.join(f'{k} {v.num_rows} rows' for k, v in specs.items())} with Ray Data in "
-          f"{time.perf_counter() - t0:.1f}s", flush=True)
-    exec_options = ray.data.ExecutionOptions(preserve_order=True)
     runtime = {
-        "run_dir": str(run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
+        "run_dir": str(cfg.run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
         "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "mlflow_uri": cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path),
-        "progress_bar": progress_bar,
+        "progress_bar": progress_bar, "num_workers": num_workers, "use_gpu": use_gpu, "resources": resources,
+        **(runtime_extra or {}),
     }
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "runtime": runtime},
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
-        run_config=RunConfig(name=cfg.run.name, storage_path=str(run_dir.parent),
+        run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures)),
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+                             callbacks=list(callbacks)),
         datasets=datasets,
         # Each worker streams the whole split once into memory; the sample order comes from datasets/order.py.
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=exec_options),
+        dataset_config=DataConfig(datasets_to_split=[],
+                                  execution_options=ray.data.ExecutionOptions(preserve_order=True)),
     )
-    print(f"stride: training {cfg.run.name} on {num_workers} {'GPU' if use_gpu else 'CPU'} worker(s); "
-          f"cluster {resources['CPU']:g} CPUs, {resources['GPU']:g} GPUs, {resources['nodes']} node(s)", flush=True)
+    return trainer, runtime
+
+
+def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
+    import ray.train
+
+    resolve_scaling(cfg)  # fail on impossible resources before reading any data
+    trainer, runtime = build_trainer(cfg, specs, read_datasets(specs), progress_bar=progress_bar)
+    res = runtime["resources"]
+    print(f"stride: training {cfg.run.name} on {runtime['num_workers']} {'GPU' if runtime['use_gpu'] else 'CPU'} "
+          f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        return EXIT_FAILED, {"status": "failed", "error": _error_line(e), "world_size": num_workers}
-    summary = dict(result.return_value or {}, status="completed")
+        return EXIT_FAILED, {"status": "failed", "error": _error_line(e), "world_size": runtime["num_workers"]}
+    summary = dict(result.return_value or {})
+    summary.setdefault("status", "completed")
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     if summary.get("mlflow_run_id") and summary["checkpoint"]:
         from trainers.tracking import Tracker
@@ -241,6 +258,31 @@ def _error_line(e: BaseException) -> str:
     return lines[-1][:500] if lines else type(e).__name__
 
 
+def install_signal_handlers(run_dir: Path) -> list[int]:
+    """SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, scancel) and SIGINT ask every rank
+    to checkpoint at the next step boundary and stop; the exit code is then 128 + the signal. Under SLURM a
+    SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted."""
+    import signal
+
+    from trainers.loop import STOP_FILE, request_stop
+
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stale request from an earlier run must not stop this one
+    received: list[int] = []
+
+    def handler(signum, _frame):
+        if received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        received.append(signum)
+        preempt = signum == signal.SIGUSR1 or (signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"))
+        request_stop(run_dir, "preempted" if preempt else "interrupted", signum)
+        print(f"stride: received {signal.Signals(signum).name}: checkpointing at the next step, then exiting",
+              file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return received
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -255,12 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         specs = {"train": inspect(cfg.data, cfg.model, "train")}
         if cfg.data.val_path:
             specs["val"] = inspect(cfg.data, cfg.model, "val")
+        signals = install_signal_handlers(run_dir)
         quiet_ray_env()
         embedded = init_ray(cfg)
-        code, summary = fit(cfg, run_dir, specs, progress_bar=sys.stdout.isatty())
+        code, summary = fit(cfg, specs, progress_bar=sys.stdout.isatty())
     except (ConfigError, DataError, UsageError) as e:
         print(f"stride: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if signals and summary.get("status") in ("preempted", "interrupted"):
+        code = 128 + signals[-1]
     summary.update(wall_s=time.time() - t_start, config=cfg.to_dict())
     summary.setdefault("restarts", 0)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")

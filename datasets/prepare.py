@@ -81,7 +81,7 @@ def build_tabular(out: Path, rows: int, features: int, classes: int, seed: int, 
     cluster = rng.integers(0, classes * clusters_per_class, size=rows)
     label = (cluster % classes).astype(np.int64)
     x = np.empty((rows, features), dtype=np.float32)
-    x[:, :informative] = centers[cluster] + rng.normal(0.0, 0.6, size=(rows, informative))
+    x[:, :informative] = centers[cluster] + rng.normal(0.0, 1.1, size=(rows, informative))
     if features > informative:
         scales = rng.uniform(0.5, 50.0, size=features - informative)
         x[:, informative:] = rng.normal(0.0, 1.0, size=(rows, features - informative)) * scales

@@ -50,10 +50,10 @@ class DataSection(Section):
 
 class ModelSection(Section):
     name: Literal["char_gpt", "mlp"] = Field("char_gpt", description="char_gpt (byte-level transformer) or mlp (tabular classifier)")
-    n_layers: int = Field(4, ge=1, description="char_gpt: transformer blocks")
+    n_layers: int = Field(3, ge=1, description="char_gpt: transformer blocks")
     n_heads: int = Field(4, ge=1, description="char_gpt: attention heads")
     width: int = Field(128, ge=8, description="char_gpt: embedding width (divisible by n_heads)")
-    context: int = Field(128, ge=2, description="char_gpt: tokens per sequence seen by the model")
+    context: int = Field(64, ge=2, description="char_gpt: tokens per sequence seen by the model")
     vocab_size: int = Field(256, ge=2, description="char_gpt: vocabulary size (bytes: 256)")
     hidden_sizes: list[int] = Field(default_factory=lambda: [256, 256], description="mlp: hidden layer widths")
     num_classes: int | None = Field(None, ge=2, description="mlp: number of classes (null: inferred from the labels)")
@@ -101,7 +101,7 @@ class TrainSection(Section):
 class ScalingSection(Section):
     num_workers: int | Literal["auto"] = Field(2, description="Training workers (auto: one per GPU, or one per node on CPU)")
     use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
-    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (Ray Data needs CPUs left over)")
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
 
     @field_validator("num_workers")
@@ -225,7 +225,7 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any]) -> str:
         msg = "must be " + msg.removeprefix("Input should be ")
     if not key:
         return f"config: {msg}"
-    if key in msg:
+    if msg.startswith(key):
         return msg
     field = SECTIONS[loc[0]].model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
     hint = f" ({field.description})" if field is not None and field.description else ""

@@ -250,6 +250,11 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         tracker = Tracker(runtime["mlflow_uri"], cfg.tracking.experiment, cfg.run.storage_path)
         mlflow_run_id = tracker.start(cfg.run.name, mlflow_run_id, cfg.to_dict(), runtime.get("mlflow_parent_run_id"))
     bar = env.progress_bar(total=steps, initial=step, desc=cfg.run.name) if rank0 and env.progress_bar else None
+    # Debugging aid (and the exactly-once tests): every rank logs the sample_ids it trains on.
+    sample_log = None
+    if runtime.get("sample_log"):
+        Path(runtime["sample_log"]).mkdir(parents=True, exist_ok=True)
+        sample_log = open(Path(runtime["sample_log"]) / f"rank{env.world_rank}.jsonl", "a", buffering=1)
     stop = StopRequest(run_dir, env.device, W)
     stop.install()
     status = "completed"
@@ -298,7 +303,11 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     while step < steps:
         micro = []
         for _ in range(A):
-            micro.append(_to_batch(train, order.rows(micro_step, env.world_rank, W), cfg, env.device, stats))
+            rows = order.rows(micro_step, env.world_rank, W)
+            if sample_log is not None:
+                sample_log.write(json.dumps({"step": step, "micro_step": micro_step, "rank": env.world_rank,
+                                             "sample_ids": train.sample_id[rows].tolist()}) + "\n")
+            micro.append(_to_batch(train, rows, cfg, env.device, stats))
             micro_step += 1
         result = train_step(model, optimizer, scaler, precision, micro, cfg.optim.grad_clip_norm)
         scheduler.step()
@@ -355,7 +364,16 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
 
     if bar is not None:
         bar.close()
+    if sample_log is not None:
+        sample_log.close()
     wall = time.perf_counter() - train_start
+    # Replicas must hold identical weights after DDP training; the summary records each rank's checksum.
+    checksum = float(sum(p.detach().double().sum() for p in raw_model.parameters()))
+    checksums = [None] * W
+    if W > 1:
+        torch.distributed.all_gather_object(checksums, checksum)
+    else:
+        checksums = [checksum]
     summary = {
         "status": status, "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
         "samples_seen": samples_seen, "rows_dropped": order.rows_dropped_per_epoch,
@@ -364,6 +382,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         "val_bpb": last_val.get("val_bpb"),
         "samples_per_second": (step - start_step) * B * W * A / max(wall, 1e-9) if step > start_step else None,
         "train_wall_s": wall, "mlflow_run_id": mlflow_run_id, "restarts": restarts, "precision": precision_name,
+        "param_checksums": checksums,
     }
     if tracker is not None:
         tracker.finish()

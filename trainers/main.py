@@ -207,7 +207,7 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
         "run_dir": str(cfg.run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
         "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
         "mlflow_uri": cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path),
-        "progress_bar": progress_bar, "num_workers": num_workers, "use_gpu": use_gpu, "resources": resources,
+        "progress_bar": progress_bar, "sample_log": os.environ.get("STRIDE_SAMPLE_LOG"), "num_workers": num_workers, "use_gpu": use_gpu, "resources": resources,
         **(runtime_extra or {}),
     }
     trainer = TorchTrainer(

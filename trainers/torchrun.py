@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress_bar=progress_bar if sys.stdout.isatty() else None)
     runtime = {"run_dir": str(run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
                "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
-               "mlflow_uri": cfg.tracking.mlflow_uri}
+               "mlflow_uri": cfg.tracking.mlflow_uri, "sample_log": os.environ.get("STRIDE_SAMPLE_LOG")}
     t0 = time.time()
     summary = run(cfg, env, runtime)
     if rank == 0:

@@ -1,0 +1,97 @@
+"""Shared fixtures. Tests run cheapest first: pure functions, one process, Ray workers, real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+sys.path.insert(0, str(REPO))
+
+# Ray on a 2-core machine: never inherit a cluster address from the developer's shell.
+os.environ.pop("RAY_ADDRESS", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a Stride command in a subprocess (the way a user does) and capture its output."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env or {}) else None
+    return subprocess.run([PYTHON, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tabular_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "tabular"
+    subprocess.run([PYTHON, "datasets/prepare.py", "tabular", "--out", str(out), "--rows", "4000"], cwd=REPO, check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def full_tabular_data(tmp_path_factory) -> Path:
+    """The tabular set at prepare.py's defaults (the accuracy goal is stated for it)."""
+    out = tmp_path_factory.mktemp("data") / "tabular_full"
+    subprocess.run([PYTHON, "datasets/prepare.py", "tabular", "--out", str(out)], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def text_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "pystdlib"
+    subprocess.run([PYTHON, "datasets/prepare.py", "pystdlib", "--out", str(out)], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a free localhost port; stopped by pid at the end."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts"),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(1)
+        if proc.poll() is not None:
+            pytest.fail(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
+    else:
+        pytest.fail("mlflow server did not answer within 120 s")
+    yield uri
+    # The server forks gunicorn/uvicorn workers into its own session: stop that session's processes.
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()

@@ -1,0 +1,107 @@
+"""Config: every shipped YAML loads; overrides; each user error is one line naming the key, value and fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+from trainers.config import ConfigError, load_config, scaled_lr, global_batch_size
+
+SHIPPED = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_states_its_command(path):
+    cfg = load_config(path)
+    head = path.read_text().splitlines()[:6]
+    assert any("python trainers/main.py --config " + str(path.relative_to(REPO)) in line for line in head), \
+        f"{path.name} must state its launch command at the top"
+    assert cfg.run.name
+
+
+def test_precedence_command_line_over_yaml_over_defaults(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train: {batch_size_per_worker: 16, max_steps: 10}\noptim: {lr: 0.01}\n")
+    cfg = load_config(p, ["train.max_steps=20", "model.hidden_sizes=[8, 4]", "train.epochs=null"])
+    assert cfg.train.max_steps == 20          # command line wins
+    assert cfg.train.batch_size_per_worker == 16  # YAML beats the default
+    assert cfg.optim.lr == 0.01
+    assert cfg.model.hidden_sizes == [8, 4]   # values parsed as YAML
+    assert cfg.train.epochs is None
+    assert cfg.checkpoint.keep_last == 2      # default
+
+
+def test_max_steps_null_with_epochs_works():
+    cfg = load_config(REPO / "trainers/configs/tabular_mlp.yaml", ["train.max_steps=null", "train.epochs=40"])
+    assert cfg.train.max_steps is None and cfg.train.epochs == 40
+
+
+@pytest.mark.parametrize("overrides, must_name", [
+    (["train.bach_size_per_worker=8"], ["train.bach_size_per_worker", "batch_size_per_worker"]),
+    (["trian.max_steps=8"], ["trian", "train"]),
+    (["train.max_steps=many"], ["train.max_steps", "'many'"]),
+    (["optim.lr=-1"], ["optim.lr", "-1", "greater than 0"]),
+    (["optim.lr=0"], ["optim.lr", "0"]),
+    (["train.batch_size_per_worker=0"], ["train.batch_size_per_worker", "0"]),
+    (["train.grad_accum_steps=0"], ["train.grad_accum_steps", "0"]),
+    (["train.precision=fp8"], ["train.precision", "fp8", "fp32"]),
+    (["train.max_steps=null", "train.epochs=null"], ["train.max_steps", "train.epochs"]),
+    (["scaling.num_workers=0"], ["scaling.num_workers", "0"]),
+    (["run.name=a/b"], ["run.name", "a/b", "path separator"]),
+    (["model.width=130", "model.n_heads=4"], ["model.width", "130", "n_heads"]),
+    (["lr=0.1"], ["section.field=value"]),
+])
+def test_config_errors_name_key_value_and_fix(overrides, must_name):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "trainers/configs/char_gpt.yaml", overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in must_name:
+        assert part in msg, f"{part!r} not in {msg!r}"
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("train: {max_steps: 3\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "sec.yaml").write_text("optimizer: {lr: 1}\n")
+    with pytest.raises(ConfigError, match="unknown section 'optimizer'; did you mean optim"):
+        load_config(tmp_path / "sec.yaml")
+
+
+def test_cli_usage_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
+    r = run_cli(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "optim.lr=-0.5"], timeout=60)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "optim.lr" in lines[0] and "-0.5" in lines[0]
+
+
+def test_cli_print_config_and_help():
+    r = run_cli(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "train.max_steps=7", "--print-config"],
+                timeout=60)
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed["train"]["max_steps"] == 7 and set(printed) == {
+        "run", "data", "model", "optim", "train", "scaling", "checkpoint", "tracking"}
+    h = run_cli(["trainers/main.py", "--help"], timeout=60)
+    assert h.returncode == 0
+    for section in printed:
+        assert section in h.stdout
+
+
+def test_derived_batch_and_lr_scaling():
+    base = ["optim.lr=0.001", "optim.reference_batch_size=64", "train.batch_size_per_worker=32", "train.grad_accum_steps=2"]
+    cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base + ["optim.lr_scaling=linear"])
+    assert global_batch_size(cfg, world_size=2) == 128
+    assert scaled_lr(cfg, 2) == pytest.approx(0.002)
+    cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base + ["optim.lr_scaling=sqrt"])
+    assert scaled_lr(cfg, 2) == pytest.approx(0.001 * 2 ** 0.5)
+    cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base + ["optim.lr_scaling=none"])
+    assert scaled_lr(cfg, 4) == pytest.approx(0.001)

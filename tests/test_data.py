@@ -1,0 +1,133 @@
+"""Prepared data sets and Parquet inspection: the shapes the loop relies on, and clear errors for bad inputs."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, run_cli
+from datasets.parquet import DataError, inspect, read_local, table_to_arrays
+from datasets.prepare import stdlib_files
+from trainers.config import load_config
+
+
+def cfg_for(train, val, *extra, base="tabular_mlp.yaml"):
+    return load_config(REPO / "trainers/configs" / base, [f"data.train_path={train}", f"data.val_path={val}", *extra])
+
+
+def test_pystdlib_shape_split_and_ids(text_data):
+    files = stdlib_files()
+    assert files and not any("/test/" in str(f) or "/tests/" in str(f) for f in files)
+    train = pq.ParquetDataset(text_data / "train").read()
+    val = pq.ParquetDataset(text_data / "val").read()
+    assert len(list((text_data / "train").glob("*.parquet"))) > 1  # sharded
+    t = train.schema.field("tokens").type
+    assert pa.types.is_fixed_size_list(t) and pa.types.is_integer(t.value_type)
+    ids = np.concatenate([train["sample_id"].to_numpy(), val["sample_id"].to_numpy()])
+    assert len(np.unique(ids)) == len(ids)
+    assert 0 < val.num_rows < 0.1 * train.num_rows
+    text = bytes(train["tokens"][0].as_py())
+    assert text.isascii() or len(text) == len(train["tokens"][0])
+
+
+def test_pystdlib_is_deterministic(tmp_path, text_data):
+    r = run_cli(["datasets/prepare.py", "pystdlib", "--out", str(tmp_path / "again")], timeout=120)
+    assert r.returncode == 0, r.stderr
+    a = pq.ParquetDataset(text_data / "val").read()
+    b = pq.ParquetDataset(tmp_path / "again" / "val").read()
+    assert a.equals(b)
+
+
+def test_prepare_never_overwrites(tmp_path):
+    out = tmp_path / "t"
+    assert run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
+    before = sorted(p.stat().st_mtime_ns for p in out.rglob("*.parquet"))
+    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"])
+    assert r.returncode != 0 and "already exists" in r.stderr
+    assert sorted(p.stat().st_mtime_ns for p in out.rglob("*.parquet")) == before
+
+
+def test_tabular_inspect_infers_features_and_classes(tabular_data):
+    cfg = cfg_for(tabular_data / "train", tabular_data / "val")
+    spec = inspect(cfg.data, cfg.model, "train")
+    assert spec.kind == "tabular" and spec.num_classes == 4
+    assert spec.label_column == "label" and "sample_id" not in spec.feature_columns and len(spec.feature_columns) == 16
+    arrays = table_to_arrays(read_local(spec), spec)
+    assert arrays.x.dtype == np.float32 and arrays.x.shape == (spec.num_rows, 16)
+    assert np.all(np.diff(arrays.sample_id) > 0)  # sorted by sample_id
+
+
+def test_rows_sorted_by_sample_id_whatever_order_they_arrive(tabular_data):
+    cfg = cfg_for(tabular_data / "train", tabular_data / "val")
+    spec = inspect(cfg.data, cfg.model, "train")
+    table = read_local(spec)
+    shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
+    a, b = table_to_arrays(table, spec), table_to_arrays(shuffled, spec)
+    assert np.array_equal(a.x, b.x) and np.array_equal(a.sample_id, b.sample_id)
+
+
+def test_sample_id_is_optional(tmp_path):
+    d = tmp_path / "noid"
+    d.mkdir()
+    pq.write_table(pa.table({"a": [1.0, 2.0, 3.0, 4.0], "label": [0, 1, 0, 1]}), d / "x.parquet")
+    cfg = cfg_for(d, d)
+    spec = inspect(cfg.data, cfg.model, "train")
+    assert not spec.has_sample_id
+    assert table_to_arrays(read_local(spec), spec).sample_id.tolist() == [0, 1, 2, 3]
+
+
+def _write(d, **cols):
+    d.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), d / "part-0.parquet")
+    return d
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing", "does not exist"),
+    ("empty", "empty folder"),
+    ("non_parquet", "non-Parquet file"),
+    ("corrupt", "not a readable Parquet file"),
+    ("no_label", "data.label_column (label) is not a column"),
+    ("bad_features", "data.feature_columns (['nope'])"),
+    ("string_feature", "not numeric"),
+    ("labels_out_of_range", "model.num_classes (2)"),
+])
+def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
+    extra = []
+    d = tmp_path / case
+    if case == "empty":
+        d.mkdir()
+    elif case == "non_parquet":
+        _write(d, a=[1.0], label=[0])
+        (d / "notes.txt").write_text("hello")
+    elif case == "corrupt":
+        _write(d, a=[1.0], label=[0])
+        (d / "part-1.parquet").write_bytes(b"PAR1 this is not parquet")
+    elif case == "no_label":
+        _write(d, a=[1.0], y=[0])
+    elif case == "bad_features":
+        _write(d, a=[1.0], label=[0])
+        extra = ["data.feature_columns=[nope]"]
+    elif case == "string_feature":
+        _write(d, a=[1.0], s=["x"], label=[0])
+        extra = ["data.feature_columns=[a, s]"]
+    elif case == "labels_out_of_range":
+        _write(d, a=[1.0, 2.0, 3.0], label=[0, 1, 5])
+        extra = ["model.num_classes=2"]
+    cfg = cfg_for(d, d, *extra)
+    with pytest.raises(DataError) as e:
+        inspect(cfg.data, cfg.model, "train")
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_text_context_longer_than_rows_is_a_usage_error(text_data):
+    cfg = cfg_for(text_data / "train", text_data / "val", "model.context=4096", base="char_gpt.yaml")
+    with pytest.raises(DataError, match=r"model.context \(4096\)"):
+        inspect(cfg.data, cfg.model, "train")
+
+
+def test_missing_data_path_exits_2_before_ray_starts(tmp_path):
+    r = run_cli(["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml",
+                 f"data.train_path={tmp_path}/nope", f"run.storage_path={tmp_path}/runs"], timeout=60)
+    assert r.returncode == 2 and "data.train_path" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs" / "tabular_mlp" / "summary.json").exists()

@@ -1,0 +1,122 @@
+"""Two CPU workers under Ray Train (gloo): loss falls, replicas agree, runs repeat exactly, resume continues
+at the right step, MLflow records one run per training run, and torchrun gives the same losses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+
+
+def tiny_args(data, storage, name, steps=STEPS, *extra):
+    return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
+            f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null", f"train.max_steps={steps}",
+            "train.log_every_steps=5", "train.eval_every_steps=20", "checkpoint.every_steps=20",
+            "scaling.num_workers=2", "model.hidden_sizes=[64, 64]", *extra]
+
+
+def losses(run_dir):
+    return [r["train_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory, tabular_data, mlflow_server):
+    storage = tmp_path_factory.mktemp("ray_runs")
+    mlflow = f"tracking.mlflow_uri={mlflow_server}"
+    a = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS, mlflow)],
+                env={"STRIDE_SAMPLE_LOG": str(storage / "samples_a")})
+    b = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "b", STEPS, "tracking.mlflow_uri=null")])
+    return {"storage": storage, "a": a, "b": b, "mlflow": mlflow_server}
+
+
+def test_two_workers_train_and_agree(ray_runs):
+    a = ray_runs["a"]
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    assert "Traceback" not in a.stderr
+    run = ray_runs["storage"] / "a"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == STEPS
+    assert s["samples_seen"] == STEPS * 64 * 2
+    assert s["val_loss"] < 0.8 * s["initial_val_loss"]
+    curve = losses(run)
+    assert curve[-1] < 0.7 * curve[0]  # the loss falls
+    c = s["param_checksums"]
+    assert len(c) == 2 and c[0] == c[1]  # DDP replicas hold identical weights after training
+    for key in ("status", "world_size", "global_step", "epochs_completed", "samples_seen", "rows_dropped", "train_loss",
+                "val_loss", "initial_val_loss", "val_accuracy", "samples_per_second", "wall_s", "checkpoint",
+                "mlflow_run_id", "restarts", "config"):
+        assert key in s, key
+    assert s["checkpoint"] and os.path.isdir(s["checkpoint"])
+    assert "stride: summary" in a.stdout and "stride: mlflow" in a.stdout
+
+
+def test_same_seed_same_losses(ray_runs):
+    assert ray_runs["b"].returncode == 0, ray_runs["b"].stderr[-3000:]
+    la, lb = losses(ray_runs["storage"] / "a"), losses(ray_runs["storage"] / "b")
+    assert la == lb and len(la) == STEPS // 5
+
+
+def test_every_training_row_once_per_epoch(ray_runs, tabular_data):
+    import pyarrow.parquet as pq
+
+    records = []
+    for f in (ray_runs["storage"] / "samples_a").glob("rank*.jsonl"):
+        records += read_jsonl(f)
+    train_ids = set(pq.ParquetDataset(tabular_data / "train").read(columns=["sample_id"])["sample_id"].to_pylist())
+    per_epoch = len(train_ids) // 128
+    epoch0 = [i for r in records if r["micro_step"] < per_epoch for i in r["sample_ids"]]
+    assert {r["rank"] for r in records} == {0, 1}
+    assert len(epoch0) == len(set(epoch0))  # no row twice
+    assert set(epoch0) <= train_ids and len(train_ids) - len(set(epoch0)) < 128  # the documented drop only
+    summary = json.loads((ray_runs["storage"] / "a" / "summary.json").read_text())
+    assert summary["rows_dropped"] == len(train_ids) - len(set(epoch0))
+
+
+def test_mlflow_records_params_and_metrics(ray_runs):
+    s = json.loads((ray_runs["storage"] / "a" / "summary.json").read_text())
+    client = MlflowClient(ray_runs["mlflow"])
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.data.params["optim.lr"] == "0.003" and run.data.params["model.name"] == "mlp"
+    hist = client.get_metric_history(run.info.run_id, "train_loss")
+    assert sorted(m.step for m in hist) == list(range(5, STEPS + 1, 5))
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [20, 40]
+    assert run.data.tags.get("final_checkpoint") == s["checkpoint"]
+    assert run.info.status == "FINISHED"
+
+
+def test_resume_continues_at_the_right_step_and_mlflow_run(ray_runs, tabular_data):
+    storage = ray_runs["storage"]
+    before = json.loads((storage / "a" / "summary.json").read_text())
+    r = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS + 20, f"tracking.mlflow_uri={ray_runs['mlflow']}")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((storage / "a" / "summary.json").read_text())
+    assert s["global_step"] == STEPS + 20 and s["restarts"] == 1
+    assert s["samples_seen"] == (STEPS + 20) * 128
+    steps = [x["step"] for x in read_jsonl(storage / "a" / "metrics.jsonl") if "train_loss" in x]
+    assert steps == list(range(5, STEPS + 21, 5))  # continues from the checkpointed step, no gap or repeat
+    assert s["mlflow_run_id"] == before["mlflow_run_id"]  # the same MLflow run, not a duplicate
+    client = MlflowClient(ray_runs["mlflow"])
+    exp = client.get_experiment_by_name("stride")
+    runs = client.search_runs([exp.experiment_id], "tags.`mlflow.runName` = 'a'")
+    assert len(runs) == 1
+    assert max(m.step for m in client.get_metric_history(s["mlflow_run_id"], "train_loss")) == STEPS + 20
+
+
+def test_torchrun_gives_the_same_losses_as_ray(ray_runs, tabular_data, tmp_path):
+    torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "trainers/torchrun.py",
+                        *tiny_args(tabular_data, tmp_path, "t", STEPS, "tracking.mlflow_uri=null")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
+    ray_losses = losses(ray_runs["storage"] / "b")
+    assert losses(tmp_path / "t") == pytest.approx(ray_losses, rel=1e-6)

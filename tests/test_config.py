@@ -105,3 +105,12 @@ def test_derived_batch_and_lr_scaling():
     assert scaled_lr(cfg, 2) == pytest.approx(0.001 * 2 ** 0.5)
     cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base + ["optim.lr_scaling=none"])
     assert scaled_lr(cfg, 4) == pytest.approx(0.001)
+
+
+def test_readme_documents_every_config_key():
+    from trainers.config import SECTIONS
+
+    readme = (REPO / "README.md").read_text()
+    for section, cls in SECTIONS.items():
+        for name in cls.model_fields:
+            assert f"| `{section}.{name}` |" in readme, f"README's configuration table lacks {section}.{name}"

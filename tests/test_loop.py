@@ -33,3 +33,68 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
     assert summary["global_step"] == 40 and summary["restarts"] == 1
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]
+
+
+def _args(tmp_path, data, steps, *extra):
+    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=null",
+            f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100",
+            "checkpoint.every_steps=10", "checkpoint.keep_last=3", "tracking.mlflow_uri=null", *extra]
+
+
+def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular_data, caplog):
+    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
+    newest = complete_checkpoints(tmp_path / "r")[-1]
+    assert checkpointing.read_meta(newest)["step"] == 30
+    state = newest / checkpointing.STATE
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
+    assert "digest" in checkpointing.verify(newest)
+    assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["global_step"] == 40 and summary["restarts"] == 1
+    steps = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "train_loss" in r]
+    assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # resumed at 20: 25 and 30 were rewritten, not duplicated
+
+
+def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch):
+    import pytest
+    import torch
+
+    import trainers.loop as loop
+
+    def oom(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(loop, "train_step", oom)
+    with pytest.raises(loop.TrainingError) as e:
+        torchrun_main(_args(tmp_path, tabular_data, 10))
+    msg = str(e.value)
+    assert "\n" not in msg
+    for fix in ("train.batch_size_per_worker", "train.grad_accum_steps", "bf16", "fsdp"):
+        assert fix in msg
+
+
+def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, tabular_data, monkeypatch):
+    import pytest
+
+    import trainers.loop as loop
+    from trainers.step import StepResult
+
+    real = loop.train_step
+    calls = {"n": 0}
+
+    def nan_after_12(*a, **k):
+        calls["n"] += 1
+        r = real(*a, **k)
+        return r if calls["n"] <= 12 else StepResult(float("nan"), float("nan"), False)
+
+    monkeypatch.setattr(loop, "train_step", nan_after_12)
+    with pytest.raises(loop.TrainingError, match="non-finite .* at step 15.*3 in a row"):
+        torchrun_main(_args(tmp_path, tabular_data, 40, "train.max_nonfinite_steps=3"))
+    ckpts = complete_checkpoints(tmp_path / "r")
+    assert [checkpointing.read_meta(c)["step"] for c in ckpts] == [10]
+    assert checkpointing.verify(ckpts[0]) is None
+
+    calls["n"] = 0
+    with pytest.raises(loop.TrainingError, match=r"at step 13 .*, 1 in a row"):
+        torchrun_main(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s"))

@@ -136,3 +136,14 @@ def test_order_is_a_function_of_seed_and_epoch_and_independent_of_world_size():
 def test_eval_rows_cover_the_split_once():
     parts = [eval_rows(101, r, 3) for r in range(3)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(101))
+
+
+def test_fp32_non_finite_gradients_are_never_applied():
+    model = MLP(2, [4], 2)
+    prec = Precision.create("fp32", torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.clone() for p in model.parameters()]
+    r = train_step(model, opt, prec.grad_scaler(), prec, [(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0]))],
+                   grad_clip_norm=None)
+    assert not r.finite
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

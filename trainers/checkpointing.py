@@ -99,3 +99,12 @@ def shape_mismatch(model_state: dict[str, torch.Tensor], saved: dict[str, torch.
             return f"tensor {name} has shape {tuple(saved[name].shape)} in the checkpoint but {tuple(t.shape)} in the model"
     extra = sorted(set(saved) - set(model_state))
     return f"the checkpoint has tensor {extra[0]} that the model lacks" if extra else None
+
+
+def newest_complete(run_dir: Path, exclude: str | None = None) -> Path | None:
+    """The checkpoint folder with the highest step whose contents verify (torn or corrupted ones are skipped)."""
+    good = []
+    for folder in Path(run_dir).glob("checkpoint_*"):
+        if folder.name != exclude and folder.is_dir() and verify(folder) is None:
+            good.append((read_meta(folder)["step"], folder))
+    return max(good)[1] if good else None

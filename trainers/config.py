@@ -90,6 +90,9 @@ class TrainSection(Section):
     log_every_steps: int = Field(20, ge=1, description="Log, report and write metrics.jsonl every N optimizer steps")
     deterministic: bool = Field(False, description="Use deterministic algorithms (bitwise repeatable on CPU)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
+    nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
+    max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
+    collective_timeout_s: float = Field(600.0, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
 
     @model_validator(mode="after")
     def _has_stop(self) -> "TrainSection":

@@ -32,6 +32,10 @@ from trainers.step import (Precision, build_model, build_optimizer, build_schedu
 log = logging.getLogger("stride")
 
 
+class TrainingError(RuntimeError):
+    """A run that cannot go on (exit 1); the message is one line saying why and what to change."""
+
+
 @dataclass
 class WorkerEnv:
     """Everything the loop needs from its runtime (Ray Train or torchrun)."""
@@ -300,6 +304,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     start_step = step
     last_metrics: dict[str, Any] = {}
     last_val: dict[str, Any] = {}
+    nonfinite_run = 0
     while step < steps:
         micro = []
         for _ in range(A):
@@ -309,9 +314,26 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                                              "sample_ids": train.sample_id[rows].tolist()}) + "\n")
             micro.append(_to_batch(train, rows, cfg, env.device, stats))
             micro_step += 1
-        result = train_step(model, optimizer, scaler, precision, micro, cfg.optim.grad_clip_norm)
+        try:
+            result = train_step(model, optimizer, scaler, precision, micro, cfg.optim.grad_clip_norm)
+        except torch.OutOfMemoryError:
+            raise TrainingError(
+                f"out of memory at step {step + 1} with train.batch_size_per_worker={B}; use a smaller "
+                f"train.batch_size_per_worker with more train.grad_accum_steps (same global batch), "
+                f"train.precision=bf16, or train.strategy=fsdp") from None
         scheduler.step()
         step += 1
+        if result.finite:
+            nonfinite_run = 0
+        else:
+            nonfinite_run += 1
+            what = f"non-finite loss/gradients at step {step} (loss {result.loss:.4g}, grad norm {result.grad_norm:.4g})"
+            if cfg.train.nonfinite == "stop" or nonfinite_run >= cfg.train.max_nonfinite_steps:
+                raise TrainingError(f"{what}, {nonfinite_run} in a row; the last good checkpoint is kept: lower "
+                                    f"optim.lr, set optim.grad_clip_norm, or check the data for NaN")
+            if rank0 and not scaler.is_enabled():
+                log.warning("%s: step skipped (%d in a row, limit train.max_nonfinite_steps=%d)", what,
+                            nonfinite_run, cfg.train.max_nonfinite_steps)
         samples_seen += B * W * A
         if bar is not None:
             bar.update(1)
@@ -335,8 +357,6 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             sps = (samples_seen - last_log_samples) / max(now - last_log_t, 1e-9)
             last_log_t, last_log_samples = now, samples_seen
             metrics.update(train_loss=loss, lr=scheduler.get_last_lr()[0], samples_per_second=sps)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"train_loss is {loss} at step {step}; lower optim.lr or use train.precision=fp32")
             if rank0:
                 metrics_file.write({k: metrics[k] for k in ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second")})
                 if bar is not None:
@@ -415,8 +435,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         if ckpt is None:
             return None
         # A local copy: the checkpoint may live on shared or remote storage.
-        local = Path(tempfile.mkdtemp(prefix="stride-restore-"))
-        return Path(ckpt.to_directory(str(local)))
+        local = Path(ckpt.to_directory(tempfile.mkdtemp(prefix="stride-restore-")))
+        problem = checkpointing.verify(local)
+        if problem is None:
+            return local
+        fallback = checkpointing.newest_complete(Path(runtime["run_dir"]), exclude=Path(ckpt.path).name)
+        log.warning("checkpoint %s is unusable (%s); resuming from %s instead", ckpt.path, problem, fallback)
+        return fallback
 
     def report(metrics: dict[str, Any], folder: Path | None) -> None:
         checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if folder is not None else None

@@ -196,7 +196,7 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
     """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, runtime)."""
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from trainers.loop import train_loop_per_worker
     from trainers.tracking import default_uri
@@ -213,6 +213,8 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "runtime": runtime},
+        # A hung all-reduce fails the run after collective_timeout_s instead of the 30-minute default.
+        torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),

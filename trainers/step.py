@@ -117,17 +117,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
                 loss, _ = loss_fn(model, x, y)
             scaler.scale(loss / n).backward()
         total += loss.detach().float().cpu()
-    grad_norm = None
-    if grad_clip_norm is not None:
-        scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm))
-    scale_before = scaler.get_scale() if scaler.is_enabled() else None
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
+    scaler.unscale_(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf")))
     mean = float(total) / n
-    # Under fp16 the scaler skips steps with inf/NaN gradients and lowers the scale: that counts as not finite.
-    finite = math.isfinite(mean) and (scale_before is None or scaler.get_scale() >= scale_before)
+    if scaler.is_enabled():
+        # fp16: the scaler skips steps with inf/NaN gradients and lowers the scale; that counts as not finite.
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        finite = scaler.get_scale() >= scale_before
+    else:
+        finite = math.isfinite(grad_norm) and math.isfinite(mean)
+        if finite:  # never apply NaN/inf gradients: the weights would be lost
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return StepResult(mean, grad_norm, finite)
 
 

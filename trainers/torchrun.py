@@ -31,7 +31,7 @@ from trainers.loop import WorkerEnv, run  # noqa: E402
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    found = sorted(p for p in run_dir.glob("checkpoint_*") if (p / checkpointing.META).exists())
+    found = [p for p in run_dir.glob("checkpoint_*") if p.is_dir() and (p / checkpointing.META).exists()]
     return sorted(found, key=lambda p: checkpointing.read_meta(p)["step"])
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
 
     def latest_checkpoint() -> Path | None:
-        ckpts = complete_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
+        return checkpointing.newest_complete(run_dir)
 
     def progress_bar(**kwargs):
         from tqdm import tqdm

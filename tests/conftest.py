@@ -95,3 +95,44 @@ def mlflow_server(tmp_path_factory):
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(proc.pid, signal.SIGKILL)
     log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc), so a test can stop exactly what it started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_pids(pids: list[int]) -> None:
+    import signal
+
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> int:
+    """Block until metrics.jsonl shows a logged step >= `step`; returns the newest logged step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step {step}")
+        if metrics.exists():
+            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"train_loss"' in x]
+            if steps and steps[-1] >= step:
+                return steps[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s")

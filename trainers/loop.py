@@ -60,7 +60,6 @@ def setup_logging(world_rank: int) -> None:
     log.addHandler(handler)
     log.propagate = False
     log.setLevel(logging.INFO if world_rank == 0 else logging.WARNING)
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report is noise next to ours
 
 
 def _to_batch(arrays: Arrays, rows: np.ndarray, cfg: Config, device: torch.device, stats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,11 +145,18 @@ class StopRequest:
     def install(self) -> None:
         import signal
 
+        self.previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             try:
-                signal.signal(sig, self.on_signal)
+                self.previous[sig] = signal.signal(sig, self.on_signal)
             except ValueError:  # not the main thread (Ray Train runs the loop in a thread): the driver handles it
                 return
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in getattr(self, "previous", {}).items():
+            signal.signal(sig, handler)
 
     def requested(self) -> bool:
         flag = 1.0 if (self.local is not None or self.path.exists()) else 0.0
@@ -384,6 +390,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
 
     if bar is not None:
         bar.close()
+    stop.uninstall()
     if sample_log is not None:
         sample_log.close()
     wall = time.perf_counter() - train_start
@@ -416,6 +423,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train
     import ray.train.torch
 
+    from ray.train.v2._internal.execution import context as train_context
+
+    # Ray logs one INFO line per report (under a logger named after its file); Stride's own lines say more.
+    train_context.logger.setLevel(logging.WARNING)
     ctx = ray.train.get_context()
     cfg = from_dict(config["cfg"])
     runtime = config["runtime"]
@@ -434,8 +445,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
             return None
-        # A local copy: the checkpoint may live on shared or remote storage.
-        local = Path(ckpt.to_directory(tempfile.mkdtemp(prefix="stride-restore-")))
+        import pyarrow.fs
+
+        if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
+            local = Path(ckpt.path)
+        else:  # remote storage: a local copy to read from
+            local = Path(ckpt.to_directory(tempfile.mkdtemp(prefix="stride-restore-")))
         problem = checkpointing.verify(local)
         if problem is None:
             return local

@@ -299,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         specs = {"train": inspect(cfg.data, cfg.model, "train")}
         if cfg.data.val_path:
             specs["val"] = inspect(cfg.data, cfg.model, "val")
-        signals = install_signal_handlers(run_dir)
         quiet_ray_env()
         embedded = init_ray(cfg)
+        # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
+        signals = install_signal_handlers(run_dir)
         code, summary = fit(cfg, specs, progress_bar=sys.stdout.isatty())
     except (ConfigError, DataError, UsageError) as e:
         print(f"stride: error: {e}", file=sys.stderr)

@@ -242,9 +242,14 @@ def submit(cluster, work, name: str, sbatch_args: list[str], driver_args: list[s
     data = work["data"]
     return cluster.sbatch([f"--job-name={name}", f"--output={work['root'] / (name + '.out')}", *sbatch_args, SBATCH,
                            "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train",
-                           f"data.val_path={data}/val", f"run.storage_path={work['root'] / 'runs'}", f"run.name={name}",
+                           f"data.val_path={data}/val", f"run.storage_path={run_dir(work, name).parent}", f"run.name={name}",
                            "train.epochs=null", "tracking.mlflow_uri=null", "scaling.num_workers=auto", *driver_args],
                           env=env, cwd=REPO)
+
+
+def run_dir(work, name: str) -> Path:
+    # A storage path per job: jobs running at once must not create one MLflow sqlite store together.
+    return work["root"] / "runs" / name / name
 
 
 def output(work, name: str) -> str:
@@ -309,7 +314,7 @@ def test_two_node_job_trains_and_completes(two_jobs, work, outside_head):
     job = two_jobs["ids"]["A"]
     out = output(work, "A")
     assert two_jobs["info"]["A"]["JobState"] == "COMPLETED", out[-4000:]
-    summary = json.loads((work["root"] / "runs" / "A" / "summary.json").read_text())
+    summary = json.loads((run_dir(work, "A") / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == 40
     assert summary["world_size"] == 2
     assert "training A on 2 CPU worker(s); cluster 4 CPUs, 0 GPUs, 2 node(s)" in out
@@ -351,7 +356,7 @@ def test_two_jobs_share_the_nodes_without_port_clashes(two_jobs, work, outside_h
     for name, job in ids.items():
         assert two_jobs["info"][name]["JobState"] == "COMPLETED", output(work, name)[-4000:]
         assert two_jobs["info"][name]["NodeList"] == "n[1-2]"
-        summary = json.loads((work["root"] / "runs" / name / "summary.json").read_text())
+        summary = json.loads((run_dir(work, name) / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["global_step"] == 40
         assert_job_cleaned_up(work, job, temp_dirs_kept=name == "A")
     plans = {k: json.loads((work["root"] / "jobs" / k / "plan.json").read_text()) for k in ids}
@@ -423,7 +428,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, work, outside_head
     job = submit(slurm_cluster, work, "P", ["--nodes=2", "--cpus-per-task=2"],
                  [f"train.max_steps={steps}", f"train.log_every_steps={log_every}", "checkpoint.every_steps=1000",
                   "train.eval_every_steps=1000"])
-    metrics = work["root"] / "runs" / "P" / "metrics.jsonl"
+    metrics = run_dir(work, "P") / "metrics.jsonl"
     deadline = time.time() + 600
     seen: list[int] = []
     while time.time() < deadline:
@@ -452,7 +457,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, work, outside_head
     # The checkpoint holds every step logged before the signal (at most the step in flight is redone).
     assert last_seen <= ckpt_step < steps, (last_seen, ckpt_step)
 
-    summary = json.loads((work["root"] / "runs" / "P" / "summary.json").read_text())
+    summary = json.loads((run_dir(work, "P") / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == steps
     assert summary["restarts"] >= 1
     logged = [r["step"] for r in read_jsonl(metrics) if "train_loss" in r]

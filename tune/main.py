@@ -1,0 +1,556 @@
+"""Stride's sweep driver: many Stride training runs (Ray Tune trials) over a search space, one command.
+
+    python tune/main.py --config tune/configs/lr_sweep.yaml
+    python tune/main.py --config tune/configs/lr_sweep.yaml sweep.num_samples=4 base.train.max_steps=100
+    python tune/main.py --config tune/configs/char_gpt_sweep.yaml sweep.scheduler=fifo
+    python tune/main.py --config tune/configs/lr_sweep.yaml --print-space     # check the file, start nothing
+
+Every trial is a full Stride run (the same loop, checkpoints and metrics.jsonl) in <storage_path>/<name>/<trial id>/,
+with the trial's overrides applied on top of `sweep.base_config` and `base`. Run the same command again after an
+interruption (Ctrl-C, SIGTERM, a killed driver) and the sweep continues: finished trials are not run again,
+unfinished ones resume from their last checkpoint (--retry-failed also reruns failed ones).
+
+On a cluster (RAY_ADDRESS set) it joins that cluster; otherwise it starts an embedded local Ray with token
+authentication, as trainers/main.py does. `max_concurrent_trials: auto` runs as many trials at once as worker
+gangs fit in the cluster.
+
+Exit codes: 0 at least one trial finished; 1 every trial failed; 2 a problem you can fix (sweep file, space, data,
+resources; one line on stderr); 130/143 interrupted by SIGINT/SIGTERM (rerun to resume).
+Results: <storage_path>/<name>/sweep_summary.json, one MLflow parent run per sweep with a child run per trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Run as a script from anywhere: make the repo root importable and keep tune/ itself off the path.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from datasets.parquet import DataError, inspect  # noqa: E402
+from trainers.config import Config, ConfigError, build_config  # noqa: E402
+from tune.space import Sweep, load_sweep, with_values  # noqa: E402
+
+# torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
+# before either is imported, so trainers.main, trainers.checkpointing and tune.trial are imported where used.
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+WORKER_LOG = "worker.log"
+STATE = "stride_sweep.json"          # the sweep's identity and MLflow parent run id, written at the first start
+SUMMARY = "sweep_summary.json"
+# A trial's own actor only waits on its TorchTrainer: no CPU (the gang reserves those, so N gangs fit on N x gang
+# CPUs), and a token of memory because Tune needs a non-empty resource bundle to place it.
+TRIAL_RESOURCES = {"cpu": 0, "memory": 32 * 1024 * 1024}
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(
+        prog="python tune/main.py",
+        description="Run a hyperparameter sweep of Stride training runs (Ray Tune).",
+        epilog="Overrides: sweep.field=value, base.section.field=value (values parsed as YAML).\n"
+               "Rerun the same command to resume an interrupted sweep. See README.md, 'Hyperparameter sweeps'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="sweep YAML (e.g. tune/configs/lr_sweep.yaml)")
+    ap.add_argument("--print-space", action="store_true", help="check the sweep file, print its space, start nothing")
+    ap.add_argument("--retry-failed", action="store_true", help="on resume, also rerun trials that failed")
+    ap.add_argument("--verbose", action="store_true", help="show the workers' logs on the console (default: <sweep>/worker.log)")
+    ap.add_argument("overrides", nargs="*", metavar="sweep.field=value | base.section.field=value")
+    return ap.parse_args(argv)
+
+
+# ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
+
+def check_storage(sweep: Sweep) -> Path:
+    from trainers.main import UsageError
+
+    d = sweep.sweep_dir
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"sweep.storage_path ({sweep.sweep.storage_path}) is not writable ({e.strerror}); "
+                         f"set sweep.storage_path=<a folder you can write>") from None
+    return d
+
+
+def inspect_data(cfg: Config, sweep: Sweep) -> dict:
+    specs = {"train": inspect(cfg.data, cfg.model, "train")}
+    if cfg.data.val_path:
+        specs["val"] = inspect(cfg.data, cfg.model, "val")
+    for d in sweep.dims:
+        if d.key == "model.context":  # the longest context a trial can get must fit the token rows
+            longest = build_config(with_values(sweep.base_raw, {d.key: max(d.values_to_check())}))
+            inspect(longest.data, longest.model, "train")
+    return specs
+
+
+def check_batches(sweep: Sweep, cfg: Config, train_rows: int, num_workers: int) -> None:
+    from trainers.main import UsageError
+
+    for d in sweep.dims:
+        if d.key == "train.batch_size_per_worker":
+            biggest = max(d.values_to_check())
+            if biggest * num_workers > train_rows:
+                raise UsageError(f"space.{d.key} ({d.describe()}) can give {biggest}, and {biggest} x {num_workers} "
+                                 f"workers exceeds the {train_rows} training rows; lower its upper end")
+    if cfg.train.batch_size_per_worker * num_workers > train_rows and "train.batch_size_per_worker" not in \
+            {d.key for d in sweep.dims}:
+        raise UsageError(f"base train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {num_workers} workers "
+                         f"exceeds the {train_rows} training rows; set base.train.batch_size_per_worker lower")
+
+
+def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> tuple[int, str]:
+    """How many trial worker gangs the cluster holds at once: each worker's bundle must fit on one node."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    bundles = 0
+    for res in nodes:
+        per_node = math.floor(res.get("CPU", 0.0) / cpus_per_worker + 1e-9)
+        if use_gpu:
+            per_node = min(per_node, math.floor(res.get("GPU", 0.0) + 1e-9))
+        bundles += per_node
+    cpus = sum(r.get("CPU", 0.0) for r in nodes)
+    gpus = sum(r.get("GPU", 0.0) for r in nodes)
+    have = f"{cpus:g} CPUs, {gpus:g} GPUs on {len(nodes)} node(s)"
+    return bundles // num_workers, have
+
+
+def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
+    """(max concurrent trials, workers per trial, use_gpu); raises UsageError for a gang that can never run."""
+    from trainers.main import UsageError, resolve_scaling
+
+    try:
+        num_workers, use_gpu, _ = resolve_scaling(cfg)
+    except UsageError as e:
+        raise UsageError("base: " + str(e).replace("scaling.", "base.scaling.")) from None
+    fit, have = gangs_that_fit(num_workers, cfg.scaling.cpus_per_worker, use_gpu)
+    gang = f"{num_workers} worker(s) x {cfg.scaling.cpus_per_worker:g} CPU" + (" + 1 GPU" if use_gpu else "")
+    if fit < 1:
+        raise UsageError(f"one trial's worker gang ({gang}) does not fit in the cluster ({have}); "
+                         f"lower base.scaling.num_workers or base.scaling.cpus_per_worker")
+    want = sweep.sweep.max_concurrent_trials
+    if want == "auto":
+        n = fit
+    else:
+        n = want
+        if want > fit:
+            print(f"stride: note: sweep.max_concurrent_trials ({want}) > the {fit} trial gangs ({gang}) that fit now "
+                  f"({have}); the others wait for resources", flush=True)
+    return n, num_workers, use_gpu
+
+
+# ---- the sweep's identity, MLflow parent run ----
+
+def read_state(sweep_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((sweep_dir / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            diff = first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+            if diff:
+                return diff
+        return None
+    return None if a == b else f"{path} ({b!r} before, {a!r} now)"
+
+
+def start_parent_run(sweep: Sweep, cfg: Config, uri: str, run_id: str | None) -> str | None:
+    from trainers.tracking import Tracker
+
+    tracker = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
+    run_id = tracker.start(sweep.sweep.name, run_id, sweep.to_params())
+    tracker.set_tag("stride.sweep", "true")
+    tracker.set_tag("stride.sweep_dir", str(sweep.sweep_dir))
+    return run_id
+
+
+# ---- Tune ----
+
+def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: bool, retry_failed: bool):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from tune.trial import ConsoleCallback, trial_dirname
+
+    s = sweep.sweep
+    if restore:
+        # The search algorithm, scheduler and trial list come back from the sweep folder.
+        return tune.Tuner.restore(str(sweep.sweep_dir), trainable=trainable, resume_unfinished=True,
+                                  resume_errored=retry_failed)
+    if s.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search_alg = OptunaSearch(seed=s.seed)
+    else:
+        # An explicit generator ignores TuneConfig.max_concurrent_trials: it must carry the limit itself.
+        search_alg = BasicVariantGenerator(max_concurrent=concurrency, random_state=s.seed,
+                                           constant_grid_search=s.search == "grid")
+    if s.scheduler == "asha":
+        base = sweep.base_cfg()
+        grace = s.grace_period_steps or (base.train.eval_every_steps if s.metric.startswith("val_")
+                                         else base.train.log_every_steps)
+        # time_attr is Stride's optimizer step, so rungs mean the same for every batch size; max_t one past the
+        # last step so ASHA never "stops" a trial at its final step before it writes its summary.
+        scheduler = ASHAScheduler(time_attr="step", max_t=max_t + 1, grace_period=grace,
+                                  reduction_factor=s.reduction_factor)
+    else:
+        scheduler = FIFOScheduler()
+    return tune.Tuner(
+        trainable,
+        param_space=sweep.param_space(),
+        tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, search_alg=search_alg, scheduler=scheduler,
+                                    num_samples=s.num_samples, max_concurrent_trials=concurrency,
+                                    trial_dirname_creator=trial_dirname, reuse_actors=False),
+        run_config=tune.RunConfig(name=s.name, storage_path=str(sweep.sweep_dir.parent), verbose=0,
+                                  callbacks=[ConsoleCallback(str(sweep.sweep_dir), s.metric)],
+                                  failure_config=tune.FailureConfig(max_failures=s.max_failures)),
+    )
+
+
+def max_steps_of_sweep(sweep: Sweep, train_rows: int, num_workers: int) -> int:
+    """The most steps any trial can take (ASHA's max_t): the extreme values of the step-shaping fields."""
+    from tune.trial import planned_steps
+
+    candidates: dict[str, list] = {}
+    for d in sweep.dims:
+        if d.key in ("train.max_steps", "train.epochs", "train.batch_size_per_worker", "train.grad_accum_steps"):
+            candidates[d.key] = d.values_to_check()
+    most = 1
+    keys = list(candidates)
+    for combo in itertools.product(*(candidates[k] for k in keys)) if keys else [()]:
+        cfg = build_config(with_values(sweep.base_raw, dict(zip(keys, combo))))
+        most = max(most, planned_steps(cfg, train_rows, num_workers))
+    return most
+
+
+# ---- results ----
+
+def trial_events(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    from tune.trial import EVENTS
+
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        lines = (sweep_dir / EVENTS).read_text().splitlines()
+    except OSError:
+        lines = []
+    for ln in lines:
+        try:
+            ev = json.loads(ln)
+        except ValueError:
+            continue  # a line cut short by a killed driver
+        t = out.setdefault(ev["trial_id"], {"started_at": None, "first_result_at": None, "ended_at": None, "last": None})
+        if ev["event"] == "start":
+            t["started_at"] = t["started_at"] or ev["time"]
+            t["last"] = "start"
+        elif ev["event"] == "result":
+            t["first_result_at"] = t["first_result_at"] or ev["time"]
+        else:
+            t["ended_at"] = ev["time"]
+            t["last"] = ev["event"]
+    return out
+
+
+def child_runs(uri: str, experiment: str, parent_run_id: str | None) -> dict[str, list[str]]:
+    """MLflow child run ids per trial id, newest first. A trial restarted before its first checkpoint could not
+    continue its child run and has two; the newest is the trial's, the older ones are closed as superseded."""
+    if not parent_run_id:
+        return {}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        out.setdefault(r.data.tags.get("mlflow.runName", r.info.run_name), []).append(r.info.run_id)
+    return out
+
+
+def collect_trials(sweep: Sweep, results, uri: str, parent_run_id: str | None, train_rows: int,
+                   num_workers: int) -> list[dict[str, Any]]:
+    from tune.trial import planned_steps, read_summary
+
+    events = trial_events(sweep.sweep_dir)
+    children = child_runs(uri, sweep.base_cfg().tracking.experiment, parent_run_id)
+    metric = sweep.sweep.metric
+    trials = []
+    for r in results:
+        trial_id = Path(r.path).name
+        params = sweep.decode(r.config or {})
+        ev = events.get(trial_id, {})
+        run_dir = sweep.sweep_dir / trial_id
+        own = read_summary(run_dir) or {}
+        m = r.metrics or {}
+        steps = m.get("step")
+        planned = planned_steps(build_config(sweep.trial_raw(params, trial_id, uri)), train_rows, num_workers)
+        if r.error is not None or ev.get("last") == "error":
+            status = "failed"
+        elif ev.get("last") == "end":
+            status = "completed" if own.get("status") == "completed" or (steps or 0) >= planned else "early_stopped"
+        elif ev.get("last") == "start":
+            status = "interrupted"
+        else:
+            status = "pending"
+        value = m.get(metric)
+        ids = children.get(trial_id, [])
+        run_id = own.get("mlflow_run_id") or (ids[0] if ids else None)
+        trials.append({
+            "trial_id": trial_id, "params": params,
+            "metric": value if isinstance(value, (int, float)) and math.isfinite(value) else None,
+            "status": status, "steps": steps, "planned_steps": planned,
+            "mlflow_run_id": run_id, "superseded_mlflow_run_ids": [i for i in ids if i != run_id],
+            "started_at": ev.get("started_at"), "first_result_at": ev.get("first_result_at"),
+            "ended_at": ev.get("ended_at"), "run_dir": str(run_dir),
+            "error": (own.get("error") or str(r.error).strip().splitlines()[-1][:300]) if status == "failed" else None,
+        })
+    sign = 1 if sweep.sweep.mode == "min" else -1
+    trials.sort(key=lambda t: (t["metric"] is None, sign * (t["metric"] or 0.0), t["trial_id"]))
+    return trials
+
+
+FINISHED = ("completed", "early_stopped")
+
+
+def outcome(trials: list[dict], expected: int) -> tuple[dict | None, bool]:
+    """(best trial, sweep complete). `trials` is sorted best first; the best is the best metric among trials that
+    finished (ran to the end or were stopped early by the scheduler), as Tune's scope='last' picks it."""
+    complete = len(trials) >= expected and not any(t["status"] in ("interrupted", "pending") for t in trials)
+    ranked = [t for t in trials if t["status"] in FINISHED and t["metric"] is not None]
+    return (ranked[0] if ranked else None), complete
+
+
+def exit_code(trials: list[dict], complete: bool, signals: list[int]) -> int:
+    if not complete:
+        return 128 + (signals[-1] if signals else signal.SIGINT)
+    return EXIT_OK if any(t["status"] in FINISHED for t in trials) else EXIT_FAILED
+
+
+def finish_mlflow(sweep: Sweep, uri: str, parent_run_id: str | None, trials: list[dict], best: dict | None,
+                  complete: bool) -> None:
+    """Close what the trials could not: early-stopped and failed children were killed mid-run."""
+    if not parent_run_id:
+        return
+    from mlflow.entities import Param
+
+    from trainers.tracking import Tracker
+
+    cfg = sweep.base_cfg()
+    child = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
+    for t in trials:
+        for stale in t["superseded_mlflow_run_ids"]:
+            child.run_id = stale
+            child.set_tag("stride.superseded_by", t["mlflow_run_id"])
+            child.finish("KILLED")
+        if t["mlflow_run_id"]:
+            child.run_id = t["mlflow_run_id"]
+            child.set_tag("stride.trial_status", t["status"])
+            if t["status"] != "completed":  # the loop closed completed runs itself
+                child.finish("FAILED" if t["status"] == "failed" else "KILLED")
+    parent = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
+    parent.run_id = parent_run_id
+    metric = sweep.sweep.metric
+    if best is not None:
+        parent.log_metrics({f"best_{metric}": best["metric"]}, step=best.get("steps") or 0)
+        parent.set_tag("stride.best_trial_id", best["trial_id"])
+        if complete:
+            params = [Param(f"best.{k}", json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+                      for k, v in best["params"].items()]
+            parent._guard("logging the best params", parent.client.log_batch, parent_run_id, params=params)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    parent.log_metrics({f"trials_{k}": v for k, v in counts.items()}, step=0)
+    parent.finish("FINISHED" if complete else "KILLED")
+
+
+def print_table(trials: list[dict], metric: str) -> None:
+    keys = sorted({k for t in trials for k in t["params"]})
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
+    rows = [["trial", "status", "steps", metric] + keys]
+    rows += [[t["trial_id"], t["status"], fmt(t["steps"]), fmt(t["metric"])] + [fmt(t["params"].get(k)) for k in keys]
+             for t in trials]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("stride: " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def route_worker_logs(path: Path) -> None:
+    """Every trial's workers print Stride's per-step log lines and Ray Train's own; with several trials at once
+    that floods the console. They go to <sweep>/worker.log instead; the console gets one line per trial result."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    out = open(path, "a", buffering=1)
+
+    def write(data: dict) -> None:
+        prefix = f"({data.get('actor_name') or data.get('task_name') or 'worker'} pid={data.get('pid')})"
+        out.write("".join(f"{prefix} {line}\n" for line in data.get("lines", [])))
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("stride_sweep_log", write)
+
+
+def install_sigterm() -> list[int]:
+    """SIGTERM (scancel, preemption) stops the sweep as Ctrl-C does: Tune saves its state and the trials stop."""
+    received: list[int] = []
+
+    def handler(signum, _frame):
+        received.append(signum)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, handler)
+    return received
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    try:
+        sweep = load_sweep(args.config, args.overrides)
+        cfg = sweep.base_cfg()
+    except ConfigError as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.print_space:
+        print(json.dumps({"sweep": sweep.sweep.model_dump(mode="json"), "base": sweep.base,
+                          "space": {d.key: d.describe() for d in sweep.dims}, "trials": sweep.num_trials()}, indent=1))
+        return EXIT_OK
+
+    from trainers.main import UsageError, init_ray, quiet_ray_env
+
+    try:
+        sweep_dir = check_storage(sweep)
+        specs = inspect_data(cfg, sweep)
+        state = check_resumable(sweep, sweep_dir)
+        quiet_ray_env()
+        os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")  # a killed driver loses at most 2 s of sweep state
+        # The legacy reporter honours verbose=0 completely (the new one still prints a config box and TensorBoard hints).
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        init_ray(cfg)
+        concurrency, num_workers, use_gpu = resolve_concurrency(sweep, cfg)
+        check_batches(sweep, cfg, specs["train"].num_rows, num_workers)
+    except (ConfigError, DataError, UsageError) as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("stride: interrupted before any trial started", file=sys.stderr)
+        return 128 + signal.SIGINT
+    return run_sweep(sweep, cfg, specs, state, concurrency, num_workers, use_gpu, args.retry_failed, args.verbose, t_start)
+
+
+def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
+    """The state of an earlier start of this sweep, if any; a restorable sweep started with other settings is
+    refused (Tune would resume the old trials and silently ignore the new space)."""
+    from ray.tune import Tuner
+
+    from trainers.main import UsageError
+
+    state = read_state(sweep_dir)
+    identity = json.loads(json.dumps(sweep.identity()))  # as it reads back from the state file
+    if state is None or state.get("identity") == identity:
+        return state
+    if Tuner.can_restore(str(sweep_dir)):
+        diff = first_difference(identity, state.get("identity") or {})
+        raise UsageError(f"{sweep_dir} holds a sweep started with different settings: {diff}; rerun with the "
+                         f"original settings to resume it, or use a new sweep.name")
+    return None  # never got as far as a Tune experiment: start afresh
+
+
+def run_sweep(sweep: Sweep, cfg: Config, specs: dict, state: dict | None, concurrency: int, num_workers: int,
+              use_gpu: bool, retry_failed: bool, verbose: bool, t_start: float) -> int:
+    import logging
+
+    from ray import tune
+
+    from trainers.checkpointing import atomic_write_text
+    from trainers.main import read_datasets
+    from trainers.tracking import default_uri
+    from tune.trial import run_trial
+
+    import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that
+
+    # Schema migrations, study creation and per-dataset INFO lines are noise next to one line per trial result.
+    quiet = {"mlflow": logging.WARNING, "alembic": logging.WARNING, "ray.data": logging.ERROR}
+    if sweep.sweep.search == "optuna":
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for name, level in quiet.items():
+        logging.getLogger(name).setLevel(level)
+    sweep_dir = sweep.sweep_dir
+    uri = cfg.tracking.mlflow_uri or default_uri(sweep.sweep_dir.parent)
+    restore = tune.Tuner.can_restore(str(sweep_dir))
+    parent_run_id = start_parent_run(sweep, cfg, uri, (state or {}).get("mlflow_parent_run_id"))
+    atomic_write_text(sweep_dir / STATE, json.dumps({"identity": sweep.identity(), "mlflow_parent_run_id": parent_run_id,
+                                                     "mlflow_uri": uri}, indent=1) + "\n")
+    train_rows = specs["train"].num_rows
+    max_t = max_steps_of_sweep(sweep, train_rows, num_workers)
+    print(f"stride: sweep {sweep.sweep.name}: {sweep.num_trials()} trial(s), {min(concurrency, sweep.num_trials())} at a time "
+          f"({num_workers} {'GPU' if use_gpu else 'CPU'} worker(s) each), search {sweep.sweep.search}, "
+          f"scheduler {sweep.sweep.scheduler}, {sweep.sweep.mode} {sweep.sweep.metric}"
+          + (" - resuming" if restore else ""), flush=True)
+    datasets = read_datasets(specs)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, sweep=sweep, specs=specs, datasets=datasets, mlflow_uri=uri,
+                             parent_run_id=parent_run_id),
+        TRIAL_RESOURCES)
+    logging.getLogger("ray.tune").setLevel(logging.ERROR)  # Stride prints the trials; Tune's tables are off
+    if not verbose:
+        route_worker_logs(sweep_dir / WORKER_LOG)
+    signals = install_sigterm()
+    tuner = build_tuner(sweep, trainable, concurrency, max_t, restore, retry_failed)
+    results = tuner.fit()
+
+    trials = collect_trials(sweep, results, uri, parent_run_id, train_rows, num_workers)
+    best, complete = outcome(trials, sweep.num_trials())
+    summary = {
+        "sweep": sweep.sweep.name, "status": "completed" if complete else "interrupted",
+        "metric": sweep.sweep.metric, "mode": sweep.sweep.mode,
+        "best_trial_id": best["trial_id"] if best else None, "best_config": best["params"] if best else None,
+        "best_metric": best["metric"] if best else None,
+        "mlflow_parent_run_id": parent_run_id, "mlflow_uri": uri,
+        "max_concurrent_trials": concurrency, "workers_per_trial": num_workers, "wall_s": time.time() - t_start,
+        "config": {"sweep": sweep.sweep.model_dump(mode="json"), "base": sweep.base,
+                   "space": {d.key: d.describe() for d in sweep.dims}, "base_config": str(sweep.base_config_path)},
+        "trials": trials,
+    }
+    atomic_write_text(sweep_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
+    finish_mlflow(sweep, uri, parent_run_id, trials, best, complete)
+
+    print_table(trials, sweep.sweep.metric)
+    counts = ", ".join(f"{sum(t['status'] == s for t in trials)} {s}" for s in
+                       ("completed", "early_stopped", "failed", "interrupted", "pending") if any(t["status"] == s for t in trials))
+    print(f"stride: {len(trials)} trial(s): {counts}")
+    if best:
+        shown = " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in best["params"].items())
+        print(f"stride: best {sweep.sweep.metric} {best['metric']:.4g} (trial {best['trial_id']}): {shown}")
+    print(f"stride: summary     {sweep_dir / SUMMARY}")
+    print(f"stride: mlflow      parent run {parent_run_id} in {uri}")
+    if not complete:
+        print("stride: interrupted; run the same command again to resume the sweep", file=sys.stderr)
+    return exit_code(trials, complete, signals)
+
+if __name__ == "__main__":
+    sys.exit(main())

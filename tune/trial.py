@@ -1,0 +1,194 @@
+"""One sweep trial = one full Stride training run, and the Tune callbacks around it.
+
+`run_trial` is the function trainable Tune runs (with almost no resources of its own: the TorchTrainer it
+builds reserves the worker gang). Its run folder is <storage_path>/<sweep>/<trial id>: metrics.jsonl,
+checkpoints and summary.json, exactly as `trainers/main.py` writes them. Evaluation results reach Tune through
+`TuneReportCallback`, so ASHA can stop a trial between evaluations. This module is importable on every node
+(the driver's tune/main.py is `__main__` there), which is why the trainable and the callbacks live here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Callback
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from trainers.checkpointing import atomic_write_text
+from trainers.config import Config, build_config
+
+SUMMARY = "summary.json"
+EVENTS = "trial_events.jsonl"
+
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"    # Ray Train's list of a run's checkpoints
+SNAPSHOT_COPY = ".stride-last-good-snapshot.json"
+
+
+class MetricReportCallback(TuneReportCallback):
+    """Forward to Tune only the reports that carry the sweep's metric (the loop reports train_loss on log steps
+    and val_* on eval steps). Tune then sees one result per evaluation, ASHA compares trials on the metric at
+    the same step, and Tune's strict metric check never trips over a log-only report.
+
+    It also keeps a copy of Ray Train's checkpoint snapshot after every checkpoint: Ray writes that file in
+    place, and a sweep killed during the write leaves it empty, after which the trial can never start again
+    (CheckpointManagerInitializationError). `repair_snapshot` puts the copy back."""
+
+    def __init__(self, metric: str, run_dir: str):
+        super().__init__()
+        self.metric = metric
+        self.run_dir = run_dir
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if checkpoint is not None:
+            # Runs after Ray Train's checkpoint manager registered the checkpoint and rewrote the snapshot.
+            src = Path(self.run_dir) / SNAPSHOT
+            text = src.read_text() if src.exists() else ""
+            if _is_json(text):
+                atomic_write_text(Path(self.run_dir) / SNAPSHOT_COPY, text)
+        if metrics and self.metric in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def repair_snapshot(run_dir: Path) -> str | None:
+    """Before (re)starting a trial's TorchTrainer: an unreadable snapshot is replaced by the last good copy (the
+    trial resumes from the checkpoint before the one being recorded when the sweep was killed), or, with no copy,
+    moved aside (the trial starts over). Returns what was done, for the log."""
+    snap = run_dir / SNAPSHOT
+    if not snap.exists() or _is_json(snap.read_text()):
+        return None
+    copy = run_dir / SNAPSHOT_COPY
+    if copy.exists():
+        atomic_write_text(snap, copy.read_text())
+        return f"{snap} was unreadable (the sweep was killed while Ray wrote it); restored the last good copy"
+    snap.rename(run_dir / f"{SNAPSHOT}.unreadable-{int(time.time())}")
+    return f"{snap} was unreadable and no copy exists; the trial starts over"
+
+
+def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
+    """Optimizer steps a run of `cfg` will take (trainers/loop.py's total_steps without building an Order)."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    micro_per_epoch = train_rows // (cfg.train.batch_size_per_worker * num_workers)
+    return max(1, math.ceil(cfg.train.epochs * micro_per_epoch / cfg.train.grad_accum_steps))
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_trial(config: dict[str, Any], *, sweep, specs: dict, datasets: dict, mlflow_uri: str,
+              parent_run_id: str | None) -> None:
+    from ray import tune
+    import ray.train
+
+    from trainers.main import build_trainer
+
+    trial_id = tune.get_context().get_trial_id()
+    params = sweep.decode(config)
+    cfg = build_config(sweep.trial_raw(params, trial_id, mlflow_uri), origin=f"trial {trial_id}")
+    metric = sweep.sweep.metric
+    done = read_summary(cfg.run_dir)
+    if done and done.get("status") == "completed" and done.get("params") == params:
+        # Finished before the driver was killed, but Tune's last saved state still had it running:
+        # report the final result again instead of training it again.
+        tune.report({"step": done.get("global_step"), metric: done.get(metric), "stride_restored": True})
+        return
+    repaired = repair_snapshot(cfg.run_dir)
+    if repaired:
+        print(f"stride: trial {trial_id}: {repaired}", flush=True)
+    trainer, runtime = build_trainer(cfg, specs, datasets, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
+                                     runtime_extra={"mlflow_parent_run_id": parent_run_id})
+    t0 = time.time()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        write_trial_summary(cfg, {"status": "failed", "error": lines[-1][:500] if lines else type(e).__name__},
+                            params, t0)
+        raise
+    summary = dict(result.return_value or {})
+    summary.setdefault("status", "completed")
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    write_trial_summary(cfg, summary, params, t0)
+
+
+def write_trial_summary(cfg: Config, summary: dict[str, Any], params: dict[str, Any], t0: float) -> None:
+    summary.update(params=params, wall_s=time.time() - t0, config=cfg.to_dict())
+    atomic_write_text(cfg.run_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
+
+
+class ConsoleCallback(Callback):
+    """Stride's console for a sweep (Tune runs with verbose=0): one line per trial start, result, end.
+    Start/result/end times also go to <sweep>/trial_events.jsonl, which survives a resume."""
+
+    def __init__(self, sweep_dir: str, metric: str):
+        self.events = Path(sweep_dir) / EVENTS
+        self.metric = metric
+
+    def _record(self, trial, event: str, **extra) -> None:
+        with open(self.events, "a") as f:
+            f.write(json.dumps({"trial_id": trial.trial_id, "event": event, "time": time.time(), **extra}) + "\n")
+
+    @staticmethod
+    def _say(text: str) -> None:
+        print(f"stride: {text}", flush=True)
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._record(trial, "start")
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in trial.config.items())
+        self._say(f"trial {trial.trial_id} started: {params}")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        value = result.get(self.metric)
+        self._record(trial, "result", step=result.get("step"), value=value)
+        self._say(f"trial {trial.trial_id} step {result.get('step')} {self.metric} {_fmt(value)}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._record(trial, "end")
+        last = trial.last_result or {}
+        # A trial that ran to the end wrote its summary; one the scheduler stopped was killed before it could.
+        own = read_summary(self.events.parent / trial.trial_id) or {}
+        how = "completed" if own.get("status") == "completed" else "stopped early"
+        self._say(f"trial {trial.trial_id} {how} at step {last.get('step')} {self.metric} {_fmt(last.get(self.metric))}")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._record(trial, "error")
+        self._say(f"trial {trial.trial_id} failed: {error_line(trial)}")
+
+
+def error_line(trial) -> str:
+    path = getattr(trial, "error_file", None) or getattr(trial, "local_error_file", None)
+    try:
+        text = Path(path).read_text() if path else ""
+    except OSError:
+        text = ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "see the trial's error.txt"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+
+def trial_dirname(trial) -> str:
+    """A trial's folder (and Stride run name) is its trial id: short, unique, stable across a resume."""
+    return trial.trial_id

@@ -157,6 +157,16 @@ def inspect(data_cfg, model_cfg, split: str = "train") -> DataSpec:
     if lo < 0 or hi >= num_classes:
         raise DataError(f"model.num_classes ({num_classes}) does not cover the labels in {key} (range {lo}..{hi}); "
                         f"labels must be 0..num_classes-1: set model.num_classes={hi + 1} or relabel")
+    if data_cfg.nan_policy == "error":
+        # Never train on NaN silently: count missing values per feature column before any worker starts.
+        for f in files:
+            t = pq.read_table(_open(f), columns=list(feats))
+            for name in feats:
+                col = t.column(name)
+                bad = col.null_count + (pc.sum(pc.is_nan(col)).as_py() or 0 if pa.types.is_floating(col.type) else 0)
+                if bad:
+                    raise DataError(f"{key}: feature column '{name}' has {bad} NaN/missing values in {os.path.basename(f)}; "
+                                    f"clean the data or set data.nan_policy=impute (training mean)")
     cols = feats + (label,) + ((SAMPLE_ID,) if has_id else ())
     return DataSpec("tabular", cols, feature_columns=feats, label_column=label, num_classes=num_classes,
                     has_sample_id=has_id, num_rows=rows, files=tuple(files))

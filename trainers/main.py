@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -123,11 +122,9 @@ def init_ray(cfg: Config) -> bool:
             raise UsageError(f"RAY_ADDRESS ({address}) is not reachable ({text[:160]}); start the cluster "
                              f"(python -m ray_cluster.local start) or unset RAY_ADDRESS to train on an embedded local Ray") from None
         return False
-    cores = os.cpu_count() or 1
-    want = cfg.scaling.num_workers if isinstance(cfg.scaling.num_workers, int) else 1
-    # The embedded cluster is sized to the job (logical CPUs may exceed the cores, as torchrun would run them).
-    num_cpus = max(cores, math.ceil(want * cfg.scaling.cpus_per_worker))
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
+    # The embedded cluster is this machine: as many CPUs as it has cores, so a gang that needs more is refused
+    # (exit 2) instead of oversubscribing the cores.
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
              logging_config=logging_config, configure_logging=True)
     return True
 

@@ -679,19 +679,9 @@ def _too_big_for_embedded(args: argparse.Namespace) -> str | None:
 
 
 def _reachable(address: str, timeout_s: float) -> str | None:
-    """None when something listens at a host:port address; else why not. ray.init() retries an unreachable
-    GCS for minutes, so ask the socket first (other address forms go straight to ray.init, under the watchdog)."""
-    import socket
+    from trainers.main import unreachable
 
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        return None
-    try:
-        socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
+    return unreachable(address, min(timeout_s, 10.0))
 
 
 def _connect(args: argparse.Namespace) -> None:

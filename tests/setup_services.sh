@@ -18,4 +18,6 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup_services: missing ${need[*]} and not root with apt-get; those tests will skip"
   fi
 fi
+# sshd refuses to start without its privilege-separation directory.
+[ "$(id -u)" = 0 ] && mkdir -p /run/sshd
 exit 0

@@ -106,6 +106,8 @@ class ScalingSection(Section):
     use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
+    preflight: bool = Field(False, description="Before training, check the gang (versions, GEMM, storage, all-reduce) "
+                                               "with ray_cluster.doctor's quick checks; stop on a failure")
 
     @field_validator("num_workers")
     @classmethod

@@ -208,6 +208,9 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     in_features = train.x.shape[1] if cfg.model.name == "mlp" else None
     model = build_model(cfg, in_features, runtime.get("num_classes")).to(env.device)
     precision_name = resolve_precision(cfg.train.precision, env.device)
+    if precision_name != "fp32" and env.device.type == "cpu" and rank0:
+        log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; "
+                    "use train.precision=auto (fp32 on CPU) unless you are testing mixed precision", precision_name)
     if precision_name == "bf16" and env.device.type == "cpu" and rank0:
         log.warning("train.precision=bf16 on CPU runs as asked but is far slower than fp32 on most CPUs")
     precision = Precision.create(precision_name, env.device)
@@ -216,7 +219,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     scaler = precision.grad_scaler()
 
     # ---- restore ----
-    step, micro_step, samples_seen, restarts, mlflow_run_id = 0, 0, 0, 0, None
+    # A caller that already opened the MLflow run (a restarted Tune trial with no checkpoint yet) passes its id.
+    step, micro_step, samples_seen, restarts, mlflow_run_id = 0, 0, 0, 0, runtime.get("mlflow_run_id")
     ckpt_dir = env.latest_checkpoint()
     if ckpt_dir is not None:
         state, meta = checkpointing.load(ckpt_dir)
@@ -238,7 +242,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                             f"train.batch_size_per_worker x num_workers as before")
         micro_step = epoch * order.micro_steps_per_epoch + offset // order.global_micro_batch
         restarts = meta.get("restarts", 0) + 1
-        mlflow_run_id = meta.get("mlflow_run_id")
+        mlflow_run_id = meta.get("mlflow_run_id") or mlflow_run_id
         rngs = state.get("rng_per_rank") or []
         if len(rngs) == W:
             checkpointing.set_rng_state(rngs[env.world_rank])

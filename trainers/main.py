@@ -97,11 +97,47 @@ def quiet_ray_env() -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-def init_ray(cfg: Config) -> bool:
+def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """None when something listens at a host:port (or ray://host:port) address; else why not. ray.init() retries
+    an unreachable GCS for minutes, so ask the socket first. Other forms (auto) are left to ray.init()."""
+    import socket
+
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def _propagate_address() -> None:
+    """Every Train process must know *its* cluster. Ray code that looks the cluster up by itself (Train's
+    PlacementGroupCleaner, via the state API) otherwise reads RAY_ADDRESS or /tmp/ray/ray_current_cluster, which
+    on a host with several Rays (an embedded one beside a `ray start` head, SLURM jobs sharing a node) names
+    another cluster: it then sees the controller as gone and removes the gang's placement group mid-run."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    try:  # Ray 2.60: the env vars the Train controller copies to itself and to every worker
+        from ray.train.v2._internal import constants
+
+        constants.ENV_VARS_TO_PROPAGATE.add("RAY_ADDRESS")
+    except (ImportError, AttributeError):
+        pass
+
+
+def init_ray(cfg: Config, log_to_driver: bool = True) -> bool:
     """Connect to RAY_ADDRESS or start an embedded local Ray. Returns True when embedded."""
     address = os.environ.get("RAY_ADDRESS")
     if not address:
         _auth_env_for_embedded()
+    elif why := unreachable(address):
+        raise UsageError(f"RAY_ADDRESS ({address}) is not reachable ({why}); start the cluster "
+                         f"(python -m ray_cluster.local start) or unset RAY_ADDRESS to train on an embedded local Ray")
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # a token given is a token meant to be sent
     import ray
     from ray._raylet import Config as RayletConfig
 
@@ -113,19 +149,24 @@ def init_ray(cfg: Config) -> bool:
     logging_config = ray.LoggingConfig(log_level="WARNING")
     if address:
         try:
-            ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config, log_to_driver=True)
+            ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config, log_to_driver=log_to_driver)
         except Exception as e:  # noqa: BLE001 - turn connection problems into one line
+            # The port answered (checked above), so the cluster is there and refused us: in practice a missing or
+            # wrong token (Ray says only "Failed to connect"), or a client of another Ray version.
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if "auth" in text.lower() or "token" in text.lower() or "Unauthenticated" in text:
-                raise UsageError(f"RAY_ADDRESS ({address}) refused the connection ({text[:160]}); set RAY_AUTH_TOKEN_PATH "
-                                 f"to the cluster's token file (and RAY_AUTH_MODE=token)") from None
-            raise UsageError(f"RAY_ADDRESS ({address}) is not reachable ({text[:160]}); start the cluster "
-                             f"(python -m ray_cluster.local start) or unset RAY_ADDRESS to train on an embedded local Ray") from None
+            token = os.environ.get("RAY_AUTH_TOKEN_PATH") or ("RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else "none")
+            raise UsageError(f"RAY_ADDRESS ({address}) refused the connection ({text[:160]}; token: {token}); set "
+                             f"RAY_AUTH_TOKEN_PATH to the cluster's token file (and check that the cluster runs "
+                             f"ray=={ray.__version__})") from None
+        _propagate_address()
         return False
     # The embedded cluster is this machine: as many CPUs as it has cores, so a gang that needs more is refused
     # (exit 2) instead of oversubscribing the cores.
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
-             logging_config=logging_config, configure_logging=True)
+    ctx = ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
+             logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
+    _propagate_address()
+    if ctx.dashboard_url:
+        print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", flush=True)
     return True
 
 
@@ -212,8 +253,11 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
         train_loop_config={"cfg": cfg.to_dict(), "runtime": runtime},
         # A hung all-reduce fails the run after collective_timeout_s instead of the 30-minute default.
         torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
+        # num_workers=auto on CPU means one worker per node: SPREAD places them so (PACK would stack them).
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     placement_strategy="SPREAD" if cfg.scaling.num_workers == "auto" and not use_gpu
+                                     else "PACK"),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
@@ -229,7 +273,9 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
 def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
     import ray.train
 
-    resolve_scaling(cfg)  # fail on impossible resources before reading any data
+    num_workers, use_gpu, _ = resolve_scaling(cfg)  # fail on impossible resources before reading any data
+    if cfg.scaling.preflight:
+        preflight(cfg, num_workers, use_gpu)
     trainer, runtime = build_trainer(cfg, specs, read_datasets(specs), progress_bar=progress_bar)
     res = runtime["resources"]
     print(f"stride: training {cfg.run.name} on {runtime['num_workers']} {'GPU' if runtime['use_gpu'] else 'CPU'} "
@@ -248,6 +294,41 @@ def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
         tracker.run_id = summary["mlflow_run_id"]
         tracker.set_tag("final_checkpoint", summary["checkpoint"])
     return EXIT_OK, summary
+
+
+def check_resume(cfg: Config, run_dir: Path, spec) -> None:
+    """A run folder that holds a checkpoint is resumed: refuse, before Ray starts and with the checkpoint left as
+    it is, a model whose tensors do not match it (another model.* setting under the same run.name)."""
+    import torch
+
+    from trainers import checkpointing
+    from trainers.step import build_model
+
+    newest = checkpointing.newest_complete(run_dir)
+    if newest is None:
+        return
+    with torch.device("meta"):  # shapes only: no memory for the weights
+        model = build_model(cfg, len(spec.feature_columns or ()) or None, spec.num_classes)
+    saved = torch.load(newest / checkpointing.STATE, map_location="cpu", mmap=True, weights_only=False)["model"]
+    if mismatch := checkpointing.shape_mismatch(model.state_dict(), saved):
+        raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
+                         f"use a new run.name, or the model.* settings it was trained with")
+
+
+def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:
+    """scaling.preflight: the doctor's quick checks on the gang this run is about to place. A failure stops the
+    run before any data is read or checkpoint written (exit 2, naming the check, node and measured value)."""
+    from ray_cluster.doctor import format_table, run_preflight
+
+    t0 = time.perf_counter()
+    rows = run_preflight(num_workers, use_gpu, str(cfg.run_dir.parent), cfg.scaling.cpus_per_worker, quick=True)
+    failed = [r for r in rows if not r.ok]
+    if failed:
+        print(format_table(rows), file=sys.stderr)
+        raise UsageError(f"scaling.preflight (true) failed: {failed[0].failure_line()}"
+                         + (f" (+{len(failed) - 1} more above)" if len(failed) > 1 else "")
+                         + "; fix the node or storage, or set scaling.preflight=false to train anyway")
+    print(f"stride: preflight passed ({len(rows)} checks in {time.perf_counter() - t0:.1f}s)", flush=True)
 
 
 def _error_line(e: BaseException) -> str:
@@ -296,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = {"train": inspect(cfg.data, cfg.model, "train")}
         if cfg.data.val_path:
             specs["val"] = inspect(cfg.data, cfg.model, "val")
+        check_resume(cfg, run_dir, specs["train"])
         quiet_ray_env()
         embedded = init_ray(cfg)
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.

@@ -1,0 +1,151 @@
+"""What a user gets wrong, and what the driver does about it: exit 2 with one line naming the key, the value and
+the fix, before anything is written or destroyed; or, for problems training can live with, train and warn once."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cluster_fixtures import head_factory  # noqa: F401 - fixture
+from conftest import free_port, run_cli
+
+TABULAR = ["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml"]
+TINY = ["train.max_steps=6", "train.epochs=null", "train.log_every_steps=2", "train.eval_every_steps=6",
+        "scaling.num_workers=1"]
+
+
+def _one_line_usage_error(r, *must_name: str) -> str:
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert err and err[-1].startswith("stride: error: "), r.stderr[-2000:]
+    for text in must_name:
+        assert text in err[-1], err[-1]
+    return err[-1]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _nan_data(tmp_path: Path) -> Path:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 4))
+    y = (x[:, 0] > 0).astype("int64")
+    x[::7, 2] = np.nan  # 58 missing values in one column
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir(parents=True)
+        pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "d": x[:, 3], "label": y}),
+                       tmp_path / split / "part-0.parquet")
+    return tmp_path
+
+
+# ---- refused before Ray starts (seconds) ----------------------------------------------------------------
+
+def test_missing_validation_path_names_the_key(tmp_path, tabular_data):
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tmp_path}/no-val",
+                 f"run.storage_path={tmp_path}/runs"], timeout=60)
+    _one_line_usage_error(r, "data.val_path", str(tmp_path / "no-val"))
+
+
+def test_nan_features_are_refused_by_default_naming_the_column_and_the_fix(tmp_path):
+    data = _nan_data(tmp_path / "data")
+    r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val",
+                 f"run.storage_path={tmp_path}/runs"], timeout=60)
+    line = _one_line_usage_error(r, "'c'", "58", "data.nan_policy=impute")
+    assert "'a'" not in line
+
+
+def test_unwritable_storage_path_names_the_key(tmp_path, tabular_data):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={blocker}/runs"], timeout=60)
+    _one_line_usage_error(r, "run.storage_path", str(blocker))
+    assert blocker.read_text() == "not a folder"
+
+
+def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabular_data):
+    """Resuming run.name with other model.* settings names the tensor that differs; the checkpoint survives."""
+    from trainers import checkpointing
+    from trainers.config import load_config
+    from trainers.step import build_model
+
+    storage = tmp_path / "runs"
+    cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"run.storage_path={storage}", "model.hidden_sizes=[32]"])
+    model = build_model(cfg, 16, 4)
+    ckpt = checkpointing.save(storage / cfg.run.name / "checkpoint_000010", {"model": model.state_dict()},
+                              {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0})
+    before = _digest(ckpt)
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={storage}", "model.hidden_sizes=[64]"], timeout=60)
+    _one_line_usage_error(r, "run.name (tabular_mlp)", "checkpoint_000010", "net.0.weight", "(32, 16)", "(64, 16)")
+    assert _digest(ckpt) == before
+    assert not (storage / cfg.run.name / "summary.json").exists()
+
+
+def test_unreachable_ray_address_fails_in_seconds(tmp_path, tabular_data):
+    port = free_port()  # nothing listens there
+    t0 = time.time()
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={tmp_path}/runs"], env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120)
+    _one_line_usage_error(r, f"RAY_ADDRESS (127.0.0.1:{port}) is not reachable", "unset RAY_ADDRESS")
+    assert time.time() - t0 < 60
+
+
+# ---- refused after connecting: the cluster cannot run the gang (one embedded Ray each) ----------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, must_name", [
+    ("scaling.num_workers=3", "scaling.num_workers (3)"),
+    ("scaling.use_gpu=true", "scaling.use_gpu (true)"),
+    ("scaling.cpus_per_worker=8", "scaling.cpus_per_worker (8)"),
+])
+def test_a_gang_the_cluster_cannot_hold_is_refused(tmp_path, tabular_data, override, must_name):
+    t0 = time.time()
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={tmp_path}/runs", override], timeout=180)
+    _one_line_usage_error(r, must_name)
+    assert time.time() - t0 < 120  # not left PENDING
+    assert not list((tmp_path / "runs").glob("*/checkpoint_*"))
+
+
+@pytest.mark.slow
+def test_wrong_token_is_refused_naming_the_token_file(tmp_path, tabular_data, head_factory):
+    (head,) = head_factory(1)
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    wrong.chmod(0o600)
+    env = dict(head.client_env(), RAY_AUTH_TOKEN_PATH=str(wrong))
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={tmp_path}/runs", *TINY], env=env, timeout=240)
+    _one_line_usage_error(r, f"RAY_ADDRESS ({head.address}) refused the connection", "RAY_AUTH_TOKEN_PATH")
+
+
+# ---- problems training can live with ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path):
+    data = _nan_data(tmp_path / "data")
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val", "data.nan_policy=impute",
+                 f"run.storage_path={tmp_path}/runs", f"tracking.mlflow_uri={dead}", "train.precision=bf16", "scaling.preflight=true", *TINY],
+                timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert out.count("training continues without MLflow") == 1, out[-4000:]
+    assert "train.precision=bf16 on CPU" in out
+    assert "stride: preflight passed" in out  # scaling.preflight ran the doctor's checks on the gang first
+    import json
+
+    summary = json.loads((tmp_path / "runs" / "tabular_mlp" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["global_step"] == 6
+    assert summary["mlflow_run_id"] is None
+    assert summary["val_loss"] == summary["val_loss"]  # imputed features give a finite loss, not NaN

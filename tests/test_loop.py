@@ -19,7 +19,14 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
     assert summary["val_loss"] < summary["initial_val_loss"]
     logs = [r for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
     assert [r["step"] for r in logs] == [5, 10, 15, 20, 25, 30]
-    assert set(logs[0]) == {"step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second"}
+    timing = {"step_time_s", "data_wait_s", "data_wait_fraction"}
+    assert set(logs[0]) == {"step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second"} | timing
+    for r in logs:
+        assert r["step_time_s"] > 0 and 0 < r["data_wait_s"] < r["step_time_s"] and 0 < r["data_wait_fraction"] < 1
+        assert "mfu" not in r and "tokens_per_second" not in r  # CPU without train.peak_flops; tabular
+    # A checkpoint's blocking time appears on the first log line after it (checkpoints at 10, 20, 30).
+    assert [r["step"] for r in logs if "checkpoint_blocked_s" in r] == [15, 25]
+    assert all(r["checkpoint_blocked_s"] > 0 for r in logs if "checkpoint_blocked_s" in r)
     evals = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
     assert [r["step"] for r in evals] == [15, 30] and evals[0]["val_accuracy"] is not None
     ckpts = complete_checkpoints(run)
@@ -98,3 +105,12 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     calls["n"] = 0
     with pytest.raises(loop.TrainingError, match=r"at step 13 .*, 1 in a row"):
         torchrun_main(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s"))
+
+
+def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known_peak(tmp_path, tabular_data):
+    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11")) == 0
+    trace = json.loads((tmp_path / "r" / "profile" / "rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"aten::addmm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:50]
+    logs = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "train_loss" in r]
+    assert all(0 < r["mfu"] < 1 for r in logs)

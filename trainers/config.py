@@ -93,6 +93,15 @@ class TrainSection(Section):
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
     max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
     collective_timeout_s: float = Field(600.0, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
+    peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
+    profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_range(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 2 or v[0] < 1 or v[1] < v[0]):
+            raise ValueError(f"must be [start, end] with 1 <= start <= end; use e.g. train.profile_steps=[10,12]")
+        return v
 
     @model_validator(mode="after")
     def _has_stop(self) -> "TrainSection":

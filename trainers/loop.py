@@ -24,10 +24,10 @@ import torch
 
 from datasets.order import Order, eval_rows
 from datasets.parquet import Arrays, DataError, DataSpec, table_to_arrays
-from trainers import checkpointing
+from trainers import checkpointing, telemetry
 from trainers.config import Config, from_dict, global_batch_size
 from trainers.step import (Precision, build_model, build_optimizer, build_scheduler, evaluate, resolve_precision,
-                           train_step, all_reduce_mean)
+                           train_step, all_reduce_mean_many)
 
 log = logging.getLogger("stride")
 
@@ -50,6 +50,8 @@ class WorkerEnv:
     # report(metrics, checkpoint_folder_or_None): every rank calls it the same number of times.
     report: Callable[[dict[str, Any], Path | None], None]
     progress_bar: Callable[..., Any] | None = None
+    # record(figures): this rank's figures of a log step to the runtime's metrics system (Ray: Prometheus gauges).
+    record_metrics: Callable[[dict[str, Any]], None] | None = None
 
 
 def setup_logging(world_rank: int) -> None:
@@ -173,6 +175,30 @@ class StopRequest:
             return (self.local or {}).get("status", "interrupted")
 
 
+def start_profiler(device: torch.device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+    profiler.start()
+    return profiler
+
+
+def stop_profiler(profiler, run_dir: Path, rank: int, world_size: int, tracker) -> None:
+    """Every rank writes profile/rank<k>.json (Chrome trace: Perfetto, chrome://tracing); rank 0 then logs the
+    traces it can see to MLflow (all of them when run_dir is shared)."""
+    profiler.stop()
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(out / f"rank{rank}.json"))
+    log.info("profile trace written to %s", out / f"rank{rank}.json")
+    if world_size > 1:
+        torch.distributed.barrier()
+    if tracker is not None:
+        for trace in sorted(out.glob("rank*.json")):
+            tracker.log_artifact(trace, "profile")
+
+
 def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     """Train; returns rank 0's summary fields (the driver writes summary.json from them)."""
     rank0 = env.world_rank == 0
@@ -208,11 +234,11 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     in_features = train.x.shape[1] if cfg.model.name == "mlp" else None
     model = build_model(cfg, in_features, runtime.get("num_classes")).to(env.device)
     precision_name = resolve_precision(cfg.train.precision, env.device)
+    sample_flops = telemetry.flops_per_sample(cfg.model.name, sum(p.numel() for p in model.parameters()), cfg.model)
+    device_peak = telemetry.peak_flops(env.device, precision_name, cfg.train.peak_flops)
     if precision_name != "fp32" and env.device.type == "cpu" and rank0:
         log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; "
                     "use train.precision=auto (fp32 on CPU) unless you are testing mixed precision", precision_name)
-    if precision_name == "bf16" and env.device.type == "cpu" and rank0:
-        log.warning("train.precision=bf16 on CPU runs as asked but is far slower than fp32 on most CPUs")
     precision = Precision.create(precision_name, env.device)
     optimizer = build_optimizer(cfg, model, W)
     scheduler = build_scheduler(cfg, optimizer, steps)
@@ -315,7 +341,12 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     last_metrics: dict[str, Any] = {}
     last_val: dict[str, Any] = {}
     nonfinite_run = 0
+    clock = telemetry.StepClock()
+    profiler = None
     while step < steps:
+        if cfg.train.profile_steps and step + 1 == cfg.train.profile_steps[0]:
+            profiler = start_profiler(env.device)
+        t_data = time.perf_counter()
         micro = []
         for _ in range(A):
             rows = order.rows(micro_step, env.world_rank, W)
@@ -324,6 +355,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                                              "sample_ids": train.sample_id[rows].tolist()}) + "\n")
             micro.append(_to_batch(train, rows, cfg, env.device, stats))
             micro_step += 1
+        clock.data_wait += time.perf_counter() - t_data
         try:
             result = train_step(model, optimizer, scaler, precision, micro, cfg.optim.grad_clip_norm)
         except torch.OutOfMemoryError:
@@ -345,8 +377,12 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                 log.warning("%s: step skipped (%d in a row, limit train.max_nonfinite_steps=%d)", what,
                             nonfinite_run, cfg.train.max_nonfinite_steps)
         samples_seen += B * W * A
+        clock.steps += 1
         if bar is not None:
             bar.update(1)
+        if profiler is not None and step == cfg.train.profile_steps[1]:
+            stop_profiler(profiler, run_dir, env.world_rank, W, tracker)
+            profiler = None
 
         stopping = stop.requested()
         if stopping:
@@ -363,12 +399,33 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         metrics: dict[str, Any] = {"step": step, "epoch": epoch, "samples_seen": samples_seen}
         if is_log:
             now = time.perf_counter()
-            loss = all_reduce_mean(result.loss, env.device)  # reduced across ranks only on log steps
+            own = clock.figures()
+            if env.device.type == "cuda":
+                own["gpu_memory_bytes"] = float(torch.cuda.max_memory_allocated(env.device))
+                torch.cuda.reset_peak_memory_stats(env.device)
+            # One all-reduce per log step: the loss and this rank's timings, averaged over ranks.
+            keys = ("step_time_s", "data_wait_s", "data_wait_fraction")
+            mean = all_reduce_mean_many([result.loss, *(own[k] for k in keys)], env.device)
             sps = (samples_seen - last_log_samples) / max(now - last_log_t, 1e-9)
             last_log_t, last_log_samples = now, samples_seen
-            metrics.update(train_loss=loss, lr=scheduler.get_last_lr()[0], samples_per_second=sps)
+            metrics.update(train_loss=mean[0], lr=scheduler.get_last_lr()[0], samples_per_second=sps,
+                           **{k: v for k, v in zip(keys, mean[1:])})
+            if cfg.model.name == "char_gpt":
+                metrics["tokens_per_second"] = sps * cfg.model.context
+            if device_peak:  # this rank's model FLOPs per second of step time, over its device's peak
+                own["mfu"] = sample_flops * B * A / own["step_time_s"] / device_peak
+                metrics["mfu"] = sample_flops * B * A / metrics["step_time_s"] / device_peak
+            if clock.checkpoint_blocked_s is not None:
+                own["checkpoint_blocked_s"] = metrics["checkpoint_blocked_s"] = clock.checkpoint_blocked_s
+                clock.checkpoint_blocked_s = None
+            if env.record_metrics is not None:
+                env.record_metrics({**metrics, **own})
+            clock.reset()
+            loss = metrics["train_loss"]
             if rank0:
-                metrics_file.write({k: metrics[k] for k in ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second")})
+                metrics_file.write({k: metrics[k] for k in ("step", "epoch", "samples_seen", "train_loss", "lr",
+                                                            "samples_per_second", *keys, "tokens_per_second", "mfu",
+                                                            "checkpoint_blocked_s") if k in metrics})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
                 else:
@@ -377,7 +434,9 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                              step, steps, epoch, loss, metrics["lr"], sps, eta)
             last_metrics = metrics
         if is_eval:
+            t_eval = time.perf_counter()
             last_val = run_eval()
+            clock.excluded += time.perf_counter() - t_eval
             metrics.update(last_val)
             if rank0:
                 metrics_file.write({"step": step, "val_loss": last_val["val_loss"], "val_accuracy": last_val["val_accuracy"]})
@@ -385,13 +444,19 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
                          f" val_accuracy {last_val['val_accuracy']:.4f}" if last_val["val_accuracy"] is not None else "")
         if tracker is not None:
             tracker.log_metrics({k: v for k, v in metrics.items() if k not in ("step",)}, step)
+        t_ckpt = time.perf_counter()
         folder = save_checkpoint(metrics) if is_ckpt else None
         env.report({k: v for k, v in metrics.items() if v is not None}, folder)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # the runtime has persisted its own copy
+        if is_ckpt:  # training waits for the whole write (synchronous checkpoints)
+            clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
+            clock.excluded += clock.checkpoint_blocked_s
         if stopping:
             break
 
+    if profiler is not None:  # the run ended (or stopped) inside the profiled range
+        stop_profiler(profiler, run_dir, env.world_rank, W, tracker)
     if bar is not None:
         bar.close()
     stop.uninstall()
@@ -428,9 +493,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train.torch
 
     from ray.train.v2._internal.execution import context as train_context
+    from ray.train.v2._internal.execution import storage as train_storage
 
-    # Ray logs one INFO line per report (under a logger named after its file); Stride's own lines say more.
+    # Ray logs one INFO line per report and per checkpoint (loggers named after their files); Stride's say more.
     train_context.logger.setLevel(logging.WARNING)
+    train_storage.logger.setLevel(logging.WARNING)
     ctx = ray.train.get_context()
     cfg = from_dict(config["cfg"])
     runtime = config["runtime"]
@@ -477,5 +544,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         wrap_model=lambda m: ray.train.torch.prepare_model(m) if ctx.get_world_size() > 1 else m,
         latest_checkpoint=latest_checkpoint, report=report,
         progress_bar=progress_bar if runtime.get("progress_bar") else None,
+        # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
+        record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
     )
     return run(cfg, env, runtime)

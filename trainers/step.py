@@ -8,14 +8,17 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainers.config import Config, scaled_lr
 from trainers.models import MLP, CharGPT
+
+if TYPE_CHECKING:  # config needs pydantic; the step itself must import with torch alone (benchmarks/gpu.py)
+    from trainers.config import Config
 
 
 # ---- precision ----
@@ -57,6 +60,8 @@ def build_model(cfg: Config, in_features: int | None = None, num_classes: int | 
 
 
 def build_optimizer(cfg: Config, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    from trainers.config import scaled_lr
+
     o = cfg.optim
     lr = scaled_lr(cfg, world_size)
     # No weight decay on biases, norms and embeddings' 1-d parameters (the usual GPT recipe).
@@ -175,5 +180,9 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def all_reduce_mean(value: float, device: torch.device) -> float:
+    return all_reduce_mean_many([value], device)[0]
+
+
+def all_reduce_mean_many(values: list[float], device: torch.device) -> list[float]:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64), device)[0]) / world
+    return [float(v) / world for v in all_reduce_sum(torch.tensor(values, dtype=torch.float64), device)]

@@ -1,0 +1,100 @@
+"""What a step costs: step time, data wait, checkpoint blocking, throughput, MFU, and where the figures go.
+
+The loop measures on every rank; each log step the figures go to metrics.jsonl and MLflow (rank 0, averaged
+over ranks) and, on Ray, to Prometheus through `ray.util.metrics` gauges tagged with the run and the rank.
+No Ray import here: the same code runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+# Dense peak FLOP/s per device by precision, from the vendors' data sheets (no sparsity).
+_PEAK = {
+    # name fragment: (bf16/fp16, fp32 without TF32)
+    "h200": (989e12, 67e12),
+    "h100": (989e12, 67e12),
+    "a100": (312e12, 19.5e12),
+    "l40s": (362e12, 91.6e12),
+    "l4": (121e12, 30.3e12),
+    "a10g": (125e12, 31.2e12),
+    "a10": (125e12, 31.2e12),
+    "v100": (125e12, 15.7e12),
+    "t4": (65e12, 8.1e12),
+}
+
+# Names under which the gauges are recorded (Ray's Prometheus export prefixes them with `ray_`).
+GAUGES = {
+    "samples_per_second": ("stride_samples_per_second", "Training samples per second (all ranks)"),
+    "tokens_per_second": ("stride_tokens_per_second", "Training tokens per second (all ranks; text models)"),
+    "step_time_s": ("stride_step_time_seconds", "Seconds per optimizer step on this rank (eval and checkpoints excluded)"),
+    "data_wait_s": ("stride_data_wait_seconds", "Seconds per optimizer step this rank waited for its next batch"),
+    "data_wait_fraction": ("stride_data_wait_fraction", "Share of step time this rank waited for data"),
+    "checkpoint_blocked_s": ("stride_checkpoint_blocked_seconds", "Seconds the last checkpoint blocked training"),
+    "train_loss": ("stride_train_loss", "Training loss averaged over ranks"),
+    "lr": ("stride_learning_rate", "Learning rate"),
+    "mfu": ("stride_mfu", "Model FLOPs utilisation of this rank's device (0..1)"),
+    "gpu_memory_bytes": ("stride_gpu_memory_bytes", "Peak GPU memory allocated by this rank since the last log step"),
+}
+
+
+def peak_flops(device: torch.device, precision: str, configured: float | None) -> float | None:
+    """Peak FLOP/s of one worker's device: train.peak_flops if set, else the GPU table, else unknown (None)."""
+    if configured:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for fragment, (half, fp32) in _PEAK.items():
+        if fragment in name:
+            return half if precision in ("bf16", "fp16") else fp32
+    return None
+
+
+def flops_per_sample(model_name: str, n_params: int, cfg_model) -> float:
+    """Training FLOPs (forward + backward) per sample: 6 N per token, plus attention for char_gpt
+    (12 * layers * width * context per token: the PaLM / nanoGPT estimate)."""
+    if model_name == "char_gpt":
+        t = cfg_model.context
+        return t * (6 * n_params + 12 * cfg_model.n_layers * cfg_model.width * t)
+    return 6.0 * n_params
+
+
+class StepClock:
+    """Per-rank timing between two log steps: time per step and data wait, with evaluation and checkpoints
+    (measured on their own) kept out of the step time."""
+
+    def __init__(self):
+        self.reset()
+        self.checkpoint_blocked_s: float | None = None
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.data_wait = 0.0
+        self.excluded = 0.0
+
+    def figures(self) -> dict[str, float]:
+        busy = max(time.perf_counter() - self.start - self.excluded, 1e-9)
+        steps = max(self.steps, 1)
+        return {"step_time_s": busy / steps, "data_wait_s": self.data_wait / steps,
+                "data_wait_fraction": min(self.data_wait / busy, 1.0)}
+
+
+class Gauges:
+    """ray.util.metrics gauges for one worker, tagged {run, rank}. Recording never fails training."""
+
+    def __init__(self, run: str, rank: int):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run, "rank": str(rank)}
+        self.gauges = {key: Gauge(name, description=desc, tag_keys=("run", "rank")) for key, (name, desc) in GAUGES.items()}
+
+    def record(self, figures: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            value = figures.get(key)
+            if isinstance(value, (int, float)) and value == value:
+                gauge.set(float(value), tags=self.tags)

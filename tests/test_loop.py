@@ -114,3 +114,32 @@ def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known
     assert {"aten::addmm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:50]
     logs = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "train_loss" in r]
     assert all(0 < r["mfu"] < 1 for r in logs)
+
+
+def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_path(tmp_path, tabular_data, monkeypatch):
+    import shutil
+
+    import pytest
+
+    real_copytree, calls = shutil.copytree, []
+
+    def flaky(src, dst, *a, **k):  # the first two publishes of each checkpoint hit a storage error
+        calls.append(dst)
+        if len(calls) % 3 != 0:
+            raise OSError(5, "Input/output error")
+        return real_copytree(src, dst, *a, **k)
+
+    monkeypatch.setattr(shutil, "copytree", flaky)
+    monkeypatch.setattr("time.sleep", lambda s: None)  # the backoff itself is not under test
+    assert torchrun_main(_args(tmp_path, tabular_data, 20)) == 0
+    assert [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(tmp_path / "r")] == [10, 20]
+    assert len(calls) == 6
+
+    def broken(src, dst, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", broken)
+    with pytest.raises(checkpointing.CheckpointWriteError, match=r"checkpoint_00000030.*failed 4 times.*No space left"):
+        torchrun_main(_args(tmp_path, tabular_data, 40))
+    # The checkpoints written before are still there and intact.
+    assert all(checkpointing.verify(c) is None for c in complete_checkpoints(tmp_path / "r"))

@@ -49,18 +49,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class CheckpointWriteError(RuntimeError):
+    """Storage stayed broken through every retry; the message names the path."""
+
+
+def with_retries(fn, where: str, attempts: int = 4, first_wait_s: float = 0.5):
+    """Run fn(); on OSError wait and try again (0.5 s, 1 s, 2 s): transient storage errors (an NFS hiccup, an
+    object store's 503) must not end a run. Raises CheckpointWriteError naming `where` when all attempts fail."""
+    import logging
+    import time
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except OSError as e:
+            if attempt == attempts:
+                raise CheckpointWriteError(f"writing checkpoint to {where} failed {attempts} times ({e}); check that "
+                                           f"run.storage_path is writable and has space") from None
+            wait = first_wait_s * 2 ** (attempt - 1)
+            logging.getLogger("stride").warning("writing checkpoint to %s failed (%s); retry %d/%d in %.1fs",
+                                                where, e, attempt, attempts - 1, wait)
+            time.sleep(wait)
+
+
+def stage(obj: Any) -> Any:
+    """A private CPU copy of a state tree, so training can go on changing the live tensors while the copy is
+    written in the background."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: stage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(stage(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def save(folder: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write state then meta (with state's digest) into `folder`; returns the folder."""
+    """Write state then meta (with state's digest) into `folder`, retrying transient errors; returns the folder."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     import io
 
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
-    atomic_write_bytes(folder / STATE, data)
     meta = dict(meta, state_sha256=hashlib.sha256(data).hexdigest(), state_bytes=len(data))
-    atomic_write_text(folder / META, json.dumps(meta, indent=1))
+
+    def write():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(folder / STATE, data)
+        atomic_write_text(folder / META, json.dumps(meta, indent=1))
+
+    with_retries(write, str(folder))
     return folder
 
 

@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,11 +47,15 @@ class WorkerEnv:
     load_split: Callable[[str, DataSpec], Arrays]
     wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
     latest_checkpoint: Callable[[], Path | None]
-    # report(metrics, checkpoint_folder_or_None): every rank calls it the same number of times.
-    report: Callable[[dict[str, Any], Path | None], None]
+    # report(metrics, folder, write): every rank calls it the same number of times. On a checkpoint step rank 0
+    # passes an empty folder and write(), which fills it from state already staged in CPU memory: the runtime may
+    # run write() in the background, persists the folder, deletes it, and appends the whole write's seconds to
+    # checkpoint_write_s.
+    report: Callable[[dict[str, Any], Path | None, Callable[[], Path] | None], None]
     progress_bar: Callable[..., Any] | None = None
     # record(figures): this rank's figures of a log step to the runtime's metrics system (Ray: Prometheus gauges).
     record_metrics: Callable[[dict[str, Any]], None] | None = None
+    checkpoint_write_s: list[float] = field(default_factory=list)
 
 
 def setup_logging(world_rank: int) -> None:
@@ -308,7 +312,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     def run_eval() -> dict[str, Any]:
         return evaluate(model, precision, batches_for_eval(), cfg.model.name == "char_gpt", env.device) if val is not None else {}
 
-    def save_checkpoint(metrics: dict[str, Any]) -> Path | None:
+    def save_checkpoint(metrics: dict[str, Any]) -> tuple[Path, Callable[[], Path]] | None:
         epoch, in_epoch = order.position(micro_step)
         # Every rank's RNG state goes into the checkpoint so dropout continues exactly after a resume.
         rngs = [None] * W
@@ -319,12 +323,14 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         if not rank0:
             return None
         folder = Path(tempfile.mkdtemp(prefix="stride-ckpt-"))
-        state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "scaler": scaler.state_dict(), "rng_per_rank": rngs}
+        # Staged: a CPU copy taken now; serialising and writing it happen in write(), possibly in the background.
+        state = checkpointing.stage({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                                     "rng_per_rank": rngs})
         meta = {"step": step, "epoch": epoch, "epoch_offset_samples": in_epoch * order.global_micro_batch,
                 "samples_seen": samples_seen, "restarts": restarts, "mlflow_run_id": mlflow_run_id,
                 "world_size": W, "model": cfg.model.name, "initial_val_loss": initial_val, "metrics": metrics}
-        return checkpointing.save(folder, state, meta)
+        return folder, lambda: checkpointing.save(folder, state, meta)
 
     initial_val = None
     if ckpt_dir is not None:
@@ -418,6 +424,9 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             if clock.checkpoint_blocked_s is not None:
                 own["checkpoint_blocked_s"] = metrics["checkpoint_blocked_s"] = clock.checkpoint_blocked_s
                 clock.checkpoint_blocked_s = None
+            if env.checkpoint_write_s:  # the newest finished write (rank 0)
+                metrics["checkpoint_write_s"] = env.checkpoint_write_s[-1]
+                env.checkpoint_write_s.clear()
             if env.record_metrics is not None:
                 env.record_metrics({**metrics, **own})
             clock.reset()
@@ -425,7 +434,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             if rank0:
                 metrics_file.write({k: metrics[k] for k in ("step", "epoch", "samples_seen", "train_loss", "lr",
                                                             "samples_per_second", *keys, "tokens_per_second", "mfu",
-                                                            "checkpoint_blocked_s") if k in metrics})
+                                                            "checkpoint_blocked_s", "checkpoint_write_s")
+                                   if k in metrics})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", sps=f"{sps:.0f}")
                 else:
@@ -445,11 +455,9 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         if tracker is not None:
             tracker.log_metrics({k: v for k, v in metrics.items() if k not in ("step",)}, step)
         t_ckpt = time.perf_counter()
-        folder = save_checkpoint(metrics) if is_ckpt else None
-        env.report({k: v for k, v in metrics.items() if v is not None}, folder)
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)  # the runtime has persisted its own copy
-        if is_ckpt:  # training waits for the whole write (synchronous checkpoints)
+        staged = save_checkpoint(metrics) if is_ckpt else None
+        env.report({k: v for k, v in metrics.items() if v is not None}, *(staged or (None, None)))
+        if is_ckpt:  # what training waited for: staging, plus the write itself where the runtime writes in line
             clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
             clock.excluded += clock.checkpoint_blocked_s
         if stopping:
@@ -529,9 +537,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         log.warning("checkpoint %s is unusable (%s); resuming from %s instead", ckpt.path, problem, fallback)
         return fallback
 
-    def report(metrics: dict[str, Any], folder: Path | None) -> None:
-        checkpoint = ray.train.Checkpoint.from_directory(str(folder)) if folder is not None else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+    def report(metrics: dict[str, Any], folder: Path | None, write: Callable[[], Path] | None) -> None:
+        if folder is None:
+            ray.train.report(metrics)
+            return
+        from ray.train import CheckpointUploadMode
+
+        storage = ray.train.get_context().get_storage()
+
+        def upload(checkpoint, dir_name: str):
+            # Ray's upload thread: serialise the staged state, then copy it to storage, retrying transient errors.
+            t0 = time.perf_counter()
+            write()
+            persisted = checkpointing.with_retries(lambda: storage.persist_current_checkpoint(checkpoint, dir_name),
+                                                   f"{storage.experiment_fs_path}/{dir_name}")
+            env.checkpoint_write_s.append(time.perf_counter() - t0)
+            return persisted
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True,
+                         checkpoint_upload_fn=upload)
 
     def progress_bar(**kwargs):
         from ray.experimental.tqdm_ray import tqdm

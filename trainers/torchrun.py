@@ -69,14 +69,25 @@ def main(argv: list[str] | None = None) -> int:
             return m
         return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None)
 
-    def report(metrics: dict, folder: Path | None) -> None:
-        # Rank 0 publishes the checkpoint under the run folder (rename = atomic), then prunes old ones.
+    def report(metrics: dict, folder: Path | None, write) -> None:
+        # Rank 0 writes in line (torchrun is the plain reference), publishes the checkpoint under the run folder
+        # (rename = atomic), then prunes old ones.
         if folder is not None and rank == 0:
+            t0 = time.perf_counter()
+            write()
             dest = run_dir / f"checkpoint_{metrics['step']:08d}"
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(folder, dest.with_name(dest.name + ".tmp"))
-            os.replace(dest.with_name(dest.name + ".tmp"), dest)
+            tmp = dest.with_name(dest.name + ".tmp")
+
+            def publish():
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(folder, tmp)
+                if dest.exists():
+                    shutil.rmtree(dest)
+                os.replace(tmp, dest)
+
+            checkpointing.with_retries(publish, str(dest))
+            shutil.rmtree(folder, ignore_errors=True)
+            env.checkpoint_write_s.append(time.perf_counter() - t0)
             for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         if world_size > 1:

@@ -56,17 +56,20 @@ def parse_args(argv: list[str] | None):
     return ap.parse_args(argv)
 
 
-def check_storage(cfg: Config) -> Path:
-    run_dir = cfg.run_dir
+def ensure_writable(folder: Path, key: str, value) -> Path:
+    """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is not writable ({e.strerror}); "
-                         f"set run.storage_path=<a folder you can write>") from None
-    return run_dir
+        raise UsageError(f"{key} ({value}) is not writable ({e.strerror}); set {key}=<a folder you can write>") from None
+    return folder
+
+
+def check_storage(cfg: Config) -> Path:
+    return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
 
 
 # ---- Ray: connect or start, and check that the job can ever be scheduled ----

@@ -73,18 +73,9 @@ def parse_args(argv: list[str] | None):
 # ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
 
 def check_storage(sweep: Sweep) -> Path:
-    from trainers.main import UsageError
+    from trainers.main import ensure_writable
 
-    d = sweep.sweep_dir
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"sweep.storage_path ({sweep.sweep.storage_path}) is not writable ({e.strerror}); "
-                         f"set sweep.storage_path=<a folder you can write>") from None
-    return d
+    return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
 
 
 def inspect_data(cfg: Config, sweep: Sweep) -> dict:

@@ -1,0 +1,474 @@
+"""GPU benchmark: Stride's training step against a hand-written PyTorch loop, tokens/s and MFU for char_gpt.
+
+    torchrun --nproc-per-node 1 benchmarks/gpu.py                        # S, M, L x fp32, bf16, fp16 x compile off/on
+    torchrun --nproc-per-node 1 benchmarks/gpu.py --shapes L --modes bf16 --compile on
+    torchrun --nproc-per-node 8 benchmarks/gpu.py --shapes M,L           # DDP: every rank measures, rank 0 writes
+    python benchmarks/gpu.py --device cpu                                # tiny shape: a logic check, not a benchmark
+
+It imports only torch, the standard library and Stride's plain-PyTorch core (trainers/models.py, trainers/step.py),
+so it runs on a GPU machine without Ray, pydantic or a network. For every shape, precision and compile setting it
+times two loops on the same model, optimizer and random on-device data:
+
+- Stride: `trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun loops call;
+- reference: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`.
+
+Warm-up steps (compilation included) are not timed; a step's time is the median of the CUDA-event intervals between
+consecutive timed steps (torch.cuda.synchronize before and after the timed steps, none inside, so each loop keeps
+whatever host syncs it has of its own). Writes benchmarks/results/gpu-<device>.json and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `torchrun benchmarks/gpu.py` puts only benchmarks/ on the path
+
+from trainers.models import CharGPT  # noqa: E402
+from trainers.step import Precision, train_step  # noqa: E402
+
+VOCAB_SIZE = 256  # char_gpt reads bytes
+# (layers, width, heads, context, batch per GPU)
+SHAPES = {
+    "S": (6, 384, 6, 256, 64),
+    "M": (12, 768, 12, 1024, 16),
+    "L": (24, 1024, 16, 1024, 16),
+    "tiny": (2, 64, 2, 32, 4),  # CPU logic checks
+}
+MODES = ("fp32", "bf16", "fp16")
+# Stride's defaults (trainers/config.py), copied because importing the config needs pydantic.
+LR, BETAS, WEIGHT_DECAY, GRAD_CLIP_NORM = 1e-3, (0.9, 0.95), 0.01, 1.0
+FLOPS_FORMULA = ("6*N + 12*layers*width*context per token (nanoGPT/PaLM MFU estimate, forward + backward; N = "
+                 "parameters without the position embedding, the tied head counted once): CharGPT.flops_per_token()")
+
+# Dense peak FLOP/s per dtype from NVIDIA's datasheets (the sparse figures halved). `tf32` is what fp32 matmuls
+# get with --allow-tf32; `fp32` is plain fp32 (no tensor cores). None: the GPU has no such tensor-core path.
+# First match wins, so specific names come before the names they contain.
+_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
+PEAK_FLOPS = [
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    (r"H100", "H100 SXM", _H100_SXM),
+    (r"H200", "H200", _H100_SXM),
+    (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bL4\b", "L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"\bA10G?\b", "A10G/A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"V100", "V100", {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12}),
+    (r"\bT4\b", "T4", {"bf16": None, "fp16": 65e12, "tf32": None, "fp32": 8.1e12}),
+]
+
+
+class UsageError(Exception):
+    """A bad option: one line on stderr, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line too, not usage + error
+        raise UsageError(message)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = Parser(prog="benchmarks/gpu.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=None, help="comma-separated of S,M,L,tiny (default S,M,L on cuda, tiny on cpu)")
+    p.add_argument("--modes", default="fp32,bf16,fp16", help="comma-separated of fp32,bf16,fp16 (fp16 uses GradScaler)")
+    p.add_argument("--compile", default="both", help="torch.compile: both|on|off")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per loop (the median is reported)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    p.add_argument("--device", default="cuda", help="cuda|cpu")
+    p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s per GPU for MFU, all modes (default: table)")
+    p.add_argument("--allow-tf32", action="store_true", help="let fp32 matmuls use TF32 (MFU then against the TF32 peak)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-<device>.json)")
+    a = p.parse_args(argv)
+
+    if a.device not in ("cuda", "cpu"):
+        raise UsageError(f"--device ({a.device}) must be cuda or cpu; use --device cuda or --device cpu")
+    a.shapes = split_list("--shapes", a.shapes or ("S,M,L" if a.device == "cuda" else "tiny"), list(SHAPES))
+    a.modes = split_list("--modes", a.modes, list(MODES))
+    if a.compile not in ("both", "on", "off"):
+        raise UsageError(f"--compile ({a.compile}) must be both, on or off; use e.g. --compile off")
+    if a.steps < 1:
+        raise UsageError(f"--steps ({a.steps}) must be at least 1; use e.g. --steps 20")
+    if a.warmup < 0:
+        raise UsageError(f"--warmup ({a.warmup}) must be 0 or more; use e.g. --warmup 5")
+    if a.peak_flops is not None and not (math.isfinite(a.peak_flops) and a.peak_flops > 0):
+        raise UsageError(f"--peak-flops ({a.peak_flops:g}) must be a positive FLOP/s figure; use e.g. --peak-flops 989e12")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device (cuda) needs a CUDA GPU but torch.cuda.is_available() is False; use --device cpu")
+    return a
+
+
+def split_list(flag: str, value: str, allowed: list[str]) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise UsageError(f"{flag} ({value}) must be a comma-separated list of {', '.join(allowed)}; "
+                         f"use e.g. {flag} {','.join(allowed[:2])}")
+    return list(dict.fromkeys(items))
+
+
+# ---- the environment ----
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def peak_table(name: str, override: float | None) -> tuple[str | None, dict[str, float | None]]:
+    if override is not None:
+        return "--peak-flops", {k: override for k in ("bf16", "fp16", "tf32", "fp32")}
+    for pattern, label, peaks in PEAK_FLOPS:
+        if re.search(pattern, name):
+            return f"table: {label}", dict(peaks)
+    return None, {}
+
+
+@functools.lru_cache(maxsize=None)
+def fp16_works_on_cpu() -> bool:
+    """CPU autocast to fp16 and a CPU GradScaler exist only in newer torch; probe instead of guessing versions."""
+    try:
+        x = torch.ones(2, 2, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = (x @ x).sum()
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(y).backward()
+        return True
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+def compile_unsupported(device: torch.device) -> str | None:
+    """Why torch.compile cannot run here, or None."""
+    import importlib.util
+
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (7, 0):
+            return "torch.compile (Triton) needs a GPU of compute capability 7.0 or newer"
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile needs the triton package, which this torch install lacks"
+        return None
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+        return "torch.compile on CPU needs a C++ compiler (g++ or clang++) on PATH"
+    return None
+
+
+def mode_unsupported(mode: str, device: torch.device) -> str | None:
+    if device.type == "cuda" and mode == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "bf16 needs compute capability 8.0 (Ampere) or newer"
+    if device.type == "cpu" and mode == "fp16" and not fp16_works_on_cpu():
+        return f"fp16 autocast/GradScaler on CPU is not supported by torch {torch.__version__}"
+    return None
+
+
+# ---- one measured loop ----
+
+def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: bool):
+    layers, width, heads, context, _ = shape
+    torch.manual_seed(0)  # both loops start from the same weights
+    raw = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0).to(device)
+    # The same parameter groups as trainers.step.build_optimizer (which needs the pydantic config).
+    decay = [p for p in raw.parameters() if p.dim() >= 2]
+    no_decay = [p for p in raw.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    model = raw
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
+    if compiled:
+        # A fresh cache per loop: every shape/dtype recompiles the same forward, and past dynamo's recompile
+        # limit it would silently fall back to eager and time the wrong thing.
+        torch._dynamo.reset()
+        model = torch.compile(model)  # compile(DDP(m)): DDPOptimizer splits graphs at bucket boundaries
+    return raw, model, optimizer
+
+
+def random_batches(shape: tuple[int, ...], device: torch.device, seed: int, n: int = 4):
+    _, _, _, context, batch = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, VOCAB_SIZE, (batch, context + 1), device=device, generator=g)
+        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+    return out
+
+
+def time_steps(step, batches, steps: int, warmup: int, device: torch.device) -> dict:
+    """Median seconds per step over `steps` timed steps after `warmup` untimed ones, and peak memory."""
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    sync()
+    if cuda:
+        # Peak over the timed steps only; the weights, gradients and optimizer state are already allocated.
+        torch.cuda.reset_peak_memory_stats(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+    stamps = [time.perf_counter()]
+    loss = None
+    for i in range(steps):
+        loss = step(*batches[(warmup + i) % len(batches)])
+        if cuda:
+            marks[i + 1].record()
+        else:
+            stamps.append(time.perf_counter())
+    sync()
+    wall = time.perf_counter() - stamps[0]
+    if cuda:
+        per_step = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
+    else:
+        per_step = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"step_s_median": statistics.median(per_step), "step_s_mean_wall": wall / steps,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
+            "last_loss": float(loss)}
+
+
+def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, device: torch.device, args, rank: int,
+            ddp: bool) -> dict:
+    """Build a fresh model and optimizer and time one loop ("reference" or "stride"); this rank's figures.
+    Everything it builds dies with the call, so the next loop starts with the memory free."""
+    batches = random_batches(shape, device, seed=1000 + rank)
+    raw, model, optimizer = build(shape, device, ddp, compiled)
+    precision = Precision.create(mode, device)
+
+    if loop == "stride":
+        scaler = precision.grad_scaler()
+
+        def step(x, y):
+            return train_step(model, optimizer, scaler, precision, [(x, y)], GRAD_CLIP_NORM).loss
+    else:
+        scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+
+        def step(x, y):
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+    out = time_steps(step, batches, args.steps, args.warmup, device)
+    out.update(params=sum(p.numel() for p in raw.parameters()), flops_per_token=raw.flops_per_token())
+    return out
+
+
+def run_pair(shape: tuple[int, ...], mode: str, compiled: bool, device: torch.device, args, rank: int,
+             ddp: bool) -> dict:
+    """The reference loop, then Stride's, at one shape/precision/compile setting."""
+    out = {}
+    for loop in ("reference", "stride"):
+        out[loop] = measure(loop, shape, mode, compiled, device, args, rank, ddp)
+        free_memory(device)
+    out["params"], out["flops_per_token"] = out["stride"]["params"], out["stride"]["flops_per_token"]
+    return out
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- results ----
+
+def summarize(name: str, per_rank: list[dict], shape: tuple[int, ...], world_size: int, peak: float | None,
+              peak_reason: str | None) -> dict:
+    """Global tokens/s from the slowest rank's median step; MFU per GPU."""
+    _, _, _, context, batch = shape
+    tokens_per_step = batch * context
+    step_s = max(r[name]["step_s_median"] for r in per_rank)
+    per_gpu = tokens_per_step / step_s
+    mems = [r[name]["peak_memory_gb"] for r in per_rank if r[name]["peak_memory_gb"] is not None]
+    mfu = per_gpu * per_rank[0]["flops_per_token"] / peak if peak else None
+    return {"tokens_per_second": per_gpu * world_size, "tokens_per_second_per_gpu": per_gpu,
+            "step_ms_median": step_s * 1e3, "step_ms_mean_wall": per_rank[0][name]["step_s_mean_wall"] * 1e3,
+            "mfu": mfu, "mfu_reason": None if mfu is not None else peak_reason,
+            "peak_memory_gb": max(mems) if mems else None, "last_loss": per_rank[0][name]["last_loss"]}
+
+
+def fmt_rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def table(results: list[dict], skipped: list[dict]) -> str:
+    head = ("shape", "mode", "compile", "ref tok/s", "Stride tok/s", "Stride/ref", "ref MFU", "Stride MFU",
+            "mem GB ref/Stride", "note")
+    rows = []
+    for r in results:
+        s, ref = r["stride"], r["reference"]
+        mem = "-" if s["peak_memory_gb"] is None else f"{ref['peak_memory_gb']:.1f}/{s['peak_memory_gb']:.1f}"
+        rows.append((r["shape"], r["mode"], "on" if r["compile"] else "off", fmt_rate(ref["tokens_per_second"]),
+                     fmt_rate(s["tokens_per_second"]), f"{r['stride_over_reference']:.3f}", fmt_pct(ref["mfu"]),
+                     fmt_pct(s["mfu"]), mem, s["mfu_reason"] or ""))
+    for k in skipped:
+        rows.append((k["shape"], k["mode"], "on" if k["compile"] else "off", "-", "-", "-", "-", "-", "-",
+                     "skipped: " + k["reason"]))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def goals(results: list[dict], on_gpu: bool) -> list[dict]:
+    """The issue's targets; judged only on a GPU (a CPU run checks the logic, its speeds mean nothing)."""
+    ratio = min((r["stride_over_reference"] for r in results), default=None)
+    l_bf16 = [r["stride"]["mfu"] for r in results if r["shape"] == "L" and r["mode"] == "bf16" and r["compile"]]
+    mfu = l_bf16[0] if l_bf16 else None
+    return [
+        {"goal": "Stride tokens/s >= reference at every measured shape and mode", "value": ratio,
+         "met": ratio >= 1.0 if on_gpu and ratio is not None else None},
+        {"goal": "Stride MFU >= 45% at L, bf16, torch.compile", "value": mfu,
+         "met": mfu >= 0.45 if on_gpu and mfu is not None else None},
+    ]
+
+
+def main(argv: list[str]) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        if rank == 0:
+            print(f"benchmarks/gpu.py: error: {e}", file=sys.stderr)
+        return 2
+
+    ddp = world_size > 1
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if ddp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # fp32 means IEEE fp32 unless asked: TF32 would make "fp32" a different precision on Ampere and newer.
+    torch.set_float32_matmul_precision("high" if args.allow_tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = args.allow_tf32
+
+    name = device_name(device)
+    peak_source, peaks = peak_table(name, args.peak_flops)
+    notes = []
+    if device.type == "cpu":
+        notes.append("CPU run: a logic check of the benchmark, not a performance figure")
+    compile_settings = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    compile_reason = compile_unsupported(device) if any(compile_settings) else None
+    if compile_reason:
+        notes.append(f"torch.compile skipped: {compile_reason}")
+
+    results, skipped = [], []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for mode in args.modes:
+            mode_reason = mode_unsupported(mode, device)
+            for compiled in compile_settings:
+                reason = mode_reason or (compile_reason if compiled else None)
+                if reason:
+                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled, "reason": reason})
+                    continue
+                if rank == 0:
+                    print(f"[gpu.py] {shape_name} {mode} compile={'on' if compiled else 'off'} ...", file=sys.stderr,
+                          flush=True)
+                try:
+                    mine = run_pair(shape, mode, compiled, device, args, rank, ddp)
+                except torch.cuda.OutOfMemoryError:
+                    if ddp:
+                        raise  # the other ranks are inside a collective: stop them all (torchrun does)
+                    mine = None
+                if mine is None:  # outside the except block, so the traceback no longer holds the tensors
+                    free_memory(device)
+                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled,
+                                    "reason": f"out of memory at batch {shape[4]} on {name}"})
+                    continue
+                per_rank = [None] * world_size
+                if ddp:
+                    dist.all_gather_object(per_rank, mine)
+                else:
+                    per_rank = [mine]
+                peak_key = "tf32" if mode == "fp32" and args.allow_tf32 else mode
+                peak = peaks.get(peak_key)
+                if peak_source is None:
+                    why = f"no peak FLOP/s known for {name}; pass --peak-flops"
+                elif peak is None:
+                    why = f"{name} has no {peak_key} peak in the table ({peak_source}); pass --peak-flops"
+                else:
+                    why = None
+                entry = {"shape": shape_name, "layers": shape[0], "width": shape[1], "heads": shape[2],
+                         "context": shape[3], "batch_per_gpu": shape[4], "params": mine["params"],
+                         "flops_per_token": mine["flops_per_token"], "mode": mode, "compile": compiled,
+                         "peak_flops": peak}
+                entry["reference"] = summarize("reference", per_rank, shape, world_size, peak, why)
+                entry["stride"] = summarize("stride", per_rank, shape, world_size, peak, why)
+                entry["stride_over_reference"] = (entry["stride"]["tokens_per_second"]
+                                                  / entry["reference"]["tokens_per_second"])
+                results.append(entry)
+
+    if rank == 0:
+        out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"gpu-{slug(name)}.json"
+        report = {
+            "benchmark": "benchmarks/gpu.py: Stride train_step vs a hand-written PyTorch loop, char_gpt",
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": {"type": device.type, "name": name, "world_size": world_size,
+                       "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
+                       if device.type == "cuda" else None},
+            "software": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+            "settings": {"steps": args.steps, "warmup": args.warmup, "allow_tf32": args.allow_tf32,
+                         "vocab_size": VOCAB_SIZE, "dropout": 0.0, "data": "random tokens generated on the device",
+                         "optimizer": f"AdamW lr {LR} betas {BETAS} weight decay {WEIGHT_DECAY} (2-d parameters only)",
+                         "stride_loop": f"trainers.step.train_step, Precision, grad_clip_norm {GRAD_CLIP_NORM}",
+                         "reference_loop": "autocast forward + cross_entropy, scaler.scale(loss).backward(), "
+                                           "scaler.step, scaler.update, zero_grad(set_to_none=True); no clipping",
+                         "timing": "median of CUDA-event intervals between timed steps (wall clock on CPU); "
+                                   "torch.cuda.synchronize before and after the timed steps; warm-up not timed",
+                         "tokens_per_second": "global: batch_per_gpu * context * world_size / slowest rank's "
+                                              "median step; MFU per GPU"},
+            "flops_per_token_formula": FLOPS_FORMULA,
+            "peak_flops": {"source": peak_source, "per_dtype": peaks or None},
+            "notes": notes,
+            "results": results,
+            "skipped": skipped,
+            "goals": goals(results, device.type == "cuda"),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(table(results, skipped))
+        print(f"wrote {out}")
+    if ddp:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))  # `torchrun benchmarks/gpu.py` puts only benchmar
 
 from trainers.models import CharGPT  # noqa: E402
 from trainers.step import Precision, train_step  # noqa: E402
+from trainers.telemetry import peak_table  # noqa: E402,F401 - the one GPU peak table (also MFU in training)
 
 VOCAB_SIZE = 256  # char_gpt reads bytes
 # (layers, width, heads, context, batch per GPU)
@@ -57,24 +58,6 @@ MODES = ("fp32", "bf16", "fp16")
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP_NORM = 1e-3, (0.9, 0.95), 0.01, 1.0
 FLOPS_FORMULA = ("6*N + 12*layers*width*context per token (nanoGPT/PaLM MFU estimate, forward + backward; N = "
                  "parameters without the position embedding, the tied head counted once): CharGPT.flops_per_token()")
-
-# Dense peak FLOP/s per dtype from NVIDIA's datasheets (the sparse figures halved). `tf32` is what fp32 matmuls
-# get with --allow-tf32; `fp32` is plain fp32 (no tensor cores). None: the GPU has no such tensor-core path.
-# First match wins, so specific names come before the names they contain.
-_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
-PEAK_FLOPS = [
-    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
-    (r"H100", "H100 SXM", _H100_SXM),
-    (r"H200", "H200", _H100_SXM),
-    (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    (r"\bL4\b", "L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    (r"\bA10G?\b", "A10G/A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    (r"V100", "V100", {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12}),
-    (r"\bT4\b", "T4", {"bf16": None, "fp16": 65e12, "tf32": None, "fp32": 8.1e12}),
-]
-
 
 class UsageError(Exception):
     """A bad option: one line on stderr, exit 2."""
@@ -132,15 +115,6 @@ def slug(name: str) -> str:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def peak_table(name: str, override: float | None) -> tuple[str | None, dict[str, float | None]]:
-    if override is not None:
-        return "--peak-flops", {k: override for k in ("bf16", "fp16", "tf32", "fp32")}
-    for pattern, label, peaks in PEAK_FLOPS:
-        if re.search(pattern, name):
-            return f"table: {label}", dict(peaks)
-    return None, {}
 
 
 @functools.lru_cache(maxsize=None)

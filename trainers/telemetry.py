@@ -7,24 +7,39 @@ No Ray import here: the same code runs under torchrun.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import torch
 
-# Dense peak FLOP/s per device by precision, from the vendors' data sheets (no sparsity).
-_PEAK = {
-    # name fragment: (bf16/fp16, fp32 without TF32)
-    "h200": (989e12, 67e12),
-    "h100": (989e12, 67e12),
-    "a100": (312e12, 19.5e12),
-    "l40s": (362e12, 91.6e12),
-    "l4": (121e12, 30.3e12),
-    "a10g": (125e12, 31.2e12),
-    "a10": (125e12, 31.2e12),
-    "v100": (125e12, 15.7e12),
-    "t4": (65e12, 8.1e12),
-}
+# Dense peak FLOP/s per dtype from NVIDIA's datasheets (the sparse figures halved). `tf32` is what fp32 matmuls
+# get with --allow-tf32; `fp32` is plain fp32 (no tensor cores). None: the GPU has no such tensor-core path.
+# First match wins, so specific names come before the names they contain.
+_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
+PEAK_FLOPS = [
+    (r"H100.*PCIe", "H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100 NVL", "H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    (r"H100", "H100 SXM", _H100_SXM),
+    (r"H200", "H200", _H100_SXM),
+    (r"A100", "A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"L40S", "L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bL4\b", "L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"\bA10G?\b", "A10G/A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"V100", "V100", {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12}),
+    (r"\bT4\b", "T4", {"bf16": None, "fp16": 65e12, "tf32": None, "fp32": 8.1e12}),
+]
+
+
+
+def peak_table(name: str, override: float | None) -> tuple[str | None, dict[str, float | None]]:
+    if override is not None:
+        return "--peak-flops", {k: override for k in ("bf16", "fp16", "tf32", "fp32")}
+    for pattern, label, peaks in PEAK_FLOPS:
+        if re.search(pattern, name):
+            return f"table: {label}", dict(peaks)
+    return None, {}
+
 
 # Names under which the gauges are recorded (Ray's Prometheus export prefixes them with `ray_`).
 GAUGES = {
@@ -47,19 +62,16 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
         return float(configured)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
-    for fragment, (half, fp32) in _PEAK.items():
-        if fragment in name:
-            return half if precision in ("bf16", "fp16") else fp32
-    return None
+    fp32 = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return peak_table(torch.cuda.get_device_name(device), None)[1].get(precision if precision != "fp32" else fp32)
 
 
 def flops_per_sample(model_name: str, n_params: int, cfg_model) -> float:
     """Training FLOPs (forward + backward) per sample: 6 N per token, plus attention for char_gpt
     (12 * layers * width * context per token: the PaLM / nanoGPT estimate)."""
-    if model_name == "char_gpt":
-        t = cfg_model.context
-        return t * (6 * n_params + 12 * cfg_model.n_layers * cfg_model.width * t)
+    if model_name == "char_gpt":  # as CharGPT.flops_per_token: N without the position embedding
+        t, w = cfg_model.context, cfg_model.width
+        return t * (6 * (n_params - t * w) + 12 * cfg_model.n_layers * w * t)
     return 6.0 * n_params
 
 

@@ -80,6 +80,22 @@ def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, ta
     assert {k: got[k] for k in expected} == expected  # bitwise equal to the uninterrupted run, every step
 
 
+def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_data):
+    """SIGINT is Stride's, not Ray's: Ray's fit() would abort the run without a checkpoint."""
+    proc = start(job_args(tabular_data, tmp_path, "int"))
+    wait_for_step(tmp_path / "int" / "metrics.jsonl", 30, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "received SIGINT: checkpointing at the next step" in out
+    s = json.loads((tmp_path / "int" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and 30 <= s["global_step"] < STEPS
+    from trainers import checkpointing
+
+    newest = checkpointing.newest_complete(tmp_path / "int")
+    assert newest is not None and checkpointing.read_meta(newest)["step"] == s["global_step"]
+
+
 def test_killed_worker_is_restarted_from_the_last_checkpoint(reference, tabular_data):
     storage, expected = reference
     proc = start(job_args(tabular_data, storage, "worker", "scaling.max_failures=1"))

@@ -92,12 +92,30 @@ def _auth_env_for_embedded() -> None:
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
 
 
+def _ignore_ray_data_shutdown_race() -> None:
+    """Ray 2.60's Ray Data file listing (dynamic_work_queue) can lose a race at shutdown: its "completion-signaler"
+    thread, slower than the consumer on a loaded machine, puts a sentinel into a queue already interrupted and dies
+    with InterruptedError after every result was delivered. Harmless, but Python prints a traceback into the
+    user's output; drop exactly that one and keep every other thread error."""
+    import threading
+
+    default = threading.excepthook
+
+    def hook(args):
+        if args.exc_type is InterruptedError and args.thread is not None and args.thread.name.endswith("completion-signaler"):
+            return
+        default(args)
+
+    threading.excepthook = hook
+
+
 def quiet_ray_env() -> None:
     # The controller polls workers every 2 s by default, which makes every ray.train.report() slow.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    _ignore_ray_data_shutdown_race()
 
 
 def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -283,6 +301,9 @@ def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
     res = runtime["resources"]
     print(f"stride: training {cfg.run.name} on {runtime['num_workers']} {'GPU' if runtime['use_gpu'] else 'CPU'} "
           f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
+    # Ray 2.60's fit() replaces the process's SIGINT handler with one that aborts the run at once, without
+    # Stride's checkpoint: keep ours (Ctrl-C = checkpoint at the next step, exit 130; a second Ctrl-C stops now).
+    trainer._register_sigint_handler = lambda controller: None
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:

@@ -249,6 +249,10 @@ def wait_for_port(host: str, port: int, timeout_s: float, give_up=lambda: False)
     return False
 
 
+START_ATTEMPTS = 3
+START_WINDOW_S = 180  # a `ray start --block` that fails later than this failed while running, not starting
+
+
 def cmd_node(a) -> int:
     plan = load_plan(a.plan)
     node = next((n for n in plan["nodes"] if n["name"] == a.name), None)
@@ -284,12 +288,21 @@ def cmd_node(a) -> int:
     # another one on the same host.
     env["RAY_ADDRESS"] = plan["gcs_address"]
     argv = ray_start_argv(plan, node, is_head)
-    log(f"node {a.name}: {' '.join(shlex.quote(x) for x in argv)}")
-    ray_proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-    (Path(node["temp_dir"]) / "stride-node.pid").write_text(f"{os.getpid()}\n")  # who owns this node, for people
-    while ray_proc.poll() is None and not stop_requested:
-        time.sleep(0.5)
-        reap(keep=ray_proc.pid)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        log(f"node {a.name}: {' '.join(shlex.quote(x) for x in argv)}")
+        started = time.time()
+        ray_proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        (Path(node["temp_dir"]) / "stride-node.pid").write_text(f"{os.getpid()}\n")  # who owns this node, for people
+        while ray_proc.poll() is None and not stop_requested:
+            time.sleep(0.5)
+            reap(keep=ray_proc.pid)
+        # Ray gives a starting node a fixed 30 s; on a loaded machine the start can fail: try again.
+        if (stop_requested or ray_proc.returncode == 0 or attempt == START_ATTEMPTS
+                or time.time() - started > START_WINDOW_S):
+            break
+        log(f"node {a.name}: ray start failed while starting (exit {ray_proc.returncode}, attempt {attempt} of "
+            f"{START_ATTEMPTS}); stopping what it left and starting again")
+        stop_tree(ray_proc, a.stop_timeout)
     if stop_requested:
         log(f"node {a.name}: {signal.Signals(stop_requested[0]).name}: stopping Ray (pid {ray_proc.pid})")
         code = 0

@@ -316,7 +316,7 @@ def test_text_job_with_peak_flops_exports_tokens_and_mfu(text_run):
 
 
 def test_ray_writes_prometheus_service_discovery_for_the_head(head):
-    """Prometheus can find every node's metrics port from the file Ray writes on the head (README_metrics.md)."""
+    """Prometheus can find every node's metrics port from the file Ray writes on the head (README.md, "Prometheus and Grafana")."""
     sd = json.loads((head.temp_dir / "ray" / "prom_metrics_service_discovery.json").read_text())
     targets = [t for group in sd for t in group["targets"]]
     assert any(t.endswith(f":{head.ports['metrics_export']}") for t in targets), sd

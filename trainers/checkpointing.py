@@ -125,9 +125,10 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def load(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def load(folder: Path, mmap: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """state.pt and meta.json; `mmap`: tensors map the file and are read only when touched (FSDP's other ranks)."""
     folder = Path(folder)
-    state = torch.load(folder / STATE, map_location="cpu", weights_only=False)
+    state = torch.load(folder / STATE, map_location="cpu", weights_only=False, mmap=mmap)
     return state, read_meta(folder)
 
 

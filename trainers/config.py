@@ -95,6 +95,8 @@ class TrainSection(Section):
     collective_timeout_s: float = Field(600.0, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
+                                                                 "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2)")
 
     @field_validator("profile_steps")
     @classmethod

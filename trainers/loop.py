@@ -24,7 +24,7 @@ import torch
 
 from datasets.order import Order, eval_rows
 from datasets.parquet import Arrays, DataError, DataSpec, table_to_arrays
-from trainers import checkpointing, telemetry
+from trainers import checkpointing, fsdp, telemetry
 from trainers.config import Config, from_dict, global_batch_size
 from trainers.step import (Precision, build_model, build_optimizer, build_scheduler, evaluate, resolve_precision,
                            train_step, all_reduce_mean_many)
@@ -243,7 +243,14 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     if precision_name != "fp32" and env.device.type == "cpu" and rank0:
         log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; "
                     "use train.precision=auto (fp32 on CPU) unless you are testing mixed precision", precision_name)
-    precision = Precision.create(precision_name, env.device)
+    # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
+    sharded = cfg.train.strategy == "fsdp" and W > 1
+    if cfg.train.strategy == "fsdp" and not sharded and rank0:
+        log.info("train.strategy=fsdp with 1 worker: nothing to shard, training unsharded")
+    precision = Precision.create(precision_name, env.device, sharded)
+    strategy = "fsdp" if sharded else "ddp" if W > 1 else "none"
+    if sharded:
+        model = fsdp.shard_model(model, env.device, W, precision.fsdp_param_dtype)
     optimizer = build_optimizer(cfg, model, W)
     scheduler = build_scheduler(cfg, optimizer, steps)
     scaler = precision.grad_scaler()
@@ -253,13 +260,20 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     step, micro_step, samples_seen, restarts, mlflow_run_id = 0, 0, 0, 0, runtime.get("mlflow_run_id")
     ckpt_dir = env.latest_checkpoint()
     if ckpt_dir is not None:
-        state, meta = checkpointing.load(ckpt_dir)
+        # FSDP: only rank 0's copy of the weights is read (and broadcast); the other ranks map the file.
+        state, meta = checkpointing.load(ckpt_dir, mmap=sharded)
         mismatch = checkpointing.shape_mismatch(model.state_dict(), state["model"])
         if mismatch:
             raise DataError(f"checkpoint {ckpt_dir} does not fit model (the {mismatch}); use a new run.name "
                             f"or the model settings it was trained with")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # Either strategy's checkpoint loads under either strategy and any world size: both hold the full model;
+        # the optimizer is keyed by position (DDP, 1 worker) or by parameter name (FSDP).
+        if sharded:
+            fsdp.load_full_state_dict(model, optimizer, state["model"], state["optimizer"], env.world_rank)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(fsdp.optimizer_state_by_ids(state["optimizer"],
+                                                                  fsdp.optimizer_param_names(model, optimizer)))
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         step, samples_seen = meta["step"], meta["samples_seen"]
@@ -281,7 +295,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, step, epoch, offset, restarts)
     else:
         torch.manual_seed(cfg.run.seed + env.world_rank)
-    model = env.wrap_model(model)
+    if not sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded above
+        model = env.wrap_model(model)
     raw_model = getattr(model, "module", model)
 
     # ---- rank-0 duties: metrics file, MLflow, progress ----
@@ -308,9 +323,21 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         eb = max(B, 64)
         for i in range(0, len(rows), eb):
             yield _to_batch(val, rows[i:i + eb], cfg, env.device, stats)
+        if sharded:
+            # Every FSDP forward all-gathers, so every rank must run as many as rank 0 (which has the most rows):
+            # the others pad with a batch whose targets are all ignored (-100).
+            mine, most = math.ceil(len(rows) / eb), math.ceil(len(eval_rows(len(val), 0, W)) / eb)
+            for _ in range(most - mine):
+                x, y = _to_batch(val, rows[:1] if len(rows) else np.arange(1), cfg, env.device, stats)
+                yield x, torch.full_like(y, -100)
 
     def run_eval() -> dict[str, Any]:
-        return evaluate(model, precision, batches_for_eval(), cfg.model.name == "char_gpt", env.device) if val is not None else {}
+        if val is None:
+            return {}
+        out = evaluate(model, precision, batches_for_eval(), cfg.model.name == "char_gpt", env.device)
+        if sharded:
+            fsdp.reshard(model)  # a forward without backward leaves the root unsharded
+        return out
 
     def save_checkpoint(metrics: dict[str, Any]) -> tuple[Path, Callable[[], Path]] | None:
         epoch, in_epoch = order.position(micro_step)
@@ -320,16 +347,21 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             torch.distributed.all_gather_object(rngs, checkpointing.rng_state())
         else:
             rngs = [checkpointing.rng_state()]
+        if sharded:  # a collective: every rank sends its shards, rank 0 gets the full model and optimizer state
+            model_state, optim_state = fsdp.full_state_dict(model, optimizer)
         if not rank0:
             return None
+        if not sharded:
+            model_state, optim_state = raw_model.state_dict(), optimizer.state_dict()
         folder = Path(tempfile.mkdtemp(prefix="stride-ckpt-"))
         # Staged: a CPU copy taken now; serialising and writing it happen in write(), possibly in the background.
-        state = checkpointing.stage({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+        state = checkpointing.stage({"model": model_state, "optimizer": optim_state,
                                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                                      "rng_per_rank": rngs})
         meta = {"step": step, "epoch": epoch, "epoch_offset_samples": in_epoch * order.global_micro_batch,
                 "samples_seen": samples_seen, "restarts": restarts, "mlflow_run_id": mlflow_run_id,
-                "world_size": W, "model": cfg.model.name, "initial_val_loss": initial_val, "metrics": metrics}
+                "world_size": W, "model": cfg.model.name, "initial_val_loss": initial_val, "metrics": metrics,
+                "strategy": strategy}
         return folder, lambda: checkpointing.save(folder, state, meta)
 
     initial_val = None
@@ -471,13 +503,17 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     if sample_log is not None:
         sample_log.close()
     wall = time.perf_counter() - train_start
-    # Replicas must hold identical weights after DDP training; the summary records each rank's checksum.
-    checksum = float(sum(p.detach().double().sum() for p in raw_model.parameters()))
-    checksums = [None] * W
-    if W > 1:
-        torch.distributed.all_gather_object(checksums, checksum)
+    # Replicas must hold identical weights after DDP training; the summary records each rank's checksum (FSDP:
+    # of the full parameters gathered from the shards) and the parameter bytes each rank holds.
+    if sharded:
+        checksum = fsdp.full_param_checksum(model)
     else:
-        checksums = [checksum]
+        checksum = float(sum(p.detach().double().sum() for p in raw_model.parameters()))
+    per_rank = [None] * W
+    if W > 1:
+        torch.distributed.all_gather_object(per_rank, (checksum, fsdp.local_param_bytes(raw_model)))
+    else:
+        per_rank = [(checksum, fsdp.local_param_bytes(raw_model))]
     summary = {
         "status": status, "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
         "samples_seen": samples_seen, "rows_dropped": order.rows_dropped_per_epoch,
@@ -486,7 +522,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         "val_bpb": last_val.get("val_bpb"),
         "samples_per_second": (step - start_step) * B * W * A / max(wall, 1e-9) if step > start_step else None,
         "train_wall_s": wall, "mlflow_run_id": mlflow_run_id, "restarts": restarts, "precision": precision_name,
-        "param_checksums": checksums,
+        "param_checksums": [c for c, _ in per_rank], "strategy": strategy,
+        "param_bytes_per_worker": [b for _, b in per_rank],
     }
     if tracker is not None:
         tracker.finish()

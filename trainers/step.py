@@ -36,16 +36,31 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 class Precision:
     device_type: str
     dtype: torch.dtype | None
+    # FSDP (train.strategy=fsdp): bf16 comes from FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient
+    # reduction, fp32 sharded master weights), not from autocast; fp16 keeps autocast with a sharded GradScaler.
+    sharded: bool = False
 
     @classmethod
-    def create(cls, name: str, device: torch.device) -> "Precision":
-        return cls(device.type, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name])
+    def create(cls, name: str, device: torch.device, sharded: bool = False) -> "Precision":
+        return cls(device.type, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name], sharded)
+
+    @property
+    def fsdp_param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP casts parameters to for compute (MixedPrecisionPolicy.param_dtype), or None."""
+        return torch.bfloat16 if self.sharded and self.dtype == torch.bfloat16 else None
 
     def autocast(self):
-        return torch.autocast(self.device_type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None)
+        enabled = self.dtype is not None and self.fsdp_param_dtype is None
+        return torch.autocast(self.device_type, dtype=self.dtype or torch.float32, enabled=enabled)
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         # Dynamic loss scaling only for fp16; disabled it is a no-op pass-through.
+        if self.sharded and self.dtype == torch.float16:
+            # Each rank sees only its gradient shard: the sharded scaler all-reduces found_inf, so every rank
+            # skips the same steps.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self.device_type, enabled=True)
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
 
 
@@ -108,7 +123,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
                grad_clip_norm: float | None) -> StepResult:
     """Accumulate gradients over `micro_batches`, then one optimizer step.
 
-    The all-reduce runs only on the last micro-step (`no_sync` on the others); each micro-loss is divided by
+    The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
+    `set_requires_gradient_sync(False)`, on the others); each micro-loss is divided by
     the number of micro-steps so the accumulated gradient equals that of one batch of the combined size.
     Gradients are unscaled before clipping so the clip threshold is in true units under fp16.
     """
@@ -116,13 +132,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     total = torch.zeros((), dtype=torch.float32)
     for i, (x, y) in enumerate(micro_batches):
         sync = i == n - 1
-        ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):
+            # FSDP2: no reduce-scatter on the other micro-steps; gradients accumulate unsharded until the last.
+            model.set_requires_gradient_sync(sync)
+            ctx = contextlib.nullcontext()
+        else:
+            ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with ctx:
             with precision.autocast():
                 loss, _ = loss_fn(model, x, y)
             scaler.scale(loss / n).backward()
         total += loss.detach().float().cpu()
     # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
+    # Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the shards' norms across ranks, so
+    # a NaN/inf in any rank's shard makes the norm non-finite on every rank.
     scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf")))
     mean = float(total) / n
@@ -145,7 +168,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 @torch.no_grad()
 def evaluate(model: nn.Module, precision: Precision, batches, text: bool, device: torch.device) -> dict[str, float]:
     """Loss (and accuracy for classification, bits per byte for text) over this rank's rows, then summed
-    across ranks so every rank returns the global value over the whole split."""
+    across ranks so every rank returns the global value over the whole split. Targets of -100 are ignored
+    (under FSDP every rank must run as many forwards as the others, so ranks with fewer rows pad)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
@@ -156,7 +180,7 @@ def evaluate(model: nn.Module, precision: Precision, batches, text: bool, device
         target = y.reshape(-1)
         sums[0] += F.cross_entropy(logits, target, reduction="sum").double().cpu()
         sums[1] += (logits.argmax(-1) == target).sum().double().cpu()
-        sums[2] += target.numel()
+        sums[2] += int((target != -100).sum())  # -100 (cross_entropy's ignore_index): FSDP's padding batches
     if was_training:
         model.train()
     sums = all_reduce_sum(sums, device)

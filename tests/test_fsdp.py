@@ -1,0 +1,294 @@
+"""train.strategy=fsdp (FSDP2) on 2 CPU workers with gloo, launched with torchrun (faster than Ray; the loop is
+the same): training, the loss curve against DDP, parameter memory per worker, exact resume, an FSDP checkpoint
+in a 1-worker run, bf16, gradient accumulation and non-finite gradients; one Ray run (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from trainers import checkpointing, fsdp
+
+STEPS = 20
+
+
+def tiny_args(data, storage, name, steps=STEPS, *extra):
+    # optim.warmup_steps > steps: the lr depends on the step only (not on max_steps), so a run stopped at step 10
+    # and resumed to 20 follows the same schedule as one that ran 20 steps.
+    return ["--config", "trainers/configs/char_gpt.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
+            f"run.storage_path={storage}", f"run.name={name}", "model.n_layers=2", "model.width=32", "model.n_heads=2",
+            "model.context=32", "train.batch_size_per_worker=8", f"train.max_steps={steps}", "train.log_every_steps=1",
+            "train.eval_every_steps=10", "checkpoint.every_steps=10", "optim.warmup_steps=50",
+            "train.deterministic=true", "tracking.mlflow_uri=null", *extra]
+
+
+def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py") -> subprocess.CompletedProcess:
+    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                        str(free_port()), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r}
+
+
+def summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory, text_data):
+    """4096 training rows of the stdlib set, and 513 validation rows: an odd count, so rank 0 evaluates one batch
+    more than rank 1 and the FSDP padding of evaluation (every rank runs as many forwards) is exercised."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path_factory.mktemp("data") / "small_text"
+    for split, rows in (("train", 4096), ("val", 513)):
+        (out / split).mkdir(parents=True)
+        table = pq.ParquetDataset(text_data / split).read().slice(0, rows)
+        pq.write_table(table, out / split / "part-0000.parquet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_text):
+    """DDP and FSDP, 20 steps each; FSDP stopped at step 10 and resumed to 20; FSDP bf16 with accumulation."""
+    storage = tmp_path_factory.mktemp("fsdp_runs")
+    torchrun(2, tiny_args(small_text, storage, "ddp"))
+    torchrun(2, tiny_args(small_text, storage, "fsdp", STEPS, "train.strategy=fsdp"))
+    torchrun(2, tiny_args(small_text, storage, "resumed", 10, "train.strategy=fsdp"))
+    resumed = torchrun(2, tiny_args(small_text, storage, "resumed", STEPS, "train.strategy=fsdp"))
+    torchrun(2, tiny_args(small_text, storage, "bf16", 10, "train.strategy=fsdp", "train.precision=bf16",
+                          "train.grad_accum_steps=2"))
+    return {"storage": storage, "resumed_stdout": resumed.stdout}
+
+
+def test_fsdp_trains_char_gpt_and_checkpoints_full_state_on_rank_0(runs):
+    run = runs["storage"] / "fsdp"
+    s = summary(run)
+    assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["world_size"] == 2 and s["global_step"] == STEPS
+    assert s["val_loss"] < s["initial_val_loss"] - 0.2
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, STEPS + 1)) and curve[STEPS] < curve[1] - 0.2  # the loss goes down
+    assert s["param_checksums"][0] == s["param_checksums"][1]  # both ranks sum the same full parameters
+    ckpt = checkpointing.newest_complete(run)
+    assert checkpointing.verify(ckpt) is None and checkpointing.read_meta(ckpt)["strategy"] == "fsdp"
+    state, _ = checkpointing.load(ckpt)
+    # Stride's rank-0 format: the full model (tied head included) and the optimizer keyed by parameter names.
+    assert state["model"]["tok_emb.weight"].shape == (256, 32) and "head.weight" in state["model"]
+    assert not any(type(t).__name__ == "DTensor" for t in state["model"].values())
+    assert fsdp.keyed_by_names(state["optimizer"]) and "blocks.0.attn.qkv.weight" in state["optimizer"]["state"]
+
+
+def test_fsdp_loss_curve_matches_ddp(runs):
+    """Same seed, data and init. With 2 ranks both strategies average gradients exactly ((a+b)/2 either way); what
+    differs is the order of reductions: FSDP's gradient norm (for clipping) sums per-shard partial norms across
+    ranks, DDP's sums per-tensor norms, and the AdamW update runs on shards. That moves results by float32
+    rounding (observed: <= 1e-7 relative over 20 steps), so 1e-5 leaves room for rounding and still fails on a
+    real error (a wrong shard, a missing reduce, a skipped step differ by 1e-3 or more within a few steps)."""
+    ddp, sharded = losses(runs["storage"] / "ddp"), losses(runs["storage"] / "fsdp")
+    assert sorted(ddp) == sorted(sharded) == list(range(1, STEPS + 1))
+    for step in ddp:
+        assert sharded[step] == pytest.approx(ddp[step], rel=1e-5), step
+    a, b = summary(runs["storage"] / "ddp"), summary(runs["storage"] / "fsdp")
+    assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)  # evaluation (with its padding) agrees too
+    assert b["initial_val_loss"] == pytest.approx(a["initial_val_loss"], rel=1e-6)
+    assert b["param_checksums"][0] == pytest.approx(a["param_checksums"][0], rel=1e-6)
+
+
+def test_parameter_memory_per_worker_is_half_of_ddp(runs):
+    from trainers.models import CharGPT
+
+    full = sum(p.numel() for p in CharGPT(256, 32, 2, 2, 32).parameters()) * 4  # fp32, tied head counted once
+    ddp = summary(runs["storage"] / "ddp")["param_bytes_per_worker"]
+    sharded = summary(runs["storage"] / "fsdp")["param_bytes_per_worker"]
+    assert ddp == [full, full]
+    assert sum(sharded) == full  # every parameter is on exactly one rank (dim 0 shards; no padding counted)
+    assert all(abs(b - full / 2) <= 0.01 * full for b in sharded), (sharded, full)
+
+
+def test_fsdp_resume_continues_at_the_exact_step(runs):
+    run = runs["storage"] / "resumed"
+    assert "resumed from" in runs["resumed_stdout"] and "at step 10" in runs["resumed_stdout"]
+    s = summary(run)
+    assert s["global_step"] == STEPS and s["restarts"] == 1 and s["strategy"] == "fsdp"
+    got, expected = losses(run), losses(runs["storage"] / "fsdp")
+    assert sorted(got) == list(range(1, STEPS + 1))  # metrics.jsonl continues from step 10: no gap, no repeat
+    assert got == expected  # bitwise the uninterrupted run's losses (deterministic CPU)
+    assert s["param_checksums"] == summary(runs["storage"] / "fsdp")["param_checksums"]
+    assert s["val_loss"] == summary(runs["storage"] / "fsdp")["val_loss"]
+
+
+def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_path):
+    """The FSDP checkpoint of step 10 (2 workers x 8) resumed by 1 worker x 16 without FSDP: the same samples per
+    step, and the 16-sample mean gradient is the mean of the two ranks' 8-sample means, so the losses follow the
+    FSDP run's steps 11-20 up to float rounding (observed <= 1e-7)."""
+    src = min(runs["storage"].glob("resumed/checkpoint_*"), key=lambda p: checkpointing.read_meta(p)["step"])
+    assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "fsdp"
+    (tmp_path / "one").mkdir()
+    shutil.copytree(src, tmp_path / "one" / src.name)
+    r = torchrun(1, tiny_args(small_text, tmp_path, "one", STEPS, "train.batch_size_per_worker=16"))
+    assert "resumed from" in r.stdout and "at step 10" in r.stdout
+    s = summary(tmp_path / "one")
+    assert s["status"] == "completed" and s["global_step"] == STEPS and s["world_size"] == 1 and s["strategy"] == "none"
+    got, sharded = losses(tmp_path / "one"), losses(runs["storage"] / "fsdp")
+    assert sorted(got) == list(range(11, STEPS + 1))  # (only the checkpoint was copied, not metrics.jsonl)
+    for step in got:
+        assert got[step] == pytest.approx(sharded[step], rel=1e-5), step
+    assert s["val_loss"] < s["initial_val_loss"]
+    # Its own checkpoint is positional again (a plain optimizer) and carries on like any 1-worker run's.
+    state, meta = checkpointing.load(checkpointing.newest_complete(tmp_path / "one"))
+    assert meta["strategy"] == "none" and not fsdp.keyed_by_names(state["optimizer"])
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
+    """The other direction: DDP's positional optimizer state is keyed by name and broadcast into the shards."""
+    src = min(runs["storage"].glob("ddp/checkpoint_*"), key=lambda p: checkpointing.read_meta(p)["step"])
+    assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "ddp"
+    (tmp_path / "switched").mkdir()
+    shutil.copytree(src, tmp_path / "switched" / src.name)
+    r = torchrun(2, tiny_args(small_text, tmp_path, "switched", STEPS, "train.strategy=fsdp"))
+    assert "at step 10" in r.stdout
+    s = summary(tmp_path / "switched")
+    assert s["strategy"] == "fsdp" and s["global_step"] == STEPS and s["restarts"] == 1
+    got, ddp = losses(tmp_path / "switched"), losses(runs["storage"] / "ddp")
+    assert sorted(got) == list(range(11, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ddp[step], rel=1e-5), step
+
+
+def test_bf16_with_accumulation_under_fsdp_trains(runs):
+    run = runs["storage"] / "bf16"
+    s = summary(run)
+    assert s["status"] == "completed" and s["precision"] == "bf16" and s["strategy"] == "fsdp" and s["global_step"] == 10
+    assert s["samples_seen"] == 10 * 8 * 2 * 2
+    curve = losses(run)
+    assert curve[10] < curve[1] and s["val_loss"] < s["initial_val_loss"]
+    # bf16 compute really ran: the untrained model's val loss differs from fp32's, but only by bf16 rounding.
+    fp32 = summary(runs["storage"] / "fsdp")["initial_val_loss"]
+    assert s["initial_val_loss"] != fp32 and s["initial_val_loss"] == pytest.approx(fp32, rel=1e-2)
+    # The sharded master weights stay fp32: the same bytes per worker as an fp32 run.
+    assert s["param_bytes_per_worker"] == summary(runs["storage"] / "fsdp")["param_bytes_per_worker"]
+
+
+STEP_CHECKS = r'''
+import math, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from trainers import fsdp
+from trainers.models import CharGPT
+from trainers.step import Precision, train_step
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cpu = torch.device("cpu")
+fp32 = Precision.create("fp32", cpu, sharded=True)
+
+def model(precision=fp32, shard=True):
+    torch.manual_seed(0)
+    m = CharGPT(256, 16, 2, 2, 32)
+    return fsdp.shard_model(m, cpu, 2, precision.fsdp_param_dtype) if shard else m
+
+def full(m):
+    return torch.cat([p.full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten() for p in m.parameters()])
+
+torch.manual_seed(1)
+data = torch.randint(0, 256, (2, 2, 4, 17))  # [micro-step, rank, rows, tokens]
+
+# 1. Two accumulated micro-steps per rank under FSDP (no reduce-scatter on the first) = one process on all rows.
+m = model()
+sgd = torch.optim.SGD(m.parameters(), lr=0.5)
+micro = [(data[i, rank, :, :-1], data[i, rank, :, 1:]) for i in range(2)]
+r = train_step(m, sgd, fp32.grad_scaler(), fp32, micro, grad_clip_norm=None)
+ref = model(Precision.create("fp32", cpu), shard=False)
+ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
+both = [(data[i].reshape(8, 17)[:, :-1], data[i].reshape(8, 17)[:, 1:]) for i in range(2)]
+rr = train_step(ref, ref_sgd, torch.amp.GradScaler("cpu", enabled=False), Precision.create("fp32", cpu), both, None)
+assert r.finite and math.isclose(r.grad_norm, rr.grad_norm, rel_tol=1e-5), (r.grad_norm, rr.grad_norm)
+assert torch.allclose(full(m), full(ref), rtol=1e-5, atol=1e-7), (full(m) - full(ref)).abs().max()
+
+# 2. A NaN in one rank's gradient shard only: the clipped norm is NaN on every rank, and no rank steps.
+class Poison(torch.amp.GradScaler):
+    def unscale_(self, optimizer):
+        if rank == 1:
+            next(iter(m.parameters())).grad.to_local().view(-1)[0] = float("nan")
+before = full(m).clone()
+r = train_step(m, sgd, Poison("cpu", enabled=False), fp32, micro, grad_clip_norm=1.0)
+assert not r.finite and math.isnan(r.grad_norm), r
+assert torch.equal(full(m), before)
+
+# 3. bf16 under FSDP: MixedPrecisionPolicy computes in bf16 (no autocast), the sharded weights stay fp32.
+bf16 = Precision.create("bf16", cpu, sharded=True)
+assert bf16.fsdp_param_dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+with bf16.autocast():
+    assert not torch.is_autocast_enabled("cpu")
+with Precision.create("bf16", cpu).autocast():
+    assert torch.is_autocast_enabled("cpu")  # DDP keeps autocast
+mb = model(bf16)
+with torch.no_grad():
+    assert mb(data[0, rank, :, :-1]).dtype == torch.bfloat16
+mb.reshard()
+assert all(p.dtype == torch.float32 for p in mb.parameters())
+r = train_step(mb, torch.optim.AdamW(mb.parameters(), lr=1e-3), bf16.grad_scaler(), bf16, micro, 1.0)
+assert r.finite
+print(f"rank {rank} ok", flush=True)
+'''
+
+
+def test_accumulation_nonfinite_shard_and_bf16_inside_the_step(tmp_path):
+    script = tmp_path / "step_checks.py"
+    script.write_text(STEP_CHECKS)
+    r = torchrun(2, [str(REPO)], script=str(script))
+    assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout
+
+
+def test_optimizer_state_converts_between_positions_and_names():
+    from trainers.models import MLP
+    from trainers.step import build_optimizer
+    from trainers.config import load_config
+
+    cfg = load_config(None, ["model.name=mlp"])
+    m = MLP(4, [8, 8], 3)
+    opt = build_optimizer(cfg, m, 1)
+    m(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    names = fsdp.optimizer_param_names(m, opt)
+    assert names == [["net.0.weight", "net.2.weight", "net.4.weight"], ["net.0.bias", "net.2.bias", "net.4.bias"]]
+    by_ids = opt.state_dict()
+    by_names = fsdp.optimizer_state_by_names(by_ids, names)
+    assert fsdp.keyed_by_names(by_names) and set(by_names["state"]) == {n for g in names for n in g}
+    back = fsdp.optimizer_state_by_ids(by_names, names)
+    assert back["param_groups"] == by_ids["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], by_ids["state"][i]["exp_avg"]) for i in by_ids["state"])
+    assert fsdp.optimizer_state_by_ids(by_ids, names) is by_ids  # positional stays as it is
+    opt2 = build_optimizer(cfg, m, 1)
+    opt2.load_state_dict(back)
+    with pytest.raises(ValueError, match="parameter groups of sizes"):
+        fsdp.optimizer_state_by_ids(by_names, [names[0], names[1][:2]])
+
+
+@pytest.mark.slow
+def test_ray_fsdp_run_matches_torchrun_and_resumes(runs, small_text, tmp_path):
+    """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 steps, then the same command with
+    20 resumes from the FSDP checkpoint (through the driver's check_resume) and ends where torchrun's run did."""
+    args = ["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", 10, "train.strategy=fsdp", "scaling.num_workers=2")]
+    r = run_cli(args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_cli(["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", STEPS, "train.strategy=fsdp",
+                                                "scaling.num_workers=2")])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "at step 10" in r.stdout
+    s, ref = summary(tmp_path / "ray"), summary(runs["storage"] / "fsdp")
+    assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["global_step"] == STEPS and s["restarts"] == 1
+    assert s["param_bytes_per_worker"] == ref["param_bytes_per_worker"]
+    assert s["param_checksums"][0] == s["param_checksums"][1] == pytest.approx(ref["param_checksums"][0], rel=1e-6)
+    got, expected = losses(tmp_path / "ray"), losses(runs["storage"] / "fsdp")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6), step

@@ -1,0 +1,171 @@
+"""`train.strategy: fsdp`: shard parameters, gradients and optimizer state across workers with PyTorch's FSDP2.
+
+`fully_shard` is applied bottom-up: each transformer block of char_gpt (each hidden Linear of the MLP) is one
+group whose parameters are all-gathered for its forward/backward and freed afterwards, then the root takes
+what is left (embeddings, final norm, the tied head; the MLP's output layer). Every parameter becomes a DTensor
+sharded on dim 0 over the data-parallel mesh, so a worker holds 1/world_size of the weights, of their gradients
+(reduce-scattered instead of all-reduced) and of the AdamW moments (the optimizer is built on the shards).
+
+Checkpoints stay in Stride's rank-0 format (`checkpointing.save`: one state.pt with a sha256 in meta.json):
+`full_state_dict` gathers the full, unsharded model and optimizer state on rank 0 (CPU), the optimizer keyed
+by parameter names instead of positions. `load_full_state_dict` broadcasts such a state from rank 0 and
+re-shards it, so an FSDP checkpoint resumes under any world size, and `optimizer_state_by_ids` turns it into
+the positional format for a run without FSDP (1 worker, DDP). The reverse (a DDP checkpoint into an FSDP
+run) goes through `optimizer_state_by_names`.
+
+Plain PyTorch, no Ray: the loop calls these on Ray Train and under torchrun alike, after the process group is
+up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that get their own FSDP group before the root: char_gpt's blocks, the MLP's hidden Linears."""
+    from trainers.models import MLP, CharGPT
+
+    if isinstance(model, CharGPT):
+        return list(model.blocks)
+    if isinstance(model, MLP):
+        linears = [m for m in model.net if isinstance(m, nn.Linear)]
+        return linears[:-1]  # the output layer stays with the root (which must own something)
+    return []
+
+
+def shard_model(model: nn.Module, device: torch.device, world_size: int, param_dtype: torch.dtype | None) -> nn.Module:
+    """Apply FSDP2 in place (blocks, then the root) over all `world_size` ranks and return the model.
+
+    `param_dtype` (bf16 or None): the MixedPrecisionPolicy's compute dtype; gradients are reduced in fp32 and the
+    sharded master weights and optimizer state stay fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None
+          else MixedPrecisionPolicy())
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the root's unsharded parameters left after a forward without backward (evaluation): afterwards every
+    registered parameter is a shard again."""
+    if is_sharded(model):
+        model.reshard()
+
+
+# ---- what a worker holds ----
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this worker stores: the local shards under FSDP, the whole model otherwise."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_param_checksum(model: nn.Module) -> float:
+    """Sum of the full parameters (gathered from the shards under FSDP: a collective, every rank calls it), in
+    the same order and precision as the DDP checksum so the two are comparable."""
+    from torch.distributed.tensor import DTensor
+
+    reshard(model)
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            total += full.detach().double().sum().cpu()
+    return float(total)
+
+
+# ---- checkpoints: full state on rank 0 ----
+
+def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full (unsharded) model and optimizer state on rank 0, on CPU; empty dicts on the other ranks.
+    A collective: every rank must call it. The optimizer state is keyed by parameter names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    reshard(model)
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any] | None,
+                         optim_state: dict[str, Any] | None, rank: int) -> None:
+    """Load a full state (an FSDP checkpoint's, or a DDP/1-worker one's) into the sharded model and optimizer:
+    rank 0 passes it and broadcasts tensor by tensor, every rank keeps its shard. A collective."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    if rank == 0:
+        optim_state = optimizer_state_by_names(optim_state, optimizer_param_names(model, optimizer))
+    # Two calls, not set_state_dict(model, optimizer, ...): set_state_dict treats an empty model_state_dict as
+    # "optimizer only" (torch/distributed/checkpoint/state_dict.py, `optim_only=not model_state_dict`), so the
+    # ranks that pass {} would skip the model broadcast that rank 0 starts, and both would hang.
+    set_model_state_dict(model, model_state if rank == 0 else {}, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state if rank == 0 else {}, options=options)
+
+
+# ---- optimizer state: by position (torch's Optimizer.state_dict) or by parameter name (FSDP checkpoints) ----
+
+def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each optimizer group, in the optimizer's order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def keyed_by_names(optim_state: dict[str, Any]) -> bool:
+    return any(isinstance(p, str) for g in optim_state.get("param_groups", []) for p in g["params"])
+
+
+def optimizer_state_by_names(optim_state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """Positional optimizer state (Optimizer.state_dict()) -> keyed by parameter names; unchanged if it already is."""
+    if keyed_by_names(optim_state):
+        return optim_state
+    saved = optim_state["param_groups"]
+    _check_groups([len(g["params"]) for g in saved], [len(g) for g in group_names])
+    name_of = {i: n for g, names in zip(saved, group_names) for i, n in zip(g["params"], names)}
+    return {"state": {name_of[i]: s for i, s in optim_state["state"].items()},
+            "param_groups": [dict(g, params=[name_of[i] for i in g["params"]]) for g in saved]}
+
+
+def optimizer_state_by_ids(optim_state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """Optimizer state keyed by parameter names (an FSDP checkpoint) -> positional, for Optimizer.load_state_dict
+    of an optimizer whose groups hold `group_names`; unchanged if it is positional already."""
+    if not keyed_by_names(optim_state):
+        return optim_state
+    saved = optim_state["param_groups"]
+    _check_groups([len(g["params"]) for g in saved], [len(g) for g in group_names])
+    index, groups = {}, []
+    for g, names in zip(saved, group_names):
+        if set(g["params"]) != set(names):
+            missing = sorted(set(names) - set(g["params"])) or sorted(set(g["params"]) - set(names))
+            raise ValueError(f"the checkpoint's optimizer groups do not match the model's (parameter {missing[0]})")
+        ids = list(range(len(index), len(index) + len(names)))
+        index.update(zip(names, ids))
+        groups.append(dict(g, params=ids))
+    return {"state": {index[n]: s for n, s in optim_state["state"].items()}, "param_groups": groups}
+
+
+def _check_groups(saved: list[int], model: list[int]) -> None:
+    if saved != model:
+        raise ValueError(f"the checkpoint's optimizer has parameter groups of sizes {saved} but this model's has "
+                         f"{model}; resume with the model and optim settings it was trained with")

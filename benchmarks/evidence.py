@@ -1,0 +1,432 @@
+"""Evidence behind the figures of `make bench`: where Stride's extra time goes. Not part of `make bench`.
+
+    python benchmarks/evidence.py [--only costs,stacks,ingest] [--out benchmarks/results]
+
+* costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
+  call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
+  `ray.train.report(metrics)` (Stride's per-log-step report) vs `dist.barrier()` (torchrun's report) vs a
+  1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py does them (all_gather_object of the
+  RNG states, checkpointing.stage, ray.train.report(..., ASYNC) returning) vs its whole write
+  (checkpointing.save + persist, in Ray's upload thread).
+* stacks (py-spy): rank 0 of `python trainers/main.py` and of `torchrun ... trainers/torchrun.py` (same job as
+  make bench, longer), sampled during steady-state training; the share of samples by activity.
+* ingest (cProfile): one pass of Stride's worker-side path (get_dataset_shard -> iter_batches -> concat ->
+  table_to_arrays) over the tabular ingest set, top functions by cumulative time.
+
+Writes <out>/evidence-<YYYY-MM-DDTHHMM>.json and prints a summary. Temporary storage only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "benchmarks"))
+
+PY = sys.executable
+CONFIG = "trainers/configs/char_gpt.yaml"
+
+
+# ------------------------------------------------------------------ costs
+
+def _by_value() -> None:
+    """The loops below run on Ray workers, which cannot import this file: ship them by value."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def costs_loop(config: dict) -> dict:
+    import tempfile as tf
+
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    from ray.train import CheckpointUploadMode
+
+    from trainers import checkpointing
+    from trainers.config import from_dict
+    from trainers.step import Precision, build_model, build_optimizer, train_step
+
+    cfg = from_dict(config["cfg"])
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    W = ray.train.get_context().get_world_size()
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(build_model(cfg))
+    raw = model.module
+    opt = build_optimizer(cfg, raw, W)
+    prec = Precision.create("fp32", torch.device("cpu"))
+    scaler = prec.grad_scaler()
+    x = torch.randint(0, 256, (cfg.train.batch_size_per_worker, cfg.model.context + 1))
+    for _ in range(2):  # AdamW state exists, as in a real checkpoint
+        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+    n = config["n"]
+    t = collections.defaultdict(list)
+
+    def timed(key, fn):
+        t0 = time.perf_counter()
+        r = fn()
+        t[key].append(time.perf_counter() - t0)
+        return r
+
+    def step():
+        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+
+    for i in range(n):
+        # A training step before each call, as in the loop: Ray's result queue holds one report and the controller
+        # drains it every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, so back-to-back reports would measure that poll.
+        step()
+        timed("report_metrics_s", lambda: ray.train.report({"step": i, "train_loss": 1.0}))
+        step()
+        timed("gloo_barrier_s", lambda: dist.barrier())
+        step()
+        one = torch.zeros(4, dtype=torch.float64)
+        timed("all_reduce_4_floats_s", lambda: dist.all_reduce(one))
+    for i in range(n):  # back to back: the poll interval shows
+        timed("report_metrics_back_to_back_s", lambda: ray.train.report({"step": 100 + i, "train_loss": 1.0}))
+    storage = ray.train.get_context().get_storage()
+    writes: list[float] = []
+    for i in range(config["checkpoints"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        rngs = [None] * W
+        timed("ckpt_all_gather_rng_s", lambda: dist.all_gather_object(rngs, checkpointing.rng_state()))
+        if rank == 0:
+            folder = Path(tf.mkdtemp(prefix="stride-prof-ckpt-"))
+            state = timed("ckpt_stage_s", lambda: checkpointing.stage(
+                {"model": raw.state_dict(), "optimizer": opt.state_dict(), "rng_per_rank": rngs}))
+            meta = {"step": i}
+
+            def upload(checkpoint, dir_name, state=state, folder=folder, meta=meta):
+                w0 = time.perf_counter()
+                checkpointing.save(folder, state, meta)
+                persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+                writes.append(time.perf_counter() - w0)
+                return persisted
+
+            timed("ckpt_report_call_s", lambda: ray.train.report(
+                {"step": 1000 + i}, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+                checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True,
+                checkpoint_upload_fn=upload))
+        else:
+            timed("ckpt_report_call_s", lambda: ray.train.report({"step": 1000 + i}))
+        t["ckpt_blocked_s"].append(time.perf_counter() - t0)
+        # Let the write finish before the next one, and time how long a step takes while it runs.
+        s0 = time.perf_counter()
+        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        t["step_during_write_s"].append(time.perf_counter() - s0)
+        deadline = time.time() + 60
+        while rank == 0 and len(writes) < i + 1 and time.time() < deadline:
+            time.sleep(0.01)
+        s0 = time.perf_counter()
+        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        t["step_quiet_s"].append(time.perf_counter() - s0)
+    if rank == 0:
+        t["ckpt_write_s"] = writes
+    return {"rank": rank, "seconds": dict(t)} if rank == 0 else {}
+
+
+def run_costs(tmp: Path) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainers.config import load_config
+    from trainers.main import init_ray, quiet_ray_env
+
+    cfg = load_config(CONFIG, [])
+    _by_value()
+    quiet_ray_env()
+    init_ray(cfg, log_to_driver=False)
+    trainer = TorchTrainer(costs_loop, train_loop_config={"cfg": cfg.to_dict(), "n": 15, "checkpoints": 5},
+                           scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1.0}),
+                           run_config=RunConfig(name="costs", storage_path=str(tmp / "costs")))
+    out = trainer.fit().return_value["seconds"]
+    import ray
+
+    ray.shutdown()
+    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in out.items() if v}
+
+
+# ------------------------------------------------------------------ stacks
+
+CATEGORIES = [  # first match wins, tested against the whole collapsed stack (outermost first)
+    ("checkpoint", re.compile(r"save_checkpoint|checkpointing\.py|_upload_checkpoint")),
+    ("report (ray.train.report / torchrun barrier)", re.compile(r"\breport \(|train_fn_utils|_sync_checkpoint_dir_name|torchrun\.py\)?;?.*barrier")),
+    ("metrics (MLflow, all-reduce of figures, jsonl)", re.compile(r"log_metrics|tracking\.py|all_reduce_mean_many|MetricsFile|record_metrics")),
+    ("stop check (all-reduce per step)", re.compile(r"requested \(")),
+    ("optimizer step", re.compile(r"optimizer\.step|adamw|_multi_tensor_adam|_single_tensor_adam|clip_grad_norm")),
+    ("backward + DDP all-reduce", re.compile(r"backward|_engine_run_backward")),
+    ("forward", re.compile(r"forward|loss_fn")),
+    ("batch (data)", re.compile(r"_to_batch|order\.py|rows \(")),
+    ("train_step other", re.compile(r"train_step")),
+]
+
+
+def _label(pid: int) -> str:
+    try:
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return "?"
+    if not argv:
+        return "?"
+    if argv[0].startswith("ray::"):
+        return argv[0].split()[0]
+    if not Path(argv[0]).name.startswith("python"):
+        return Path(argv[0]).name.split()[0]  # raylet, gcs_server, torchrun
+    for i, a in enumerate(argv[1:], 1):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a == "-c":
+            return "python -c"
+        if a.endswith(".py"):
+            return Path(a).name
+    return "python"
+
+
+def _cpu_seconds(pids) -> dict[int, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = (int(f[11]) + int(f[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _machine_busy() -> tuple[float, float]:
+    f = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+def tree_cpu(root: int, seconds: float) -> dict[str, float]:
+    """Cores used by each kind of process in the tree below `root` (and root) over `seconds`, and by the whole
+    machine (every process, other users' included)."""
+    from run import descendants
+
+    pids = [root, *descendants(root)]
+    labels = {p: _label(p) for p in pids}
+    a, ma = _cpu_seconds(pids), _machine_busy()
+    time.sleep(seconds)
+    b, mb = _cpu_seconds(pids), _machine_busy()
+    by = collections.Counter()
+    for p in a:
+        if p in b:
+            by[labels[p]] += (b[p] - a[p]) / seconds
+    out = {k: round(v, 3) for k, v in by.most_common() if v > 0}
+    out["(this job, total)"] = round(sum(by.values()), 3)
+    out["(whole machine)"] = round((mb[0] - ma[0]) / (mb[1] - ma[1]) * (os.cpu_count() or 1), 3)
+    return out
+
+
+def rank0_pid(sample_log: Path) -> int | None:
+    """The process that holds rank 0's sample log open (works for both runtimes)."""
+    target = str(sample_log / "rank0.jsonl")
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                try:
+                    if os.readlink(fd) == target:
+                        return int(fd_dir.parent.name)
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return None
+
+
+def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int) -> dict:
+    from run import clean_env, descendants, free_port, kill_exact
+
+    storage = tmp / f"stacks_{runtime}"
+    storage.mkdir(parents=True)
+    over = [f"run.name=p", f"run.storage_path={storage}", f"train.max_steps={steps}", "train.log_every_steps=5",
+            f"train.eval_every_steps={steps}", f"checkpoint.every_steps={steps}", "data.val_path=null",
+            f"tracking.mlflow_uri=sqlite:///{storage / 'mlflow.db'}"]
+    if runtime == "stride":
+        cmd = [PY, "trainers/main.py", "--config", CONFIG, *over]
+    else:
+        cmd = [str(Path(PY).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+               "trainers/torchrun.py", "--config", CONFIG, *over]
+    env = clean_env()
+    env["STRIDE_SAMPLE_LOG"] = str(storage / "samples")
+    log = open(tmp / f"stacks_{runtime}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen = {}
+    try:
+        # Wait for 15 steps (past warm-up), then sample rank 0.
+        samples = storage / "samples" / "rank0.jsonl"
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            seen.update(descendants(proc.pid))
+            if samples.exists() and samples.read_bytes().count(b"\n") >= 15:
+                break
+            time.sleep(0.5)
+        pid = rank0_pid(storage / "samples")
+        if pid is None:
+            raise RuntimeError(f"no rank 0 process found for {runtime}")
+        raw = tmp / f"stacks_{runtime}.txt"
+        spy = str(Path(PY).parent / "py-spy")
+        cores = tree_cpu(proc.pid, 8.0)  # before py-spy, so its own sampling is not counted against anyone
+        subprocess.run([spy, "record", "--pid", str(pid), "--duration", str(duration_s), "--rate", "100", "--format", "raw",
+                        "--output", str(raw), "--nonblocking"], check=True, capture_output=True, timeout=duration_s + 60)
+        proc.wait(timeout=600)
+    finally:
+        seen.update(descendants(proc.pid))
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        time.sleep(2)
+        kill_exact(seen)
+        log.close()
+    counts = collections.Counter()
+    top = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        if "run (" not in stack and "loop.py" not in stack:
+            continue  # other threads (Ray's, upload): counted apart
+        total += n
+        cat = next((name for name, rx in CATEGORIES if rx.search(stack)), "other")
+        counts[cat] += n
+        leaf = stack.split(";")[-1]
+        top[leaf] += n
+    return {"pid_sampled": "rank 0", "cores_by_process_during_training": cores,
+            "samples_in_training_thread": total,
+            # py-spy leaves out samples where the thread sleeps (a collective waiting for the other rank, I/O)
+            "training_thread_active_fraction": total / (duration_s * 100),
+            "share": {k: v / total for k, v in counts.most_common()} if total else {},
+            "top_leaf_frames": [(k, v / total) for k, v in top.most_common(12)] if total else []}
+
+
+# ------------------------------------------------------------------ ingest
+
+def ingest_profile_loop(config: dict) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    import pyarrow as pa
+    import ray.train
+
+    from datasets.parquet import table_to_arrays
+
+    spec = config["spec"]
+
+    def stride_path():
+        shard = ray.train.get_dataset_shard("train")
+        batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
+        return table_to_arrays(pa.concat_tables(batches), spec), len(batches)
+
+    stride_path()  # warm
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    _, n_batches = stride_path()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+    return {"wall_s": wall, "batches": n_batches, "rows": spec.num_rows, "cprofile_top25_cumulative": buf.getvalue()}
+
+
+def run_ingest(tmp: Path, rows: int) -> dict:
+    import ray.data
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from datasets.parquet import inspect
+    from trainers.config import load_config
+    from trainers.main import init_ray, quiet_ray_env, read_datasets
+
+    data = tmp / "tabular"
+    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
+                   cwd=REPO, check=True, capture_output=True)
+    cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}"])
+    spec = inspect(cfg.data, cfg.model, "train")
+    _by_value()
+    quiet_ray_env()
+    init_ray(cfg, log_to_driver=False)
+    ds = read_datasets({"train": spec})
+    trainer = TorchTrainer(ingest_profile_loop, train_loop_config={"spec": spec},
+                           scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1.0}),
+                           run_config=RunConfig(name="ingest_prof", storage_path=str(tmp / "ingest")),
+                           datasets=ds, dataset_config=DataConfig(datasets_to_split=[],
+                                                                  execution_options=ray.data.ExecutionOptions(preserve_order=True)))
+    out = trainer.fit().return_value
+    out["blocks_in_object_store"] = ds["train"].num_blocks()
+    import ray
+
+    ray.shutdown()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="costs,stacks,ingest")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--steps", type=int, default=80, help="steps of the sampled runs (stacks)")
+    ap.add_argument("--duration", type=int, default=20, help="py-spy seconds per runtime (stacks)")
+    ap.add_argument("--ingest-rows", type=int, default=400_000)
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="stride-profile-"))
+    started = datetime.now()
+    result: dict = {"started": started.isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
+                    "loadavg_start": os.getloadavg()}
+    try:
+        # Each part in its own process, so that every embedded Ray starts and ends cleanly.
+        for part in ("costs", "ingest", "stacks"):
+            if part not in only:
+                continue
+            if part == "stacks":
+                result["stacks"] = {rt: sample_stacks(rt, tmp, args.steps, args.duration) for rt in ("torchrun", "stride")}
+            else:
+                out = tmp / f"{part}.json"
+                code = (f"import json,sys; sys.argv=['x']; import evidence as p; from pathlib import Path; "
+                        f"r = p.run_{part}(Path({str(tmp)!r})" + (f", {args.ingest_rows})" if part == "ingest" else ")")
+                        + f"; Path({str(out)!r}).write_text(json.dumps(r, default=str))")
+                env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'benchmarks'}")
+                env.pop("RAY_ADDRESS", None)
+                r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{part} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+                result[part] = json.loads(out.read_text())
+            print(f"evidence: {part} done", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result["loadavg_end"] = os.getloadavg()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"evidence-{started.strftime('%Y-%m-%dT%H%M')}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "ingest"}, indent=1, default=str))
+    if "ingest" in result:
+        print(result["ingest"]["cprofile_top25_cumulative"])
+    print(f"evidence: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

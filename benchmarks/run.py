@@ -1,0 +1,573 @@
+"""Side-by-side benchmarks of Stride: Ray Train vs torchrun, ingest, scaling, checkpoint blocking.
+
+    python benchmarks/run.py --quick            # make bench: 3 repetitions, < 10 minutes on 2 cores
+    python benchmarks/run.py --full             # 5 repetitions, longer runs, a bigger ingest set
+    python benchmarks/run.py --smoke --out DIR  # one tiny repetition (the test suite), results into DIR
+
+Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated; the
+JSON holds each repetition, the median and the spread (min, max), the goal and pass/fail, the machine's CPU count
+and load averages. Results: <out>/latest.json and a dated copy <out>/<YYYY-MM-DDTHHMM>.json (default out:
+benchmarks/results).
+
+What runs (each launch is a fresh process tree; temporary storage only, never the repo's runs/):
+1. pairs, `reps` times, order alternating: `torchrun --nproc-per-node 2 trainers/torchrun.py` and
+   `python trainers/main.py` (embedded Ray, 2 CPU workers), same config, same data, same loop:
+   -> step_time_ratio, wall_ratio, time_to_first_step_s, data_wait_fraction, ckpt_blocked_fraction
+2. benchmarks/ray_bench.py (one embedded Ray): ingest through Stride's worker-side path vs pyarrow vs a torch
+   DataLoader (-> ingest_ratio), then Stride fits with 1 and 2 workers alternating (-> scaling_2_over_1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+CONFIG = "trainers/configs/char_gpt.yaml"
+
+
+@dataclass(frozen=True)
+class Mode:
+    reps: int  # repetitions of every measurement
+    steps: int  # optimizer steps of the paired job
+    log_every: int
+    ckpt_every: int  # one or more checkpoints inside the run (plus the final one)
+    warmup_steps: int  # log lines at or below this step are warm-up, dropped
+    scale_steps: int
+    scale_log_every: int
+    scale_warmup_steps: int
+    ingest_rows: int  # rows of the generated tabular ingest set
+    ingest_features: int
+    ingest_passes: int
+    timeout_s: int  # per launch
+    scale_workers: tuple = (1,)  # (1,): 2-worker throughput from the paired Stride runs; (1, 2): own paired fits
+
+
+MODES = {
+    "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
+                  scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300),
+    "quick": Mode(reps=3, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
+                  scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=3, timeout_s=420),
+    "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
+                 scale_warmup_steps=20, ingest_rows=2_000_000, ingest_features=32, ingest_passes=5, timeout_s=900,
+                 scale_workers=(1, 2)),
+}
+
+GOALS = {  # figure: (operator, threshold)
+    "step_time_ratio": ("<=", 1.02),
+    "wall_ratio": ("<=", 1.5),
+    "ingest_ratio": (">=", 0.8),
+    "data_wait_fraction": ("<", 0.02),
+    "ckpt_blocked_fraction": ("<=", 0.2),
+}
+
+WHAT = {
+    "step_time_ratio": "median steady-state step time, Stride on Ray Train / torchrun (same loop, data, config)",
+    "wall_ratio": "wall time launch to exit of the same short job, Stride / torchrun",
+    "time_to_first_step_s": "launch to the end of the first optimizer step (rank 0)",
+    "ingest_ratio": "rows/s, Stride's worker-side path (Ray Data shard -> Arrow -> arrays) / pyarrow in one process",
+    "ingest_end_to_end_ratio": "rows/s including the driver's Ray Data read (what a run waits for) / pyarrow",
+    "data_wait_fraction": "share of step time a worker spends building its next batch (Stride, default job)",
+    "scaling_2_over_1": "Stride throughput (samples/s), 2 workers / 1 worker at the same per-worker batch",
+    "ckpt_blocked_fraction": "training time blocked by a mid-run checkpoint / that checkpoint's total write time (Stride)",
+}
+
+
+# ---------------------------------------------------------------- small helpers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def summarize(samples: list[float]) -> dict:
+    xs = [x for x in samples if x is not None and math.isfinite(x)]
+    if not xs:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "samples": samples}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": samples}
+
+
+def figure(name: str, samples: list[float], unit: str, goal: tuple[str, float] | None = None, **extra) -> dict:
+    s = summarize(samples)
+    value = s["median"]
+    ok = None
+    if goal is not None and math.isfinite(value):
+        op, thr = goal
+        ok = {"<=": value <= thr, "<": value < thr, ">=": value >= thr, ">": value > thr}[op]
+    return {"value": value, **s, "unit": unit, "goal": f"{goal[0]} {goal[1]:g}" if goal else None,
+            "pass": ok, "what": WHAT.get(name, ""), **extra}
+
+
+def _proc_children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return children
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> dict[int, str | None]:
+    """Every process below `pid` with its start time (so a pid reused later is never killed by mistake)."""
+    children, out, todo = _proc_children(), {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out[child] = _start_time(child)
+            todo.append(child)
+    return out
+
+
+def kill_exact(procs: dict[int, str | None]) -> int:
+    """SIGKILL the processes we started that are still alive (same pid and start time). Returns how many."""
+    n = 0
+    for pid, started in procs.items():
+        if started is not None and _start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                n += 1
+            except ProcessLookupError:
+                pass
+    return n
+
+
+def clean_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "STRIDE_SAMPLE_LOG"):
+        env.pop(k, None)
+    return env
+
+
+@dataclass
+class Launch:
+    rc: int
+    wall_s: float
+    first_step_s: float | None
+    leftovers_killed: int
+    log: str
+    lines: list
+
+
+def launch(cmd: list[str], log_path: Path, timeout_s: float, sample_log: Path | None = None, env: dict | None = None) -> Launch:
+    """Run one job in its own session, from launch to exit. While it runs, poll (20 ms) for the end of its first
+    optimizer step: rank 0's sample log (STRIDE_SAMPLE_LOG, one line per micro-step, written as the step's batch is
+    built) gets its second line when step 2 starts, i.e. when step 1 has ended. Both runtimes write it the same way.
+    Afterwards, every process of the tree still alive (Ray daemons) is stopped by pid."""
+    env = dict(env or clean_env())
+    if sample_log is not None:
+        env["STRIDE_SAMPLE_LOG"] = str(sample_log)
+    rank0 = sample_log / "rank0.jsonl" if sample_log is not None else None
+    seen: dict[int, str | None] = {}
+    with open(log_path, "w") as logf:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        # Every output line goes to the log prefixed with its arrival time since launch: the startup phases.
+        stamped: list[tuple[float, str]] = []
+
+        def pump():
+            for raw in proc.stdout:
+                t = time.perf_counter() - t0
+                line = raw.decode(errors="replace").rstrip("\n")
+                stamped.append((t, line))
+                logf.write(f"{t:9.3f} {line}\n")
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        first = None
+        next_scan = t0 + 1.0
+        timed_out = False
+        while proc.poll() is None:
+            now = time.perf_counter()
+            if first is None and rank0 is not None:
+                try:
+                    if rank0.stat().st_size and rank0.read_bytes().count(b"\n") >= 2:
+                        first = now - t0
+                except OSError:
+                    pass
+            if now >= next_scan:
+                seen.update(descendants(proc.pid))
+                next_scan = now + 2.0
+            if now - t0 > timeout_s:
+                timed_out = True
+                seen.update(descendants(proc.pid))
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                kill_exact(seen)
+                proc.wait()
+                break
+            time.sleep(0.02 if first is None else 0.1)
+        wall = time.perf_counter() - t0
+        reader.join(timeout=15)
+    # Ray's daemons exit on their own after the driver; give them a moment, then stop what is left of ours.
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_start_time(p) == s for p, s in seen.items() if s):
+        time.sleep(0.25)
+    left = kill_exact(seen)
+    return Launch(124 if timed_out else proc.returncode, wall, first, left, str(log_path), stamped)
+
+
+PHASES = {  # marker in the job's output -> phase that has ended when it appears (first occurrence)
+    "stride": [("ray_init", "stride: Ray dashboard"), ("driver_data_read", "with Ray Data in"),
+               ("worker_group_started", "Started training worker group"), ("worker_data_loaded", "INFO data: "),
+               ("first_log_step", " INFO step ")],
+    "torchrun": [("worker_data_loaded", "INFO data: "), ("first_log_step", " INFO step ")],
+}
+
+
+def phases(runtime: str, stamped: list[tuple[float, str]], first_step: float | None, wall: float, steps: int) -> dict:
+    """Seconds since launch at which each phase ended, from the job's own output lines (first occurrence)."""
+    out: dict = {}
+    for name, marker in PHASES[runtime]:
+        out[name] = next((t for t, line in stamped if marker in line), None)
+    out["first_step_done"] = first_step
+    out["last_step_logged"] = next((t for t, line in stamped if f" INFO step {steps}/{steps} " in line), None)
+    if runtime == "stride":
+        out["fit_returned"] = next((t for t, line in stamped if line.startswith("stride: completed")), None)
+    out["exit"] = wall
+    return out
+
+
+def steady(lines: list[dict], warmup_steps: int, ckpt_steps: list[int]) -> list[dict]:
+    """Log lines of steady-state training: after warm-up, and not touched by a checkpoint (the line after each
+    mid-run checkpoint, and further ones until the line that reports the checkpoint's write as finished)."""
+    train = [x for x in lines if "train_loss" in x]
+    touched: set[int] = set()
+    for c in ckpt_steps:
+        after = [x for x in train if x["step"] > c]
+        if not after:
+            continue
+        done = next((i for i, x in enumerate(after) if "checkpoint_write_s" in x), 0)
+        touched.update(x["step"] for x in after[:done + 1])
+    return [x for x in train if x["step"] > warmup_steps and x["step"] not in touched]
+
+
+def median_of(lines: list[dict], key: str) -> float | None:
+    xs = [x[key] for x in lines if isinstance(x.get(key), (int, float))]
+    return statistics.median(xs) if xs else None
+
+
+def checkpoint_figures(lines: list[dict], ckpt_steps: list[int]) -> list[dict]:
+    """Per mid-run checkpoint: seconds it blocked training (first log line after it) and its total write time
+    (the first line after it that reports a finished write)."""
+    train = [x for x in lines if "train_loss" in x]
+    out = []
+    for c in ckpt_steps:
+        after = [x for x in train if x["step"] > c]
+        blocked = next((x["checkpoint_blocked_s"] for x in after if "checkpoint_blocked_s" in x), None)
+        write = next((x["checkpoint_write_s"] for x in after if "checkpoint_write_s" in x), None)
+        out.append({"step": c, "blocked_s": blocked, "write_s": write,
+                    "fraction": blocked / write if blocked is not None and write else None})
+    return out
+
+
+# ---------------------------------------------------------------- the paired runs
+
+def job_overrides(mode: Mode, storage: Path, name: str) -> list[str]:
+    # The default job (char_gpt.yaml: 3 layers, width 128, context 64, 32 sequences per worker, AdamW, fp32), shortened;
+    # validation off (it would add the same eval time to both sides), MLflow on for both, into the run's own store.
+    return [f"run.name={name}", f"run.storage_path={storage}", f"train.max_steps={mode.steps}",
+            f"train.log_every_steps={mode.log_every}", f"train.eval_every_steps={mode.steps}",
+            f"checkpoint.every_steps={mode.ckpt_every}", "data.val_path=null",
+            f"tracking.mlflow_uri=sqlite:///{storage / 'mlflow.db'}"]
+
+
+def run_pair_member(runtime: str, rep: int, mode: Mode, tmp: Path) -> dict:
+    storage = tmp / f"{runtime}_r{rep}"
+    storage.mkdir(parents=True)
+    name = "bench"
+    over = job_overrides(mode, storage, name)
+    if runtime == "stride":
+        cmd = [PY, "trainers/main.py", "--config", CONFIG, *over]
+    else:
+        torchrun = str(Path(PY).parent / "torchrun")
+        cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "trainers/torchrun.py",
+               "--config", CONFIG, *over]
+    load_before = os.getloadavg()
+    r = launch(cmd, tmp / f"{runtime}_r{rep}.log", mode.timeout_s, sample_log=storage / "samples")
+    run_dir = storage / name
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    ckpts = [s for s in range(mode.ckpt_every, mode.steps, mode.ckpt_every)]
+    st = steady(lines, mode.warmup_steps, ckpts)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    out = {"runtime": runtime, "rep": rep, "rc": r.rc, "wall_s": r.wall_s, "time_to_first_step_s": r.first_step_s,
+           "phases_s": phases(runtime, r.lines, r.first_step_s, r.wall_s, mode.steps),
+           "steady_steps": [x["step"] for x in st], "step_time_s": median_of(st, "step_time_s"),
+           "samples_per_second": median_of(st, "samples_per_second"),
+           "data_wait_fraction": median_of(st, "data_wait_fraction"), "data_wait_s": median_of(st, "data_wait_s"),
+           "checkpoints": checkpoint_figures(lines, ckpts), "train_wall_s": summary.get("train_wall_s"),
+           "summary_wall_s": summary.get("wall_s"), "status": summary.get("status"),
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "leftovers_killed": r.leftovers_killed,
+           "log": r.log, "metrics": lines}
+    if r.rc != 0:
+        out["log_tail"] = Path(r.log).read_text()[-3000:]
+    return out
+
+
+# ---------------------------------------------------------------- ray_bench (ingest, scaling)
+
+def run_ray_bench(mode: Mode, tmp: Path) -> dict:
+    ingest_dir = tmp / "ingest_tabular"
+    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(ingest_dir), "--rows", str(mode.ingest_rows),
+                    "--features", str(mode.ingest_features), "--classes", "4", "--seed", "0"],
+                   cwd=REPO, check=True, capture_output=True)
+    scale_over = [f"train.max_steps={mode.scale_steps}", f"train.log_every_steps={mode.scale_log_every}",
+                  f"train.eval_every_steps={mode.scale_steps}", f"checkpoint.every_steps={mode.scale_steps}",
+                  "data.val_path=null"]
+    spec = {
+        "storage": str(tmp / "ray_bench"), "passes": mode.ingest_passes,
+        "ingest_sets": {
+            "tabular": {"config": "trainers/configs/tabular_mlp.yaml", "reads": mode.reps,
+                        "overrides": [f"data.train_path={ingest_dir / 'train'}", f"data.val_path={ingest_dir / 'val'}"]},
+            "pystdlib": {"config": CONFIG, "overrides": []},
+        },
+        "scaling": {"config": CONFIG, "reps": mode.reps, "overrides": scale_over, "workers": list(mode.scale_workers)},
+    }
+    spec_path, out_path = tmp / "ray_bench_spec.json", tmp / "ray_bench_out.json"
+    spec_path.write_text(json.dumps(spec))
+    timeout = mode.timeout_s * (len(mode.scale_workers) * mode.reps + 1)
+    r = launch([PY, "benchmarks/ray_bench.py", str(spec_path), str(out_path)], tmp / "ray_bench.log", timeout)
+    if r.rc != 0 or not out_path.exists():
+        raise RuntimeError(f"benchmarks/ray_bench.py failed (exit {r.rc}); log {r.log}:\n"
+                           + Path(r.log).read_text()[-3000:])
+    out = json.loads(out_path.read_text())
+    out["wall_s"] = r.wall_s
+    out["ingest"]["rows"] = {k: v["rows"] for k, v in out["ingest"].items() if isinstance(v, dict) and "rows" in v}
+    for run in out["scaling"]["runs"]:
+        lines = read_jsonl(Path(run["run_dir"]) / "metrics.jsonl")
+        st = steady(lines, mode.scale_warmup_steps, [])
+        run["steady_steps"] = [x["step"] for x in st]
+        run["samples_per_second"] = median_of(st, "samples_per_second")
+        run["step_time_s"] = median_of(st, "step_time_s")
+        run["metrics"] = lines
+    return out
+
+
+# ---------------------------------------------------------------- figures
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def compute(mode: Mode, pairs: list[dict], rb: dict) -> dict:
+    by = {(p["runtime"], p["rep"]): p for p in pairs}
+    reps = range(mode.reps)
+    s = [by[("stride", i)] for i in reps]
+    t = [by[("torchrun", i)] for i in reps]
+    figs: dict = {}
+    figs["step_time_ratio"] = figure("step_time_ratio", [ratio(a["step_time_s"], b["step_time_s"]) for a, b in zip(s, t)],
+                                     "ratio", GOALS["step_time_ratio"],
+                                     stride_step_time_s=summarize([a["step_time_s"] for a in s]),
+                                     torchrun_step_time_s=summarize([b["step_time_s"] for b in t]))
+    figs["wall_ratio"] = figure("wall_ratio", [ratio(a["wall_s"], b["wall_s"]) for a, b in zip(s, t)], "ratio",
+                                GOALS["wall_ratio"], stride_wall_s=summarize([a["wall_s"] for a in s]),
+                                torchrun_wall_s=summarize([b["wall_s"] for b in t]),
+                                job=f"char_gpt, {mode.steps} steps, no validation, checkpoints at every "
+                                    f"{mode.ckpt_every} steps and the end")
+    figs["time_to_first_step_s"] = {
+        "stride": figure("time_to_first_step_s", [a["time_to_first_step_s"] for a in s], "s"),
+        "torchrun": figure("time_to_first_step_s", [b["time_to_first_step_s"] for b in t], "s"),
+        "goal": None, "what": WHAT["time_to_first_step_s"],
+        "phases_s": {rt: {k: summarize([p["phases_s"].get(k) for p in runs])["median"] for k in runs[0]["phases_s"]}
+                     for rt, runs in (("stride", s), ("torchrun", t))}}
+    ing = rb["ingest"]
+    tab, txt = ing["tabular"], ing["pystdlib"]
+
+    def rows_per_s(block: dict, key: str) -> list[float]:
+        return [block["rows"] / x for x in block["seconds"][key]]
+
+    def pass_ratios(block: dict, num: str, den: str) -> list[float]:
+        return [b / a for a, b in zip(block["seconds"][num], block["seconds"][den])]  # (rows/a) / (rows/b)
+
+    figs["ingest_ratio"] = figure(
+        "ingest_ratio", pass_ratios(tab, "stride", "pyarrow"), "ratio", GOALS["ingest_ratio"],
+        data=f"tabular Parquet, {tab['rows']} rows x {mode.ingest_features} float32 features + label + sample_id "
+             f"({len(ing['files']['tabular'])} files), one worker",
+        stride_rows_per_s=summarize(rows_per_s(tab, "stride")), pyarrow_rows_per_s=summarize(rows_per_s(tab, "pyarrow")),
+        dataloader_rows_per_s=summarize(rows_per_s(tab, "dataloader")),
+        stride_over_dataloader=summarize(pass_ratios(tab, "stride", "dataloader")),
+        default_job_data={"data": f"data/pystdlib/train, {txt['rows']} rows of 65 uint8 tokens + sample_id",
+                          "ingest_ratio": summarize(pass_ratios(txt, "stride", "pyarrow")),
+                          "stride_rows_per_s": summarize(rows_per_s(txt, "stride")),
+                          "pyarrow_rows_per_s": summarize(rows_per_s(txt, "pyarrow")),
+                          "dataloader_rows_per_s": summarize(rows_per_s(txt, "dataloader"))},
+        # Stride pays the first pass once per run (a cold iterator), and the driver's Ray Data read before it.
+        stride_first_pass_rows_per_s=tab["rows"] / tab["seconds"]["stride"][0],
+        driver_read_s={k: summarize(v) for k, v in ing["driver_read_s"].items()},
+        threads_in_worker=ing.get("threads"))
+    pa_rate = statistics.median(rows_per_s(tab, "pyarrow"))
+    figs["ingest_end_to_end_ratio"] = figure(
+        "ingest_end_to_end_ratio",
+        [tab["rows"] / (r + tab["seconds"]["stride"][0]) / pa_rate for r in ing["driver_read_s"]["tabular"]], "ratio",
+        None, data=figs["ingest_ratio"]["data"],
+        formula="rows / (driver's Ray Data read + the worker's first pass) / pyarrow rows/s (median)")
+    figs["data_wait_fraction"] = figure("data_wait_fraction", [a["data_wait_fraction"] for a in s], "fraction",
+                                        GOALS["data_wait_fraction"],
+                                        torchrun=summarize([b["data_wait_fraction"] for b in t]),
+                                        stride_data_wait_s=summarize([a["data_wait_s"] for a in s]))
+    sc = {(r["workers"], r["rep"]): r for r in rb["scaling"]["runs"]}
+    one = [sc[(1, i)]["samples_per_second"] for i in reps]
+    if all((2, i) in sc for i in reps):  # --full: 2-worker fits of its own, alternating with the 1-worker ones
+        two, source = [sc[(2, i)]["samples_per_second"] for i in reps], "ray_bench 2-worker fits (paired)"
+    else:  # the paired Stride runs above: same loop, same per-worker batch, steady-state windows
+        two, source = [a["samples_per_second"] for a in s], "the paired trainers/main.py runs (2 workers)"
+    figs["scaling_2_over_1"] = figure(
+        "scaling_2_over_1", [ratio(b, a) for a, b in zip(one, two)], "ratio", None, ideal=2.0,
+        samples_per_second_1=summarize(one), samples_per_second_2=summarize(two), two_worker_source=source,
+        job=f"char_gpt, 32 sequences per worker, 1 torch thread per worker; 1 worker: Stride's trainer "
+            f"(trainers.main.build_trainer), {mode.scale_steps} steps")
+    ck = [c for a in s for c in a["checkpoints"]]
+    ckt = [c for b in t for c in b["checkpoints"]]
+    figs["ckpt_blocked_fraction"] = figure(
+        "ckpt_blocked_fraction", [c["fraction"] for c in ck], "fraction", GOALS["ckpt_blocked_fraction"],
+        blocked_s=summarize([c["blocked_s"] for c in ck]), write_s=summarize([c["write_s"] for c in ck]),
+        torchrun=summarize([c["fraction"] for c in ckt]),
+        checkpoint_bytes="char_gpt model + AdamW state (about 7.7 MB)")
+    return figs
+
+
+def flat_figures(figs: dict) -> list[tuple[str, dict]]:
+    out = []
+    for name, f in figs.items():
+        if "value" in f:
+            out.append((name, f))
+        else:
+            out.extend((f"{name} ({k})", v) for k, v in f.items() if isinstance(v, dict) and "value" in v)
+    return out
+
+
+def table(figs: dict) -> str:
+    rows = [("figure", "median", "spread (min..max, n)", "goal", "result")]
+    for name, f in flat_figures(figs):
+        fmt = (lambda v: f"{v:.3f}") if f["unit"] != "s" else (lambda v: f"{v:.1f} s")
+        res = "-" if f["pass"] is None else ("PASS" if f["pass"] else "FAIL")
+        rows.append((name, fmt(f["value"]), f"{fmt(f['min'])}..{fmt(f['max'])}, n={f['n']}", f["goal"] or "-", res))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "hostname": socket.gethostname()}
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
+        info["cpu_model"] = model
+        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["ray"] = version("ray")
+        info["pyarrow"] = version("pyarrow")
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/run.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="3 repetitions, < 10 min (default)")
+    g.add_argument("--full", dest="mode", action="store_const", const="full", help="5 repetitions, longer runs")
+    g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="1 tiny repetition (tests)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for latest.json and the dated copy")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary run folders and logs")
+    args = ap.parse_args(argv)
+    mode_name = args.mode or "quick"
+    mode = MODES[mode_name]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="stride-bench-"))
+    started = datetime.now()
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()
+    print(f"bench: {mode_name}: {mode.reps} repetition(s); temporary runs in {tmp}; load average "
+          f"{load_start[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    try:
+        pairs = []
+        for rep in range(mode.reps):
+            for runtime in (("torchrun", "stride") if rep % 2 == 0 else ("stride", "torchrun")):
+                p = run_pair_member(runtime, rep, mode, tmp)
+                pairs.append(p)
+                print(f"bench: rep {rep + 1}/{mode.reps} {runtime:8s} exit {p['rc']} wall {p['wall_s']:.1f}s first step "
+                      f"{p['time_to_first_step_s'] or float('nan'):.1f}s steady step {p['step_time_s'] or float('nan'):.3f}s "
+                      f"(load {p['loadavg_after'][0]:.1f})", flush=True)
+                if p["rc"] != 0:
+                    raise RuntimeError(f"{runtime} run failed (exit {p['rc']}); log {p['log']}:\n{p.get('log_tail', '')}")
+        print("bench: ingest and scaling (benchmarks/ray_bench.py)", flush=True)
+        rb = run_ray_bench(mode, tmp)
+        print(f"bench: ray_bench done in {rb['wall_s']:.1f}s", flush=True)
+        figs = compute(mode, pairs, rb)
+    finally:
+        if not args.keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "mode": mode_name, "started": started.isoformat(timespec="seconds"),
+        "duration_s": time.perf_counter() - t0, "machine": machine(),
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "workload": {"model": "char_gpt (trainers/configs/char_gpt.yaml): 3 layers, width 128, 4 heads, context 64, "
+                              "fp32, AdamW; 32 sequences per worker, 2 CPU workers of 1 CPU (1 torch thread) each",
+                     "data": "data/pystdlib/train (91k rows of 65 bytes)",
+                     "why": "the default job; a step is ~0.1-0.5 s of forward/backward on one core, so Ray's "
+                            "per-step and per-report costs show against real compute, not against an empty loop",
+                     "mode": asdict(mode)},
+        "figures": figs,
+        "runs": {"pairs": pairs, "ray_bench": rb},
+    }
+    stamp = started.strftime("%Y-%m-%dT%H%M")
+    text = json.dumps(result, indent=1, default=str) + "\n"
+    dated = out_dir / f"{stamp}.json"
+    dated.write_text(text)
+    (out_dir / "latest.json").write_text(text)
+    print()
+    print(table(figs))
+    print(f"\nbench: {mode_name} took {result['duration_s']:.0f}s; load average {load_start[0]:.2f} -> "
+          f"{result['loadavg_end'][0]:.2f} on {os.cpu_count()} CPUs; wrote {out_dir / 'latest.json'} and {dated}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

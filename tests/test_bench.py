@@ -1,0 +1,51 @@
+"""`make bench` (benchmarks/run.py) in its tiny smoke mode: every figure comes out as a finite number beside its goal
+and pass/fail, with a dated copy of the JSON. Results go to a temporary folder, never benchmarks/results/.
+No timing is asserted: the machine is shared and the figures are what they are."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from conftest import run_cli
+
+GOALS = {"step_time_ratio": "<= 1.02", "wall_ratio": "<= 1.5", "ingest_ratio": ">= 0.8",
+         "data_wait_fraction": "< 0.02", "ckpt_blocked_fraction": "<= 0.2"}
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.slow
+def test_bench_smoke_writes_every_figure_with_its_goal(tmp_path):
+    out = tmp_path / "results"
+    # A few minutes on an idle 2-core machine; far longer when the suite runs beside it, hence the wide limit.
+    r = run_cli(["benchmarks/run.py", "--smoke", "--out", str(out)], timeout=2400)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+    latest = json.loads((out / "latest.json").read_text())
+    dated = [p for p in out.glob("*.json") if p.name != "latest.json"]
+    assert len(dated) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d{4}\.json", dated[0].name), dated
+    assert json.loads(dated[0].read_text()) == latest
+
+    figs = latest["figures"]
+    for name, goal in GOALS.items():
+        f = figs[name]
+        assert finite(f["value"]), (name, f["value"])
+        assert f["goal"] == goal
+        assert isinstance(f["pass"], bool)
+        assert f["min"] <= f["value"] <= f["max"] and f["n"] >= 1
+    assert finite(figs["scaling_2_over_1"]["value"]) and figs["scaling_2_over_1"]["goal"] is None
+    for runtime in ("stride", "torchrun"):
+        assert finite(figs["time_to_first_step_s"][runtime]["value"]) and figs["time_to_first_step_s"][runtime]["value"] > 0
+
+    assert latest["mode"] == "smoke"
+    assert latest["machine"]["cpu_count"] >= 1
+    assert len(latest["loadavg_start"]) == 3 and len(latest["loadavg_end"]) == 3
+    # The table printed for humans names every figure.
+    for name in [*GOALS, "scaling_2_over_1", "time_to_first_step_s"]:
+        assert name in r.stdout

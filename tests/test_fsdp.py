@@ -292,3 +292,23 @@ def test_ray_fsdp_run_matches_torchrun_and_resumes(runs, small_text, tmp_path):
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_mlp_under_fsdp_matches_ddp(tabular_data, tmp_path):
+    """The tabular MLP: hidden Linears sharded one group each, the output layer with the root."""
+    def args(name, *extra):
+        return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
+                f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", f"run.name={name}",
+                "train.epochs=null", "train.max_steps=30", "train.log_every_steps=10", "train.eval_every_steps=30",
+                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow_uri=null", *extra]
+
+    torchrun(2, args("ddp"))
+    torchrun(2, args("fsdp", "train.strategy=fsdp"))
+    a, b = summary(tmp_path / "ddp"), summary(tmp_path / "fsdp")
+    assert b["strategy"] == "fsdp" and b["val_accuracy"] > 0.5
+    assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+    assert b["param_checksums"][0] == pytest.approx(a["param_checksums"][0], rel=1e-6)
+    assert sum(b["param_bytes_per_worker"]) == a["param_bytes_per_worker"][0]
+    assert max(b["param_bytes_per_worker"]) <= 0.51 * a["param_bytes_per_worker"][0]
+    for step, loss in losses(tmp_path / "ddp").items():
+        assert losses(tmp_path / "fsdp")[step] == pytest.approx(loss, rel=1e-5)

@@ -1,6 +1,6 @@
 """Evidence behind the figures of `make bench`: where Stride's extra time goes. Not part of `make bench`.
 
-    python benchmarks/evidence.py [--only costs,stacks,ingest] [--out benchmarks/results]
+    python benchmarks/evidence.py [--only costs,ingest,read,driver,stacks] [--out benchmarks/results]
 
 * costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
   call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
@@ -10,8 +10,13 @@
   (checkpointing.save + persist, in Ray's upload thread).
 * stacks (py-spy): rank 0 of `python trainers/main.py` and of `torchrun ... trainers/torchrun.py` (same job as
   make bench, longer), sampled during steady-state training; the share of samples by activity.
+  Also the cores used by every process of the job's tree (Ray's daemons and actors included) and by the whole
+  machine; with --stride-env KEY=VALUE a third, variant Stride run.
 * ingest (cProfile): one pass of Stride's worker-side path (get_dataset_shard -> iter_batches -> concat ->
   table_to_arrays) over the tabular ingest set, top functions by cumulative time.
+* read: the driver's read (trainers.main.read_datasets: Ray Data read_parquet + materialize) vs pyarrow in the
+  driver + ray.data.from_arrow, for the default job's data and the tabular set.
+* driver (py-spy, idle included): a whole `python trainers/main.py` run, the driver's wall time by phase.
 
 Writes <out>/evidence-<YYYY-MM-DDTHHMM>.json and prints a summary. Temporary storage only.
 """
@@ -188,6 +193,8 @@ def _label(pid: int) -> str:
         return "?"
     if argv[0].startswith("ray::"):
         return argv[0].split()[0]
+    if argv[0].startswith("ray-dashboard-") or "multiprocessing.forkserver" in " ".join(argv):
+        return "dashboard head modules"
     if not Path(argv[0]).name.startswith("python"):
         return Path(argv[0]).name.split()[0]  # raylet, gcs_server, torchrun
     for i, a in enumerate(argv[1:], 1):
@@ -254,10 +261,12 @@ def rank0_pid(sample_log: Path) -> int | None:
     return None
 
 
-def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int) -> dict:
+def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int, extra_env: dict | None = None,
+                  tag: str | None = None) -> dict:
     from run import clean_env, descendants, free_port, kill_exact
 
-    storage = tmp / f"stacks_{runtime}"
+    tag = tag or runtime
+    storage = tmp / f"stacks_{tag}"
     storage.mkdir(parents=True)
     over = [f"run.name=p", f"run.storage_path={storage}", f"train.max_steps={steps}", "train.log_every_steps=5",
             f"train.eval_every_steps={steps}", f"checkpoint.every_steps={steps}", "data.val_path=null",
@@ -267,9 +276,9 @@ def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int) -> dict:
     else:
         cmd = [str(Path(PY).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
                "trainers/torchrun.py", "--config", CONFIG, *over]
-    env = clean_env()
+    env = dict(clean_env(), **(extra_env or {}))
     env["STRIDE_SAMPLE_LOG"] = str(storage / "samples")
-    log = open(tmp / f"stacks_{runtime}.log", "w")
+    log = open(tmp / f"stacks_{tag}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     seen = {}
     try:
@@ -284,7 +293,7 @@ def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int) -> dict:
         pid = rank0_pid(storage / "samples")
         if pid is None:
             raise RuntimeError(f"no rank 0 process found for {runtime}")
-        raw = tmp / f"stacks_{runtime}.txt"
+        raw = tmp / f"stacks_{tag}.txt"
         spy = str(Path(PY).parent / "py-spy")
         cores = tree_cpu(proc.pid, 8.0)  # before py-spy, so its own sampling is not counted against anyone
         subprocess.run([spy, "record", "--pid", str(pid), "--duration", str(duration_s), "--rate", "100", "--format", "raw",
@@ -312,7 +321,10 @@ def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int) -> dict:
         counts[cat] += n
         leaf = stack.split(";")[-1]
         top[leaf] += n
-    return {"pid_sampled": "rank 0", "cores_by_process_during_training": cores,
+    lines = [json.loads(x) for x in (storage / "p" / "metrics.jsonl").read_text().splitlines() if '"train_loss"' in x]
+    steady = [x["step_time_s"] for x in lines if x["step"] > 15 and x["step"] < steps]
+    return {"steady_step_time_s": statistics.median(steady) if steady else None,
+            "pid_sampled": "rank 0", "cores_by_process_during_training": cores,
             "samples_in_training_thread": total,
             # py-spy leaves out samples where the thread sleeps (a collective waiting for the other rank, I/O)
             "training_thread_active_fraction": total / (duration_s * 100),
@@ -382,13 +394,100 @@ def run_ingest(tmp: Path, rows: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ driver (startup and shutdown)
+
+DRIVER_PHASES = [  # first match wins, against the main thread's stack (outermost first)
+    ("ray.init (embedded cluster start)", re.compile(r"init_ray \(")),
+    ("driver's Ray Data read", re.compile(r"read_datasets \(")),
+    ("trainer.fit (controller, worker group, training)", re.compile(r"\bfit \(ray/train|fit \(trainers/main.py")),
+    ("building the trainer", re.compile(r"build_trainer \(")),
+    ("config, data check, checkpoint check", re.compile(r"load_config|inspect \(|check_resume|check_storage")),
+    ("imports", re.compile(r"<module> \(|_find_and_load")),
+]
+
+
+def run_driver(tmp: Path, steps: int = 20) -> dict:
+    """py-spy (idle included, so waiting counts) over a whole `python trainers/main.py` run: where the driver's
+    wall time goes, by phase. Also times the driver's Ray Data read against pyarrow + ray.data.from_arrow."""
+    from run import clean_env, descendants, kill_exact
+
+    storage = tmp / "driver"
+    storage.mkdir(parents=True)
+    raw = tmp / "driver_stacks.txt"
+    spy = str(Path(PY).parent / "py-spy")
+    over = ["run.name=d", f"run.storage_path={storage}", f"train.max_steps={steps}", "train.log_every_steps=5",
+            f"train.eval_every_steps={steps}", f"checkpoint.every_steps={steps}", "data.val_path=null",
+            f"tracking.mlflow_uri=sqlite:///{storage / 'mlflow.db'}"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([spy, "record", "--idle", "--rate", "50", "--format", "raw", "--output", str(raw), "--",
+                             PY, "trainers/main.py", "--config", CONFIG, *over], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    seen = {}
+    while proc.poll() is None:
+        seen.update(descendants(proc.pid))
+        time.sleep(1)
+    wall = time.perf_counter() - t0
+    kill_exact(seen)
+    counts = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit() or "Thread._bootstrap" in stack:
+            continue  # other threads
+        if not stack.startswith("<module> (trainers/main.py"):
+            # after main() returned: atexit handlers (ray.shutdown, MLflow's) and joining non-daemon threads
+            leaf = stack.split(";")[0]
+            counts[f"interpreter exit: {leaf.split(' (')[0]}"] += int(n)
+            continue
+        counts[next((name for name, rx in DRIVER_PHASES if rx.search(stack)), "other")] += int(n)
+    total = sum(counts.values())
+    return {"wall_s": wall, "seconds_by_phase": {k: round(v / 50, 2) for k, v in counts.most_common()},
+            "main_thread_samples": total}
+
+
+def run_read(tmp: Path, rows: int) -> dict:
+    """The driver's read of the default job's data and of a tabular set: trainers.main.read_datasets (Ray Data
+    read_parquet + materialize) vs pyarrow in the driver + ray.data.from_arrow (same blocks in the object store)."""
+    import pyarrow.parquet as pq
+    import ray
+    import ray.data
+
+    from datasets.parquet import inspect, read_local
+    from trainers.config import load_config
+    from trainers.main import init_ray, quiet_ray_env, read_datasets
+
+    data = tmp / "tabular_read"
+    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
+                   cwd=REPO, check=True, capture_output=True)
+    sets = {"pystdlib": load_config(CONFIG, []),
+            "tabular": load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}",
+                                                                        f"data.val_path={data / 'val'}"])}
+    quiet_ray_env()
+    init_ray(sets["pystdlib"], log_to_driver=False)
+    out = {}
+    for name, cfg in sets.items():
+        spec = inspect(cfg.data, cfg.model, "train")
+        t = collections.defaultdict(list)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            read_datasets({"train": spec})
+            t["ray_data_read_parquet_s"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ray.data.from_arrow(read_local(spec)).materialize()
+            t["pyarrow_then_from_arrow_s"].append(time.perf_counter() - t0)
+        out[name] = {"rows": spec.num_rows, **{k: statistics.median(v) for k, v in t.items()}, "samples": dict(t)}
+    ray.shutdown()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="costs,stacks,ingest")
+    ap.add_argument("--only", default="costs,ingest,read,driver,stacks")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--steps", type=int, default=80, help="steps of the sampled runs (stacks)")
+    ap.add_argument("--steps", type=int, default=200, help="steps of the sampled runs (stacks)")
     ap.add_argument("--duration", type=int, default=20, help="py-spy seconds per runtime (stacks)")
     ap.add_argument("--ingest-rows", type=int, default=400_000)
+    ap.add_argument("--stride-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="stacks: also sample a Stride run with this environment (e.g. RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=1)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="stride-profile-"))
@@ -397,15 +496,19 @@ def main() -> int:
                     "loadavg_start": os.getloadavg()}
     try:
         # Each part in its own process, so that every embedded Ray starts and ends cleanly.
-        for part in ("costs", "ingest", "stacks"):
+        for part in ("costs", "ingest", "read", "driver", "stacks"):
             if part not in only:
                 continue
             if part == "stacks":
                 result["stacks"] = {rt: sample_stacks(rt, tmp, args.steps, args.duration) for rt in ("torchrun", "stride")}
+                if args.stride_env:
+                    extra = dict(kv.split("=", 1) for kv in args.stride_env)
+                    result["stacks"]["stride " + " ".join(args.stride_env)] = sample_stacks(
+                        "stride", tmp, args.steps, args.duration, extra, tag="stride_variant")
             else:
                 out = tmp / f"{part}.json"
                 code = (f"import json,sys; sys.argv=['x']; import evidence as p; from pathlib import Path; "
-                        f"r = p.run_{part}(Path({str(tmp)!r})" + (f", {args.ingest_rows})" if part == "ingest" else ")")
+                        f"r = p.run_{part}(Path({str(tmp)!r})" + (f", {args.ingest_rows})" if part in ("ingest", "read") else ")")
                         + f"; Path({str(out)!r}).write_text(json.dumps(r, default=str))")
                 env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'benchmarks'}")
                 env.pop("RAY_ADDRESS", None)

@@ -187,7 +187,8 @@ def init_ray(cfg: Config, log_to_driver: bool = True) -> bool:
              logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
     _propagate_address()
     if ctx.dashboard_url:
-        print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", flush=True)
+        # stderr: stdout of tools that embed Ray this way (the doctor's table or JSON) stays theirs alone.
+        print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", file=sys.stderr, flush=True)
     return True
 
 

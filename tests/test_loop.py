@@ -108,7 +108,13 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
 
 
 def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known_peak(tmp_path, tabular_data):
-    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11")) == 0
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11",
+                               f"tracking.mlflow_uri={uri}")) == 0
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((tmp_path / "r" / "summary.json").read_text())["mlflow_run_id"]
+    assert [a.path for a in MlflowClient(uri).list_artifacts(run_id, "profile")] == ["profile/rank0.json"]
     trace = json.loads((tmp_path / "r" / "profile" / "rank0.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"aten::addmm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:50]

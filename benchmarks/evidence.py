@@ -1,13 +1,13 @@
 """Evidence behind the figures of `make bench`: where Stride's extra time goes. Not part of `make bench`.
 
-    python benchmarks/evidence.py [--only costs,ingest,read,driver,stacks] [--out benchmarks/results]
+    python benchmarks/evidence.py [--only costs,costs_big,ingest,read,driver,cluster,stacks] [--out benchmarks/results]
 
 * costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
   call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
   `ray.train.report(metrics)` (Stride's per-log-step report) vs `dist.barrier()` (torchrun's report) vs a
   1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py does them (all_gather_object of the
   RNG states, checkpointing.stage, ray.train.report(..., ASYNC) returning) vs its whole write
-  (checkpointing.save + persist, in Ray's upload thread).
+  (checkpointing.save + persist, in Ray's upload thread). costs_big: the same with a ~7M-parameter char_gpt.
 * stacks (py-spy): rank 0 of `python trainers/main.py` and of `torchrun ... trainers/torchrun.py` (same job as
   make bench, longer), sampled during steady-state training; the share of samples by activity.
   Also the cores used by every process of the job's tree (Ray's daemons and actors included) and by the whole
@@ -17,6 +17,7 @@
 * read: the driver's read (trainers.main.read_datasets: Ray Data read_parquet + materialize) vs pyarrow in the
   driver + ray.data.from_arrow, for the default job's data and the tabular set.
 * driver (py-spy, idle included): a whole `python trainers/main.py` run, the driver's wall time by phase.
+* cluster: the make-bench job on an already running local head (ray_cluster.local) vs embedded Ray vs torchrun.
 
 Writes <out>/evidence-<YYYY-MM-DDTHHMM>.json and prints a summary. Temporary storage only.
 """
@@ -148,20 +149,25 @@ def costs_loop(config: dict) -> dict:
     return {"rank": rank, "seconds": dict(t)} if rank == 0 else {}
 
 
-def run_costs(tmp: Path) -> dict:
+def run_costs_big(tmp: Path) -> dict:
+    """The same, with a bigger char_gpt (width 384, 4 layers: ~7M parameters, an ~85 MB checkpoint)."""
+    return run_costs(tmp, ["model.width=384", "model.n_layers=4"], name="costs_big")
+
+
+def run_costs(tmp: Path, overrides: list[str] | None = None, name: str = "costs") -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from trainers.config import load_config
     from trainers.main import init_ray, quiet_ray_env
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_config(CONFIG, overrides or [])
     _by_value()
     quiet_ray_env()
     init_ray(cfg, log_to_driver=False)
     trainer = TorchTrainer(costs_loop, train_loop_config={"cfg": cfg.to_dict(), "n": 15, "checkpoints": 5},
                            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1.0}),
-                           run_config=RunConfig(name="costs", storage_path=str(tmp / "costs")))
+                           run_config=RunConfig(name=name, storage_path=str(tmp / name)))
     out = trainer.fit().return_value["seconds"]
     import ray
 
@@ -479,9 +485,90 @@ def run_read(tmp: Path, rows: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ cluster (a job on a running head)
+
+def run_cluster(tmp: Path, reps: int = 2) -> dict:
+    """The make-bench job (quick) on an already running local head (ray_cluster.local, token auth) vs embedded
+    Ray vs torchrun, alternating: how much of Stride's wall time is starting and stopping Ray itself."""
+    from run import MODES, free_port, launch, phases, read_jsonl, steady
+    from run import job_overrides as over
+
+    from ray_cluster.local import start_head, stop_head
+
+    mode = MODES["quick"]
+    head_dir = Path(tempfile.mkdtemp(prefix="sb-", dir="/tmp"))
+    head = start_head(head_dir, port=free_port(), dashboard_port=free_port())
+    out: dict = {"runs": []}
+    try:
+        from run import clean_env
+
+        for rep in range(reps):
+            for kind in ("torchrun", "stride_on_running_head", "stride_embedded"):
+                storage = tmp / f"cl_{kind}_{rep}"
+                storage.mkdir(parents=True)
+                env = clean_env()
+                if kind == "torchrun":
+                    cmd = [str(Path(PY).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                           "trainers/torchrun.py", "--config", CONFIG, *over(mode, storage, "bench")]
+                else:
+                    cmd = [PY, "trainers/main.py", "--config", CONFIG, *over(mode, storage, "bench")]
+                    if kind == "stride_on_running_head":
+                        env.update(head.client_env())
+                r = launch(cmd, tmp / f"cl_{kind}_{rep}.log", mode.timeout_s, sample_log=storage / "samples", env=env)
+                lines = read_jsonl(storage / "bench" / "metrics.jsonl")
+                st = steady(lines, mode.warmup_steps, [mode.ckpt_every])
+                out["runs"].append({"kind": kind, "rep": rep, "rc": r.rc, "wall_s": r.wall_s,
+                                    "time_to_first_step_s": r.first_step_s,
+                                    "phases_s": phases("torchrun" if kind == "torchrun" else "stride", r.lines,
+                                                       r.first_step_s, r.wall_s, mode.steps),
+                                    "step_time_s": statistics.median([x["step_time_s"] for x in st]) if st else None})
+    finally:
+        stop_head(head)
+        shutil.rmtree(head_dir, ignore_errors=True)
+    for kind in ("torchrun", "stride_on_running_head", "stride_embedded"):
+        runs = [r for r in out["runs"] if r["kind"] == kind]
+        out[kind] = {k: statistics.median([r[k] for r in runs if r[k] is not None])
+                     for k in ("wall_s", "time_to_first_step_s", "step_time_s")}
+        out[kind]["phases_s"] = {k: statistics.median([r["phases_s"][k] for r in runs if r["phases_s"].get(k) is not None]
+                                                      or [float("nan")]) for k in runs[0]["phases_s"]}
+    return out
+
+
+def summary(result: dict) -> str:
+    out = [f"load average {result['loadavg_start'][0]:.2f} -> {result['loadavg_end'][0]:.2f} on {result['cpu_count']} CPUs"]
+    for part in ("costs", "costs_big"):
+        if part in result:
+            out.append(f"{part} (ms, median [min..max]):")
+            out += [f"  {k:32s} {v['median'] * 1e3:9.2f} [{v['min'] * 1e3:.2f}..{v['max'] * 1e3:.2f}] n={v['n']}"
+                    for k, v in result[part].items()]
+    if "read" in result:
+        out.append("driver read (s): " + "; ".join(
+            f"{k} {v['rows']} rows: read_parquet {v['ray_data_read_parquet_s']:.2f}, pyarrow+from_arrow "
+            f"{v['pyarrow_then_from_arrow_s']:.2f}" for k, v in result["read"].items()))
+    if "driver" in result:
+        out.append(f"driver wall {result['driver']['wall_s']:.1f}s by phase: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in result["driver"]["seconds_by_phase"].items()))
+    if "ingest" in result:
+        i = result["ingest"]
+        out.append(f"ingest: one worker-side pass {i['wall_s']:.3f}s for {i['rows']} rows in {i['batches']} batch(es)")
+        out.append(i["cprofile_top25_cumulative"])
+    if "cluster" in result:
+        for kind in ("torchrun", "stride_on_running_head", "stride_embedded"):
+            v = result["cluster"][kind]
+            out.append(f"cluster {kind}: wall {v['wall_s']:.1f}s, first step {v['time_to_first_step_s']:.1f}s, "
+                       f"steady step {v['step_time_s']:.3f}s; phases ended at " + ", ".join(
+                           f"{k} {t:.1f}" for k, t in v["phases_s"].items() if t == t))
+    for rt, st in result.get("stacks", {}).items():
+        out.append(f"stacks {rt}: steady step {st['steady_step_time_s']}; training thread active "
+                   f"{st['training_thread_active_fraction']:.2f}")
+        out.append("  cores: " + ", ".join(f"{k} {v}" for k, v in st["cores_by_process_during_training"].items()))
+        out.append("  share: " + ", ".join(f"{k} {v:.3f}" for k, v in st["share"].items()))
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="costs,ingest,read,driver,stacks")
+    ap.add_argument("--only", default="costs,costs_big,ingest,read,driver,cluster,stacks")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--steps", type=int, default=200, help="steps of the sampled runs (stacks)")
     ap.add_argument("--duration", type=int, default=20, help="py-spy seconds per runtime (stacks)")
@@ -496,7 +583,7 @@ def main() -> int:
                     "loadavg_start": os.getloadavg()}
     try:
         # Each part in its own process, so that every embedded Ray starts and ends cleanly.
-        for part in ("costs", "ingest", "read", "driver", "stacks"):
+        for part in ("costs", "costs_big", "ingest", "read", "driver", "cluster", "stacks"):
             if part not in only:
                 continue
             if part == "stacks":
@@ -524,9 +611,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"evidence-{started.strftime('%Y-%m-%dT%H%M')}.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "ingest"}, indent=1, default=str))
-    if "ingest" in result:
-        print(result["ingest"]["cprofile_top25_cumulative"])
+    print(summary(result))
     print(f"evidence: wrote {path}")
     return 0
 

@@ -526,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     print(f"bench: {mode_name}: {mode.reps} repetition(s); temporary runs in {tmp}; load average "
           f"{load_start[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    if not (REPO / "data" / "pystdlib" / "train").exists():  # the default job's data, built as `make train` does
+        print("bench: building data/pystdlib (datasets/prepare.py pystdlib)", flush=True)
+        subprocess.run([PY, "datasets/prepare.py", "pystdlib", "--out", "data/pystdlib"], cwd=REPO, check=True)
     try:
         pairs = []
         for rep in range(mode.reps):

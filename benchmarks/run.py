@@ -38,7 +38,11 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `python benchmarks/run.py` puts only benchmarks/ on the path
 PY = sys.executable
+
+from ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
 CONFIG = "trainers/configs/char_gpt.yaml"
 
 
@@ -121,44 +125,35 @@ def figure(name: str, samples: list[float], unit: str, goal: tuple[str, float] |
             "pass": ok, "what": WHAT.get(name, ""), **extra}
 
 
-def _proc_children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return children
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def descendants(pid: int) -> dict[int, str | None]:
+def descendants(pid: int) -> dict[int, float]:
     """Every process below `pid` with its start time (so a pid reused later is never killed by mistake)."""
-    children, out, todo = _proc_children(), {}, [pid]
+    procs = processes()
+    children: dict[int, list[int]] = {}
+    for child, info in procs.items():
+        children.setdefault(info["ppid"], []).append(child)
+    out, todo = {}, [pid]
     while todo:
         for child in children.get(todo.pop(), []):
-            out[child] = _start_time(child)
+            out[child] = procs[child]["start_s"]
             todo.append(child)
     return out
 
 
-def kill_exact(procs: dict[int, str | None]) -> int:
-    """SIGKILL the processes we started that are still alive (same pid and start time). Returns how many."""
+def _alive(procs: dict[int, float]) -> list[int]:
+    """Those of `procs` still running as the same process (same pid and start time)."""
+    now = processes()
+    return [pid for pid, started in procs.items() if pid in now and now[pid]["start_s"] == started]
+
+
+def kill_exact(procs: dict[int, float]) -> int:
+    """SIGKILL the processes we started that are still alive. Returns how many."""
     n = 0
-    for pid, started in procs.items():
-        if started is not None and _start_time(pid) == started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                n += 1
-            except ProcessLookupError:
-                pass
+    for pid in _alive(procs):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            n += 1
+        except ProcessLookupError:
+            pass
     return n
 
 
@@ -234,7 +229,7 @@ def launch(cmd: list[str], log_path: Path, timeout_s: float, sample_log: Path | 
         reader.join(timeout=15)
     # Ray's daemons exit on their own after the driver; give them a moment, then stop what is left of ours.
     deadline = time.time() + 10
-    while time.time() < deadline and any(_start_time(p) == s for p, s in seen.items() if s):
+    while time.time() < deadline and _alive(seen):
         time.sleep(0.25)
     left = kill_exact(seen)
     return Launch(124 if timed_out else proc.returncode, wall, first, left, str(log_path), stamped)

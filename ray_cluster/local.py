@@ -19,7 +19,8 @@ collide between two heads. A second head needs another --temp-dir, --port and --
 it never runs `ray stop`, which would kill every Ray on the machine. A job's `python` is the first one on the
 PATH of `ray start`: `start` puts this interpreter's bin/ first.
 
-Python (tests): start_head(...) -> Head, load_head(temp_dir), head_status(head), stop_head(head).
+Python (tests): start_head(...) -> Head, load_head(temp_dir), head_status(head), stop_head(head),
+add_node(head, temp_dir, num_cpus) and stop_node(temp_dir) for a worker node on the same machine.
 """
 
 from __future__ import annotations
@@ -130,34 +131,69 @@ def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_po
     _write_token(token_path)
 
     given = {port, dashboard_port, metrics_export_port} - {None}
-    client, node_manager, object_manager, agent_http, agent_grpc, runtime_env_agent, metrics = _free_ports(7, given)
-    ports = {"gcs": port, "dashboard": dashboard_port, "ray_client_server": client, "node_manager": node_manager,
-             "object_manager": object_manager, "dashboard_agent_listen": agent_http, "dashboard_agent_grpc": agent_grpc,
-             "runtime_env_agent": runtime_env_agent, "metrics_export": metrics_export_port or metrics}
-    ports["min_worker"] = _free_port_block(WORKER_PORTS, set(ports.values()))
-    ports["max_worker"] = ports["min_worker"] + WORKER_PORTS - 1
-    bin_dir = Path(sys.executable).parent
-    argv = [str(bin_dir / "ray") if (bin_dir / "ray").exists() else "ray", "start", "--head",
-            f"--temp-dir={temp_dir / 'ray'}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-            "--disable-usage-stats", f"--port={port}", f"--dashboard-port={dashboard_port}",
-            f"--ray-client-server-port={client}", f"--node-manager-port={node_manager}",
-            f"--object-manager-port={object_manager}", f"--dashboard-agent-listen-port={agent_http}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env_agent}",
-            f"--metrics-export-port={ports['metrics_export']}",
-            f"--min-worker-port={ports['min_worker']}", f"--max-worker-port={ports['max_worker']}"]
-    if num_cpus is not None:
-        argv.append(f"--num-cpus={num_cpus}")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
-               PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")  # the `python` of every job on this head
+    argv, ports = _ray_start(temp_dir, metrics_export_port, given, num_cpus)
+    ports.update(gcs=port, dashboard=dashboard_port)
+    (client,) = _free_ports(1, set(ports.values()))
+    ports["ray_client_server"] = client
+    argv += ["--head", "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--port={port}",
+             f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={client}"]
     try:
-        node.start(temp_dir, argv, env=env, quiet=True)
+        node.start(temp_dir, argv, env=_node_env(token_path), quiet=True)
     except RuntimeError as e:
         raise HeadError(f"ray start failed: {e}") from None
     address = (temp_dir / "ray" / "ray_current_cluster").read_text().strip()
     head = Head(temp_dir, address, f"http://127.0.0.1:{dashboard_port}", token_path, ports)
     (temp_dir / HEAD_FILE).write_text(json.dumps(asdict(head), indent=1, default=str) + "\n")
     return head
+
+
+def _ray_start(temp_dir: Path, metrics_export_port: int | None, taken: set[int],
+               num_cpus: int | None) -> tuple[list[str], dict[str, int]]:
+    """`ray start` with a port of its own for everything a node listens on (head or worker node)."""
+    node_manager, object_manager, agent_http, agent_grpc, runtime_env_agent, metrics = _free_ports(6, taken)
+    ports = {"node_manager": node_manager, "object_manager": object_manager, "dashboard_agent_listen": agent_http,
+             "dashboard_agent_grpc": agent_grpc, "runtime_env_agent": runtime_env_agent,
+             "metrics_export": metrics_export_port or metrics}
+    ports["min_worker"] = _free_port_block(WORKER_PORTS, set(ports.values()) | taken)
+    ports["max_worker"] = ports["min_worker"] + WORKER_PORTS - 1
+    bin_dir = Path(sys.executable).parent
+    argv = [str(bin_dir / "ray") if (bin_dir / "ray").exists() else "ray", "start",
+            f"--temp-dir={temp_dir / 'ray'}", "--disable-usage-stats",
+            f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+            f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env_agent}", f"--metrics-export-port={ports['metrics_export']}",
+            f"--min-worker-port={ports['min_worker']}", f"--max-worker-port={ports['max_worker']}"]
+    if num_cpus is not None:
+        argv.append(f"--num-cpus={num_cpus}")
+    return argv, ports
+
+
+def _node_env(token_path: Path) -> dict[str, str]:
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
+               PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")  # the `python` of every job on this node
+    return env
+
+
+def add_node(head: Head, temp_dir: Path, num_cpus: int | None = None) -> None:
+    """Join a worker node on this machine to `head` (with the head's token); stop it with stop_node(temp_dir).
+    A second node on one host gives a test what a real cluster does when it grows (elastic training)."""
+    temp_dir = Path(temp_dir).resolve()
+    temp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    argv, _ = _ray_start(temp_dir, None, set(head.ports.values()), num_cpus)
+    try:
+        node.start(temp_dir, argv + [f"--address={head.address}"], env=_node_env(head.token_path), quiet=True)
+    except RuntimeError as e:
+        raise HeadError(f"ray start (worker node) failed: {e}") from None
+
+
+def stop_node(temp_dir: Path) -> list[int]:
+    """Stop exactly the processes of the node started from temp_dir (add_node); returns their pids."""
+    try:
+        return node.stop(Path(temp_dir).resolve())
+    except RuntimeError as e:
+        raise HeadError(str(e)) from None
 
 
 def load_head(temp_dir: Path = DEFAULT_TEMP_DIR) -> Head:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from trainers.config import ConfigError, load_config, scaled_lr, global_batch_size
+from trainers.config import ConfigError, global_batch_size, global_micro_batch, load_config, scaled_lr
 
 SHIPPED = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
 
@@ -48,6 +48,10 @@ def test_max_steps_null_with_epochs_works():
     (["train.precision=fp8"], ["train.precision", "fp8", "fp32"]),
     (["train.max_steps=null", "train.epochs=null"], ["train.max_steps", "train.epochs"]),
     (["scaling.num_workers=0"], ["scaling.num_workers", "0"]),
+    (["scaling.num_workers=[3,1]"], ["scaling.num_workers", "[3, 1]", "min <= max"]),
+    (["scaling.num_workers=[1,2,3]"], ["scaling.num_workers", "[1, 2, 3]", "[min, max]"]),
+    (["scaling.num_workers=[2,4]", "train.batch_size_per_worker=32"],
+     ["train.batch_size_per_worker (32)", "3 workers", "[2, 4]", "train.batch_size_per_worker=33"]),
     (["run.name=a/b"], ["run.name", "a/b", "path separator"]),
     (["model.width=130", "model.n_heads=4"], ["model.width", "130", "n_heads"]),
     (["lr=0.1"], ["section.field=value"]),
@@ -105,6 +109,18 @@ def test_derived_batch_and_lr_scaling():
     assert scaled_lr(cfg, 2) == pytest.approx(0.001 * 2 ** 0.5)
     cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base + ["optim.lr_scaling=none"])
     assert scaled_lr(cfg, 4) == pytest.approx(0.001)
+
+
+def test_elastic_runs_keep_the_global_batch_of_max_workers():
+    base = ["optim.lr=0.001", "optim.reference_batch_size=64", "train.batch_size_per_worker=48",
+            "train.grad_accum_steps=2", "optim.lr_scaling=linear", "scaling.num_workers=[2,4]"]
+    cfg = load_config(REPO / "trainers/configs/char_gpt.yaml", base)
+    assert cfg.scaling.num_workers == (2, 4)
+    # Whatever the gang's size now: 48 x 4 rows per micro-step, split over the workers; the same lr.
+    assert [global_micro_batch(cfg, w) for w in (2, 3, 4)] == [192, 192, 192]
+    assert [scaled_lr(cfg, w) for w in (2, 3, 4)] == [pytest.approx(0.006)] * 3
+    fixed = load_config(REPO / "trainers/configs/char_gpt.yaml", base[:-1] + ["scaling.num_workers=2"])
+    assert global_micro_batch(fixed, 2) == 96 and global_batch_size(fixed, 2) == 192
 
 
 def test_readme_documents_every_config_key():

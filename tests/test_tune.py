@@ -252,9 +252,10 @@ def test_unknown_space_key_exits_2_quickly(tmp_path, tabular_data):
 @pytest.mark.parametrize("base,words", [
     ({"scaling.use_gpu": True}, ["base.scaling.use_gpu", "GPUs", "none"]),
     ({"scaling.num_workers": 3}, ["base.scaling.num_workers (3)", "3 CPUs", "2 CPUs"]),
-], ids=["gpu", "cpu"])
+    ({"scaling.num_workers": [1, 2]}, ["base.scaling.num_workers ([1, 2])", "elastic", "fixed"]),
+], ids=["gpu", "cpu", "elastic"])
 def test_infeasible_gang_exits_2_quickly(tmp_path, tabular_data, base, words):
-    if "scaling.num_workers" in base and (os.cpu_count() or 1) >= 3:
+    if base.get("scaling.num_workers") == 3 and (os.cpu_count() or 1) >= 3:
         pytest.skip("the embedded cluster has as many CPUs as this machine's cores; 3 workers fit here")
     cfg = write_sweep(tmp_path / "s.yaml", tabular_data, tmp_path / "runs", sweep={"name": "gang", "num_samples": 2},
                       base=base, space={"optim.lr": {"loguniform": [1e-4, 1e-1]}})

@@ -113,18 +113,33 @@ class TrainSection(Section):
 
 
 class ScalingSection(Section):
-    num_workers: int | Literal["auto"] = Field(2, description="Training workers (auto: one per GPU, or one per node on CPU)")
+    num_workers: int | Literal["auto"] | tuple[int, int] = Field(
+        2, description="Training workers (auto: one per GPU, or one per node on CPU; [min, max]: elastic, as many as "
+                       "the cluster holds, resized from the last checkpoint when that changes)")
     use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
     preflight: bool = Field(False, description="Before training, check the gang (versions, GEMM, storage, all-reduce) "
                                                "with ray_cluster.doctor's quick checks; stop on a failure")
 
+    resize_check_s: float = Field(60.0, gt=0.0, description="Elastic num_workers: seconds between Ray's checks "
+                                                             "whether the cluster can hold a different worker count")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _shape(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and (len(v) != 2 or not all(isinstance(x, int) for x in v)):
+            raise ValueError(f"must be a number, auto, or [min, max] for elastic training; "
+                             f"use e.g. scaling.num_workers=[1,4]")
+        return v
+
     @field_validator("num_workers")
     @classmethod
-    def _positive(cls, v: int | str) -> int | str:
+    def _positive(cls, v: int | str | tuple[int, int]) -> int | str | tuple[int, int]:
         if isinstance(v, int) and v < 1:
             raise ValueError(f"must be at least 1 (or auto); use e.g. scaling.num_workers=2")
+        if isinstance(v, tuple) and not 1 <= v[0] <= v[1]:
+            raise ValueError(f"as [min, max] needs 1 <= min <= max; use e.g. scaling.num_workers=[1,4]")
         return v
 
 
@@ -147,6 +162,21 @@ class Config(Section):
     scaling: ScalingSection = ScalingSection()
     checkpoint: CheckpointSection = CheckpointSection()
     tracking: TrackingSection = TrackingSection()
+
+    @model_validator(mode="after")
+    def _elastic_batch_splits(self) -> "Config":
+        """Elastic runs keep the global micro-batch (batch_size_per_worker x max workers) whatever the current
+        worker count, so it must split evenly over every count from min to max."""
+        nw, b = self.scaling.num_workers, self.train.batch_size_per_worker
+        if isinstance(nw, tuple):
+            uneven = [w for w in range(nw[0], nw[1] + 1) if b * nw[1] % w]
+            if uneven:
+                fit = next(x for x in range(b, b * math.lcm(*range(nw[0], nw[1] + 1)) + 1)
+                           if all(x * nw[1] % w == 0 for w in range(nw[0], nw[1] + 1)))
+                raise ValueError(f"train.batch_size_per_worker ({b}) x max workers ({nw[1]}) = {b * nw[1]} rows per "
+                                 f"micro-step cannot be split evenly over {uneven[0]} workers (scaling.num_workers "
+                                 f"[{nw[0]}, {nw[1]}]); use train.batch_size_per_worker={fit}")
+        return self
 
     @property
     def run_dir(self) -> Path:
@@ -239,10 +269,12 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any]) -> str:
         msg = msg.replace("Input should be", "must be one of")
     elif msg.startswith("Input should be"):
         msg = "must be " + msg.removeprefix("Input should be ")
-    if not key:
-        return f"config: {msg}"
+    if not key:  # a check across sections: its message names the keys
+        return msg if msg.partition(".")[0] in SECTIONS else f"config: {msg}"
     if msg.startswith(key):
         return msg
+    if "; use " in msg:  # our own validators already say how to fix it
+        return f"{key} ({value!r}) {msg}"
     field = SECTIONS[loc[0]].model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
     hint = f" ({field.description})" if field is not None and field.description else ""
     return f"{key} ({value!r}) {msg}; set {key}=<value>{hint}"
@@ -261,8 +293,21 @@ def from_dict(d: dict[str, Any]) -> Config:
 
 # ---- derived values: functions of the config, never stored back into it ----
 
+def elastic_range(cfg: Config) -> tuple[int, int] | None:
+    nw = cfg.scaling.num_workers
+    return nw if isinstance(nw, tuple) else None
+
+
+def global_micro_batch(cfg: Config, world_size: int) -> int:
+    """Rows per micro-step over all workers. Elastic runs fix it at batch_size_per_worker x max workers, so the
+    sample order, the global batch and the learning rate do not change when the worker count does; each of
+    `world_size` workers then takes global_micro_batch / world_size rows."""
+    elastic = elastic_range(cfg)
+    return cfg.train.batch_size_per_worker * (elastic[1] if elastic else world_size)
+
+
 def global_batch_size(cfg: Config, world_size: int) -> int:
-    return cfg.train.batch_size_per_worker * world_size * cfg.train.grad_accum_steps
+    return global_micro_batch(cfg, world_size) * cfg.train.grad_accum_steps
 
 
 def scaled_lr(cfg: Config, world_size: int) -> float:

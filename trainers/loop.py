@@ -25,7 +25,7 @@ import torch
 from datasets.order import Order, eval_rows
 from datasets.parquet import Arrays, DataError, DataSpec, table_to_arrays
 from trainers import checkpointing, fsdp, telemetry
-from trainers.config import Config, from_dict, global_batch_size
+from trainers.config import Config, from_dict, global_batch_size, global_micro_batch
 from trainers.step import (Precision, build_model, build_optimizer, build_scheduler, evaluate, resolve_precision,
                            train_step, all_reduce_mean_many)
 
@@ -224,14 +224,16 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     if val is not None:
         handle_nan(val, cfg, "val", None if stats is None else stats[0])
     B, W, A = cfg.train.batch_size_per_worker, env.world_size, cfg.train.grad_accum_steps
-    order = Order(len(train), cfg.run.seed, B * W)
+    # GM rows per micro-step over all workers (B x W; elastic runs: B x max workers, whatever W is now).
+    GM = global_micro_batch(cfg, W)
+    order = Order(len(train), cfg.run.seed, GM)
     if order.micro_steps_per_epoch == 0:
-        raise DataError(f"train.batch_size_per_worker ({B}) x {W} workers exceeds the {len(train)} training rows; "
-                        f"use a smaller train.batch_size_per_worker")
+        raise DataError(f"train.batch_size_per_worker ({B}) x {GM // B} workers exceeds the {len(train)} training "
+                        f"rows; use a smaller train.batch_size_per_worker")
     steps = total_steps(cfg, order)
     log.info("data: %d train rows, %s val rows, loaded in %.1fs; global batch %d = %d per worker x %d workers x %d "
              "accumulation; %d rows dropped per epoch", len(train), len(val) if val is not None else 0,
-             time.perf_counter() - t0, global_batch_size(cfg, W), B, W, A, order.rows_dropped_per_epoch)
+             time.perf_counter() - t0, global_batch_size(cfg, W), GM // W, W, A, order.rows_dropped_per_epoch)
 
     # ---- model: identical init on every rank, per-rank RNG for dropout ----
     torch.manual_seed(cfg.run.seed)
@@ -389,7 +391,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         for _ in range(A):
             rows = order.rows(micro_step, env.world_rank, W)
             if sample_log is not None:
-                sample_log.write(json.dumps({"step": step, "micro_step": micro_step, "rank": env.world_rank,
+                sample_log.write(json.dumps({"step": step, "micro_step": micro_step, "rank": env.world_rank, "world_size": W,
                                              "sample_ids": train.sample_id[rows].tolist()}) + "\n")
             micro.append(_to_batch(train, rows, cfg, env.device, stats))
             micro_step += 1
@@ -414,7 +416,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             if rank0 and not scaler.is_enabled():
                 log.warning("%s: step skipped (%d in a row, limit train.max_nonfinite_steps=%d)", what,
                             nonfinite_run, cfg.train.max_nonfinite_steps)
-        samples_seen += B * W * A
+        samples_seen += GM * A
         clock.steps += 1
         if bar is not None:
             bar.update(1)
@@ -451,8 +453,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             if cfg.model.name == "char_gpt":
                 metrics["tokens_per_second"] = sps * cfg.model.context
             if device_peak:  # this rank's model FLOPs per second of step time, over its device's peak
-                own["mfu"] = sample_flops * B * A / own["step_time_s"] / device_peak
-                metrics["mfu"] = sample_flops * B * A / metrics["step_time_s"] / device_peak
+                own["mfu"] = sample_flops * GM // W * A / own["step_time_s"] / device_peak
+                metrics["mfu"] = sample_flops * GM // W * A / metrics["step_time_s"] / device_peak
             if clock.checkpoint_blocked_s is not None:
                 own["checkpoint_blocked_s"] = metrics["checkpoint_blocked_s"] = clock.checkpoint_blocked_s
                 clock.checkpoint_blocked_s = None
@@ -520,7 +522,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         "train_loss": last_metrics.get("train_loss"), "val_loss": last_val.get("val_loss"),
         "initial_val_loss": initial_val, "val_accuracy": last_val.get("val_accuracy"),
         "val_bpb": last_val.get("val_bpb"),
-        "samples_per_second": (step - start_step) * B * W * A / max(wall, 1e-9) if step > start_step else None,
+        "samples_per_second": (step - start_step) * GM * A / max(wall, 1e-9) if step > start_step else None,
         "train_wall_s": wall, "mlflow_run_id": mlflow_run_id, "restarts": restarts, "precision": precision_name,
         "param_checksums": [c for c, _ in per_rank], "strategy": strategy,
         "param_bytes_per_worker": [b for _, b in per_rank],

@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from datasets.parquet import DataError, inspect  # noqa: E402
-from trainers.config import SECTIONS, Config, ConfigError, load_config, to_yaml  # noqa: E402
+from trainers.config import SECTIONS, Config, ConfigError, elastic_range, load_config, to_yaml  # noqa: E402
 from trainers.checkpointing import atomic_write_text  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -202,6 +202,8 @@ def resolve_scaling(cfg: Config) -> tuple[int, bool, dict]:
     use_gpu = cfg.scaling.use_gpu if cfg.scaling.use_gpu != "auto" else gpus > 0
     if cfg.scaling.num_workers == "auto":
         num_workers = int(gpus) if use_gpu else max(1, len(nodes))
+    elif elastic_range(cfg):
+        num_workers = elastic_range(cfg)[0]  # elastic: the minimum must fit; Ray starts as many as fit up to max
     else:
         num_workers = cfg.scaling.num_workers
     need_cpu = num_workers * cfg.scaling.cpus_per_worker
@@ -276,7 +278,8 @@ def build_trainer(cfg: Config, specs: dict, datasets: dict, *, progress_bar: boo
         # A hung all-reduce fails the run after collective_timeout_s instead of the 30-minute default.
         torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
         # num_workers=auto on CPU means one worker per node: SPREAD places them so (PACK would stack them).
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+        scaling_config=ScalingConfig(num_workers=elastic_range(cfg) or num_workers, use_gpu=use_gpu,
+                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
                                      resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
                                      placement_strategy="SPREAD" if cfg.scaling.num_workers == "auto" and not use_gpu
                                      else "PACK"),
@@ -300,7 +303,8 @@ def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
         preflight(cfg, num_workers, use_gpu)
     trainer, runtime = build_trainer(cfg, specs, read_datasets(specs), progress_bar=progress_bar)
     res = runtime["resources"]
-    print(f"stride: training {cfg.run.name} on {runtime['num_workers']} {'GPU' if runtime['use_gpu'] else 'CPU'} "
+    workers = "{}-{}".format(*elastic_range(cfg)) if elastic_range(cfg) else runtime["num_workers"]
+    print(f"stride: training {cfg.run.name} on {workers} {'GPU' if runtime['use_gpu'] else 'CPU'} "
           f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
     # Ray 2.60's fit() replaces the process's SIGINT handler with one that aborts the run at once, without
     # Stride's checkpoint: keep ours (Ctrl-C = checkpoint at the next step, exit 130; a second Ctrl-C stops now).

@@ -123,8 +123,12 @@ def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> t
 
 def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
     """(max concurrent trials, workers per trial, use_gpu); raises UsageError for a gang that can never run."""
+    from trainers.config import elastic_range
     from trainers.main import UsageError, resolve_scaling
 
+    if elastic_range(cfg):
+        raise UsageError(f"base.scaling.num_workers ({list(elastic_range(cfg))}) is elastic, which sweeps do not "
+                         f"support (trials would resize each other); use a fixed base.scaling.num_workers")
     try:
         num_workers, use_gpu, _ = resolve_scaling(cfg)
     except UsageError as e:

@@ -19,7 +19,7 @@ from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from trainers.checkpointing import atomic_write_text
-from trainers.config import Config, build_config
+from trainers.config import Config, build_config, global_micro_batch
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"
@@ -81,7 +81,7 @@ def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
     """Optimizer steps a run of `cfg` will take (trainers/loop.py's total_steps without building an Order)."""
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
-    micro_per_epoch = train_rows // (cfg.train.batch_size_per_worker * num_workers)
+    micro_per_epoch = train_rows // global_micro_batch(cfg, num_workers)
     return max(1, math.ceil(cfg.train.epochs * micro_per_epoch / cfg.train.grad_accum_steps))
 
 

@@ -5,8 +5,8 @@
 * costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
   call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
   `ray.train.report(metrics)` (Stride's per-log-step report) vs `dist.barrier()` (torchrun's report) vs a
-  1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py does them (all_gather_object of the
-  RNG states, checkpointing.stage, ray.train.report(..., ASYNC) returning) vs its whole write
+  1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py does them (checkpointing.stage,
+  ray.train.report(..., ASYNC) returning) vs its whole write
   (checkpointing.save + persist, in Ray's upload thread). costs_big: the same with a ~7M-parameter char_gpt.
 * stacks (py-spy): rank 0 of `python trainers/main.py` and of `torchrun ... trainers/torchrun.py` (same job as
   make bench, longer), sampled during steady-state training; the share of samples by activity.
@@ -112,12 +112,10 @@ def costs_loop(config: dict) -> dict:
     for i in range(config["checkpoints"]):
         dist.barrier()
         t0 = time.perf_counter()
-        rngs = [None] * W
-        timed("ckpt_all_gather_rng_s", lambda: dist.all_gather_object(rngs, checkpointing.rng_state()))
         if rank == 0:
             folder = Path(tf.mkdtemp(prefix="stride-prof-ckpt-"))
             state = timed("ckpt_stage_s", lambda: checkpointing.stage(
-                {"model": raw.state_dict(), "optimizer": opt.state_dict(), "rng_per_rank": rngs}))
+                {"model": raw.state_dict(), "optimizer": opt.state_dict()}))
             meta = {"step": i}
 
             def upload(checkpoint, dir_name, state=state, folder=folder, meta=meta):

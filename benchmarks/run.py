@@ -236,7 +236,7 @@ def launch(cmd: list[str], log_path: Path, timeout_s: float, sample_log: Path | 
 
 
 PHASES = {  # marker in the job's output -> phase that has ended when it appears (first occurrence)
-    "stride": [("ray_init", "stride: Ray dashboard"), ("driver_data_read", "with Ray Data in"),
+    "stride": [("ray_init", "stride: Ray dashboard"), ("driver_data_read", "stride: read "),
                ("worker_group_started", "Started training worker group"), ("worker_data_loaded", "INFO data: "),
                ("first_log_step", " INFO step ")],
     "torchrun": [("worker_data_loaded", "INFO data: "), ("first_log_step", " INFO step ")],

@@ -149,3 +149,33 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
         torchrun_main(_args(tmp_path, tabular_data, 40))
     # The checkpoints written before are still there and intact.
     assert all(checkpointing.verify(c) is None for c in complete_checkpoints(tmp_path / "r"))
+
+
+def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data, monkeypatch):
+    """Dropout draws from a stream reseeded at every step from (seed, rank, step): a run stopped between two
+    checkpoints and resumed draws the same masks as one never stopped, so every later loss is bitwise equal."""
+    from trainers import loop
+
+    def losses(storage):
+        return {r["step"]: r["train_loss"] for r in read_jsonl(storage / "r" / "metrics.jsonl") if "train_loss" in r}
+
+    dropout = ["model.dropout=0.3", "train.deterministic=true"]
+    assert torchrun_main(_args(tmp_path / "ref", tabular_data, 30, *dropout)) == 0
+    assert torchrun_main(_args(tmp_path / "nodrop", tabular_data, 30, "train.deterministic=true")) == 0
+    assert losses(tmp_path / "ref")[30] != losses(tmp_path / "nodrop")[30]  # the masks matter
+
+    calls = {"n": 0}
+    requested = loop.StopRequest.requested
+
+    def stop_at_step_17(self):
+        calls["n"] += 1
+        return calls["n"] == 17 or requested(self)
+
+    monkeypatch.setattr(loop.StopRequest, "requested", stop_at_step_17)
+    torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout))
+    cut = json.loads((tmp_path / "cut" / "r" / "summary.json").read_text())
+    assert cut["status"] == "interrupted" and cut["global_step"] == 17
+    monkeypatch.setattr(loop.StopRequest, "requested", requested)
+    assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
+    ref, cut = losses(tmp_path / "ref"), losses(tmp_path / "cut")
+    assert {s: cut[s] for s in (20, 25, 30)} == {s: ref[s] for s in (20, 25, 30)}

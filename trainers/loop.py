@@ -173,10 +173,17 @@ class StopRequest:
         return flag > 0
 
     def status(self) -> str:
+        return self._request().get("status", "interrupted")
+
+    def signal(self) -> int | None:
+        """The signal behind the request (this process's own, or the one the driver wrote), if any."""
+        return self._request().get("signal")
+
+    def _request(self) -> dict[str, Any]:
         try:
-            return json.loads(self.path.read_text())["status"]
-        except (OSError, ValueError, KeyError):
-            return (self.local or {}).get("status", "interrupted")
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return self.local or {}
 
 
 def start_profiler(device: torch.device):
@@ -201,6 +208,12 @@ def stop_profiler(profiler, run_dir: Path, rank: int, world_size: int, tracker) 
     if tracker is not None:
         for trace in sorted(out.glob("rank*.json")):
             tracker.log_artifact(trace, "profile")
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of `rank`'s random stream (dropout) for optimizer step `step`: different per rank and step, the
+    same after any resume. Reseeding costs microseconds and needs no RNG state in checkpoints."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -289,14 +302,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         micro_step = epoch * order.micro_steps_per_epoch + offset // order.global_micro_batch
         restarts = meta.get("restarts", 0) + 1
         mlflow_run_id = meta.get("mlflow_run_id") or mlflow_run_id
-        rngs = state.get("rng_per_rank") or []
-        if len(rngs) == W:
-            checkpointing.set_rng_state(rngs[env.world_rank])
-        else:
-            torch.manual_seed(cfg.run.seed + env.world_rank + 7919 * restarts)
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, step, epoch, offset, restarts)
-    else:
-        torch.manual_seed(cfg.run.seed + env.world_rank)
     if not sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded above
         model = env.wrap_model(model)
     raw_model = getattr(model, "module", model)
@@ -343,12 +349,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
 
     def save_checkpoint(metrics: dict[str, Any]) -> tuple[Path, Callable[[], Path]] | None:
         epoch, in_epoch = order.position(micro_step)
-        # Every rank's RNG state goes into the checkpoint so dropout continues exactly after a resume.
-        rngs = [None] * W
-        if W > 1:
-            torch.distributed.all_gather_object(rngs, checkpointing.rng_state())
-        else:
-            rngs = [checkpointing.rng_state()]
+        # No RNG state to gather: every rank reseeds from (seed, rank, step) at each step (step_seed), so the
+        # step stored here restores every rank's random stream, for any world size.
         if sharded:  # a collective: every rank sends its shards, rank 0 gets the full model and optimizer state
             model_state, optim_state = fsdp.full_state_dict(model, optimizer)
         if not rank0:
@@ -358,8 +360,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
         folder = Path(tempfile.mkdtemp(prefix="stride-ckpt-"))
         # Staged: a CPU copy taken now; serialising and writing it happen in write(), possibly in the background.
         state = checkpointing.stage({"model": model_state, "optimizer": optim_state,
-                                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                                     "rng_per_rank": rngs})
+                                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()})
         meta = {"step": step, "epoch": epoch, "epoch_offset_samples": in_epoch * order.global_micro_batch,
                 "samples_seen": samples_seen, "restarts": restarts, "mlflow_run_id": mlflow_run_id,
                 "world_size": W, "model": cfg.model.name, "initial_val_loss": initial_val, "metrics": metrics,
@@ -386,6 +387,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     while step < steps:
         if cfg.train.profile_steps and step + 1 == cfg.train.profile_steps[0]:
             profiler = start_profiler(env.device)
+        torch.manual_seed(step_seed(cfg.run.seed, env.world_rank, step))  # dropout: a function of the step
         t_data = time.perf_counter()
         micro = []
         for _ in range(A):
@@ -490,7 +492,10 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             tracker.log_metrics({k: v for k, v in metrics.items() if k not in ("step",)}, step)
         t_ckpt = time.perf_counter()
         staged = save_checkpoint(metrics) if is_ckpt else None
-        env.report({k: v for k, v in metrics.items() if v is not None}, *(staged or (None, None)))
+        # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
+        # where someone reads it (checkpoints, evaluations; a Tune trial's every log step), not on every log step.
+        if is_ckpt or is_eval or runtime.get("report_log_steps"):
+            env.report({k: v for k, v in metrics.items() if v is not None}, *(staged or (None, None)))
         if is_ckpt:  # what training waited for: staging, plus the write itself where the runtime writes in line
             clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
             clock.excluded += clock.checkpoint_blocked_s
@@ -517,7 +522,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     else:
         per_rank = [(checksum, fsdp.local_param_bytes(raw_model))]
     summary = {
-        "status": status, "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
+        "status": status, "stop_signal": stop.signal() if status != "completed" else None, "world_size": W, "global_step": step, "epochs_completed": micro_step / order.micro_steps_per_epoch,
         "samples_seen": samples_seen, "rows_dropped": order.rows_dropped_per_epoch,
         "train_loss": last_metrics.get("train_loss"), "val_loss": last_val.get("val_loss"),
         "initial_val_loss": initial_val, "val_accuracy": last_val.get("val_accuracy"),
@@ -529,7 +534,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     }
     if tracker is not None:
         tracker.finish()
-    return summary if rank0 else {}
+    return summary if rank0 else {"status": status, "stop_signal": summary["stop_signal"]}
 
 
 # ---- Ray Train edge ----

@@ -112,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(cfg, env, runtime)
     if rank == 0:
         ckpts = complete_checkpoints(run_dir)
-        summary.update(status="completed", wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
+        summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
                        config=cfg.to_dict(), runtime="torchrun")
         checkpointing.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     if world_size > 1:
         dist.destroy_process_group()
-    return 0
+    # Stopped by SIGTERM/SIGINT (checkpointed): 128 + the signal, as the Ray driver exits; the same command resumes.
+    return 128 + summary["stop_signal"] if summary.get("stop_signal") else 0
 
 
 if __name__ == "__main__":

@@ -113,7 +113,9 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, datasets: dict, mlf
     if repaired:
         print(f"stride: trial {trial_id}: {repaired}", flush=True)
     trainer, runtime = build_trainer(cfg, specs, datasets, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
-                                     runtime_extra={"mlflow_parent_run_id": parent_run_id})
+                                     runtime_extra={"mlflow_parent_run_id": parent_run_id,
+                                                    # Tune's schedulers read train_* figures too
+                                                    "report_log_steps": True})
     t0 = time.time()
     try:
         result = trainer.fit()

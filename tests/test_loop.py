@@ -167,15 +167,18 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
     calls = {"n": 0}
     requested = loop.StopRequest.requested
 
-    def stop_at_step_17(self):
+    def sigterm_at_step_17(self):  # what the driver's SIGTERM handler does, at a known step
         calls["n"] += 1
-        return calls["n"] == 17 or requested(self)
+        if calls["n"] == 17:
+            loop.request_stop(tmp_path / "cut" / "r", "interrupted", 15)
+        return requested(self)
 
-    monkeypatch.setattr(loop.StopRequest, "requested", stop_at_step_17)
-    torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout))
+    monkeypatch.setattr(loop.StopRequest, "requested", sigterm_at_step_17)
+    assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 143
     cut = json.loads((tmp_path / "cut" / "r" / "summary.json").read_text())
     assert cut["status"] == "interrupted" and cut["global_step"] == 17
     monkeypatch.setattr(loop.StopRequest, "requested", requested)
+    # The same command resumes (the spent stop request does not stop it again) and completes.
     assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
     ref, cut = losses(tmp_path / "ref"), losses(tmp_path / "cut")
     assert {s: cut[s] for s in (20, 25, 30)} == {s: ref[s] for s in (20, 25, 30)}

@@ -49,3 +49,24 @@ def test_bench_smoke_writes_every_figure_with_its_goal(tmp_path):
     # The table printed for humans names every figure.
     for name in [*GOALS, "scaling_2_over_1", "time_to_first_step_s"]:
         assert name in r.stdout
+
+
+def test_step_gap_sorts_py_spy_stacks_into_gil_and_collective_waits(tmp_path):
+    """benchmarks/step_gap.py's reading of py-spy's raw stacks (the README's GIL-wait figure comes from it)."""
+    from benchmarks.step_gap import classify
+
+    train = "thread (1): TrainingThread;run (trainers/loop.py:400);train_step (trainers/step.py:120)"
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        f"{train};Linear.forward (torch/nn/modules/linear.py:134);mkl_sgemm (libtorch_cpu.so) 6",
+        f"{train};Linear.forward (torch/nn/modules/linear.py:134);pybind11::gil_scoped_release::~gil_scoped_release "
+        f"(libtorch_python.so);pthread_cond_timedwait (libc.so.6);0x7f00 (libc.so.6) 2",
+        f"{train};all_reduce (torch/distributed/distributed_c10d.py:3252);pthread_cond_wait (libc.so.6);0x7f01 "
+        f"(libc.so.6) 2",
+        "thread (2): MainThread;main_loop (ray/_private/worker.py:1069);epoll_wait (libc.so.6) 50",
+        "thread (2): MainThread;RayTrainWorker.poll_status (ray/train/v2/worker.py:10);Pickler.dump (cloudpickle.py:1) 3",
+    ]) + "\n")
+    got = classify(raw)
+    assert got["training_thread_samples"] == 10
+    assert (got["running_or_runnable"], got["gil_wait"], got["cond_wait"]) == (0.6, 0.2, 0.2)
+    assert got["other_threads_busy_samples"] == {"Pickler.dump": 3}

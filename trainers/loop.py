@@ -130,6 +130,11 @@ class MetricsFile:
 STOP_FILE = ".stride-stop"
 
 
+def clear_stop_request(run_dir: str | Path) -> None:
+    """A stale request from an earlier run must not stop this one: every launcher calls this before training."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
 def request_stop(run_dir: str | Path, status: str, signum: int) -> None:
     """Ask a running job to checkpoint at the next step boundary and stop (used by signal handlers)."""
     checkpointing.atomic_write_text(Path(run_dir) / STOP_FILE, json.dumps({"status": status, "signal": signum}))
@@ -239,6 +244,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     B, W, A = cfg.train.batch_size_per_worker, env.world_size, cfg.train.grad_accum_steps
     # GM rows per micro-step over all workers (B x W; elastic runs: B x max workers, whatever W is now).
     GM = global_micro_batch(cfg, W)
+    rows_per_worker = GM // W  # B, or an elastic run's share of B x max workers
     order = Order(len(train), cfg.run.seed, GM)
     if order.micro_steps_per_epoch == 0:
         raise DataError(f"train.batch_size_per_worker ({B}) x {GM // B} workers exceeds the {len(train)} training "
@@ -246,7 +252,7 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
     steps = total_steps(cfg, order)
     log.info("data: %d train rows, %s val rows, loaded in %.1fs; global batch %d = %d per worker x %d workers x %d "
              "accumulation; %d rows dropped per epoch", len(train), len(val) if val is not None else 0,
-             time.perf_counter() - t0, global_batch_size(cfg, W), GM // W, W, A, order.rows_dropped_per_epoch)
+             time.perf_counter() - t0, global_batch_size(cfg, W), rows_per_worker, W, A, order.rows_dropped_per_epoch)
 
     # ---- model: identical init on every rank, per-rank RNG for dropout ----
     torch.manual_seed(cfg.run.seed)
@@ -455,8 +461,8 @@ def run(cfg: Config, env: WorkerEnv, runtime: dict[str, Any]) -> dict[str, Any]:
             if cfg.model.name == "char_gpt":
                 metrics["tokens_per_second"] = sps * cfg.model.context
             if device_peak:  # this rank's model FLOPs per second of step time, over its device's peak
-                own["mfu"] = sample_flops * GM // W * A / own["step_time_s"] / device_peak
-                metrics["mfu"] = sample_flops * GM // W * A / metrics["step_time_s"] / device_peak
+                own["mfu"] = sample_flops * rows_per_worker * A / own["step_time_s"] / device_peak
+                metrics["mfu"] = sample_flops * rows_per_worker * A / metrics["step_time_s"] / device_peak
             if clock.checkpoint_blocked_s is not None:
                 own["checkpoint_blocked_s"] = metrics["checkpoint_blocked_s"] = clock.checkpoint_blocked_s
                 clock.checkpoint_blocked_s = None

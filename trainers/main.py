@@ -395,9 +395,9 @@ def install_signal_handlers(run_dir: Path) -> list[int]:
     SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted."""
     import signal
 
-    from trainers.loop import STOP_FILE, request_stop
+    from trainers.loop import clear_stop_request, request_stop
 
-    (run_dir / STOP_FILE).unlink(missing_ok=True)  # a stale request from an earlier run must not stop this one
+    clear_stop_request(run_dir)
     received: list[int] = []
 
     def handler(signum, _frame):

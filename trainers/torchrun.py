@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from datasets.parquet import DataError, inspect, read_local, table_to_arrays  # noqa: E402
 from trainers import checkpointing  # noqa: E402
 from trainers.config import ConfigError, load_config  # noqa: E402
-from trainers.loop import STOP_FILE, WorkerEnv, run  # noqa: E402
+from trainers.loop import WorkerEnv, clear_stop_request, run  # noqa: E402
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:  # a stale stop request from an earlier run must not stop this one
-        (run_dir / STOP_FILE).unlink(missing_ok=True)
+    if rank == 0:
+        clear_stop_request(run_dir)
     if world_size > 1:
         dist.barrier()
 

@@ -49,14 +49,19 @@ def _args(tmp_path, data, steps, *extra):
             "checkpoint.every_steps=10", "checkpoint.keep_last=3", "tracking.mlflow_uri=null", *extra]
 
 
-def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular_data, caplog):
+def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular_data, capsys):
     assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
     newest = complete_checkpoints(tmp_path / "r")[-1]
     assert checkpointing.read_meta(newest)["step"] == 30
     state = newest / checkpointing.STATE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
     assert "digest" in checkpointing.verify(newest)
+    capsys.readouterr()
     assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 0
+    warnings = [ln for ln in capsys.readouterr().out.splitlines() if "unusable" in ln]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], warnings  # one line, naming both folders
+    assert f"checkpoint {newest.name} (state.pt does not match the digest" in warnings[0]
+    assert "resuming from checkpoint_00000020 instead" in warnings[0]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["restarts"] == 1
     steps = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "train_loss" in r]

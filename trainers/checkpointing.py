@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -126,10 +126,24 @@ def shape_mismatch(model_state: dict[str, torch.Tensor], saved: dict[str, torch.
     return f"the checkpoint has tensor {extra[0]} that the model lacks" if extra else None
 
 
-def newest_complete(run_dir: Path, exclude: str | None = None) -> Path | None:
-    """The checkpoint folder with the highest step whose contents verify (torn or corrupted ones are skipped)."""
-    good = []
+def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> Path | None:
+    """The checkpoint folder with the highest step whose contents verify: the one to resume from, whoever wrote
+    it. Ray's own pointer is not enough: a driver killed between a checkpoint's write and Ray's registration of
+    it leaves a complete checkpoint that Ray does not know. Torn or corrupted folders are skipped; `warn` gets one
+    line naming those newer than the folder returned."""
+    good, bad = [], []
     for folder in Path(run_dir).glob("checkpoint_*"):
-        if folder.name != exclude and folder.is_dir() and verify(folder) is None:
+        if not folder.is_dir() or folder.name.endswith(".tmp"):  # .tmp: torchrun's publish in progress
+            continue
+        problem = verify(folder)
+        if problem is None:
             good.append((read_meta(folder)["step"], folder))
-    return max(good)[1] if good else None
+        else:
+            bad.append((folder.stat().st_mtime, folder, problem))
+    newest = max(good)[1] if good else None
+    since = newest.stat().st_mtime if newest else float("-inf")
+    skipped = [f"{folder.name} ({problem})" for mtime, folder, problem in sorted(bad) if mtime >= since]
+    if skipped and warn is not None:
+        warn(f"checkpoint {'; '.join(skipped)} is unusable; resuming from "
+             f"{newest.name if newest else 'the start (no complete checkpoint)'} instead")
+    return newest

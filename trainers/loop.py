@@ -571,21 +571,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         return table_to_arrays(table, spec)
 
     def latest_checkpoint() -> Path | None:
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return None
-        import pyarrow.fs
-
-        if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
-            local = Path(ckpt.path)
-        else:  # remote storage: a local copy to read from
-            local = Path(ckpt.to_directory(tempfile.mkdtemp(prefix="stride-restore-")))
-        problem = checkpointing.verify(local)
-        if problem is None:
-            return local
-        fallback = checkpointing.newest_complete(Path(runtime["run_dir"]), exclude=Path(ckpt.path).name)
-        log.warning("checkpoint %s is unusable (%s); resuming from %s instead", ckpt.path, problem, fallback)
-        return fallback
+        # Not ray.train.get_checkpoint(): Ray's pointer misses a checkpoint written but never registered (driver
+        # killed in between), and run.storage_path is a local (or shared) folder that every worker reads.
+        return checkpointing.newest_complete(Path(runtime["run_dir"]), log.warning if ctx.get_world_rank() == 0 else None)
 
     def report(metrics: dict[str, Any], folder: Path | None, write: Callable[[], Path] | None) -> None:
         if folder is None:

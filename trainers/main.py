@@ -348,8 +348,9 @@ def fit(cfg: Config, specs: dict, progress_bar: bool) -> tuple[int, dict]:
 
 
 def check_resume(cfg: Config, run_dir: Path, spec) -> None:
-    """A run folder that holds a checkpoint is resumed: refuse, before Ray starts and with the checkpoint left as
-    it is, a model whose tensors do not match it (another model.* setting under the same run.name)."""
+    """A run folder that holds a complete checkpoint is resumed from the newest one (the workers pick the same):
+    refuse, before Ray starts and with the checkpoint left as it is, a model whose tensors do not match it
+    (another model.* setting under the same run.name)."""
     import torch
 
     from trainers import checkpointing
@@ -364,6 +365,7 @@ def check_resume(cfg: Config, run_dir: Path, spec) -> None:
     if mismatch := checkpointing.shape_mismatch(model.state_dict(), saved):
         raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
                          f"use a new run.name, or the model.* settings it was trained with")
+    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)
 
 
 def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from datasets.parquet import DataError, inspect, read_local, table_to_arrays  # noqa: E402
 from trainers import checkpointing  # noqa: E402
 from trainers.config import ConfigError, load_config  # noqa: E402
-from trainers.loop import WorkerEnv, clear_stop_request, run  # noqa: E402
+from trainers.loop import WorkerEnv, clear_stop_request, log, run  # noqa: E402
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
 
     def latest_checkpoint() -> Path | None:
-        return checkpointing.newest_complete(run_dir)
+        return checkpointing.newest_complete(run_dir, log.warning if rank == 0 else None)
 
     def progress_bar(**kwargs):
         from tqdm import tqdm

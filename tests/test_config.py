@@ -53,6 +53,7 @@ def test_max_steps_null_with_epochs_works():
     (["scaling.num_workers=[2,4]", "train.batch_size_per_worker=32"],
      ["train.batch_size_per_worker (32)", "3 workers", "[2, 4]", "train.batch_size_per_worker=33"]),
     (["run.name=a/b"], ["run.name", "a/b", "path separator"]),
+    (["run.storage_path=s3://bucket/runs"], ["run.storage_path", "s3://bucket/runs", "not a URI", "mount"]),
     (["model.width=130", "model.n_heads=4"], ["model.width", "130", "n_heads"]),
     (["lr=0.1"], ["section.field=value"]),
 ])

@@ -38,6 +38,16 @@ class RunSection(Section):
             raise ValueError("must be a plain folder name without path separators; use e.g. run.name=my_run")
         return v
 
+    @field_validator("storage_path")
+    @classmethod
+    def _a_folder(cls, v: str) -> str:
+        # Checkpoints are verified and resumed from the folder itself (trainers/checkpointing.py), so an object
+        # store must be mounted; a URI here would silently become a local folder named "s3:".
+        if "://" in v:
+            raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "
+                             "bucket (s3fs, gcsfuse) and use e.g. run.storage_path=/mnt/bucket/runs")
+        return v
+
 
 class DataSection(Section):
     train_path: str = Field("data/pystdlib/train", description="Parquet folder, file or glob of the training split")

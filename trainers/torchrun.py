@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                        config=cfg.to_dict(), runtime="torchrun")
         checkpointing.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     if world_size > 1:
+        # Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter
+        # finalization, gloo's work threads could be torn down unjoined ("terminate called without an active
+        # exception", SIGABRT) after a run that had finished its work.
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
     # Stopped by SIGTERM/SIGINT (checkpointed): 128 + the signal, as the Ray driver exits; the same command resumes.
     return 128 + summary["stop_signal"] if summary.get("stop_signal") else 0

@@ -131,16 +131,21 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> 
     it. Ray's own pointer is not enough: a driver killed between a checkpoint's write and Ray's registration of
     it leaves a complete checkpoint that Ray does not know. Torn or corrupted folders are skipped; `warn` gets one
     line naming those newer than the folder returned."""
-    good, bad = [], []
+    candidates, bad = [], []
     for folder in Path(run_dir).glob("checkpoint_*"):
         if not folder.is_dir() or folder.name.endswith(".tmp"):  # .tmp: torchrun's publish in progress
             continue
+        try:
+            candidates.append((read_meta(folder)["step"], folder))
+        except (OSError, ValueError, KeyError) as e:
+            bad.append((folder.stat().st_mtime, folder, f"no readable {META} ({e.__class__.__name__})"))
+    newest = None
+    for _, folder in sorted(candidates, reverse=True):  # hash only down to the first intact one
         problem = verify(folder)
         if problem is None:
-            good.append((read_meta(folder)["step"], folder))
-        else:
-            bad.append((folder.stat().st_mtime, folder, problem))
-    newest = max(good)[1] if good else None
+            newest = folder
+            break
+        bad.append((folder.stat().st_mtime, folder, problem))
     since = newest.stat().st_mtime if newest else float("-inf")
     skipped = [f"{folder.name} ({problem})" for mtime, folder, problem in sorted(bad) if mtime >= since]
     if skipped and warn is not None:

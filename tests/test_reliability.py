@@ -3,9 +3,11 @@ resuming with a different number of workers. Runs on 2 CPU workers through Ray T
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +104,63 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     assert s["status"] == "completed" and s["global_step"] == 30 and s["restarts"] == 1 and s["world_size"] == 2
     assert [r["step"] for r in read_jsonl(tmp_path / "unregistered" / "metrics.jsonl")
             if "train_loss" in r] == [10, 20, 30]
+
+
+# Loaded by every Python process of the job (PYTHONPATH), Ray's workers included: the copy that persists a
+# checkpoint into run.storage_path fails with an I/O error the first FLAKY_FAILS times for each checkpoint.
+FLAKY_STORAGE = """
+import os
+
+if os.environ.get("FLAKY_LOG"):
+    import pyarrow.fs
+
+    _copy_files, _calls = pyarrow.fs.copy_files, {}
+
+    def copy_files(source, destination, *args, **kwargs):
+        if "checkpoint_" in str(destination):
+            _calls[destination] = _calls.get(destination, 0) + 1
+            if _calls[destination] <= int(os.environ["FLAKY_FAILS"]):
+                with open(os.environ["FLAKY_LOG"], "a") as f:
+                    f.write(f"{destination}\\n")
+                raise OSError(5, "Input/output error")
+        return _copy_files(source, destination, *args, **kwargs)
+
+    pyarrow.fs.copy_files = copy_files
+"""
+
+
+def test_transient_storage_errors_on_ray_are_retried(tmp_path, tabular_data):
+    """Ray's upload thread persists each checkpoint through Stride's retries: a storage hiccup costs a warning and
+    another try, not the run, and every checkpoint that lands is complete. Storage that stays broken ends the run
+    with a message that names the path."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FLAKY_STORAGE)
+    log = tmp_path / "injected.txt"
+    small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10", "checkpoint.keep_last=5"]
+    env = {"PYTHONPATH": str(hooks), "FLAKY_LOG": str(log), "FLAKY_FAILS": "2"}
+    r = run_cli(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=30"), env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    injected = log.read_text().splitlines()
+    from trainers import checkpointing
+
+    folders = sorted((c for c in (tmp_path / "flaky").glob("checkpoint_*") if c.is_dir()),
+                     key=lambda c: checkpointing.read_meta(c)["step"])
+    assert [checkpointing.read_meta(c)["step"] for c in folders] == [10, 20, 30]
+    assert all(checkpointing.verify(c) is None for c in folders)
+    # Each checkpoint's copy failed twice, then the third try landed it.
+    assert sorted(Path(d).name for d in injected) == sorted(c.name for c in folders for _ in range(2))
+    out = r.stdout + r.stderr
+    assert out.count("retry 1/3") == 3 and out.count("retry 2/3") == 3 and "retry 3/3" not in out, out[-3000:]
+    assert json.loads((tmp_path / "flaky" / "summary.json").read_text())["status"] == "completed"
+
+    # Storage that stays broken ends the run with the path and what to check; the run's earlier checkpoints stay.
+    r = run_cli(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=40"), env=dict(env, FLAKY_FAILS="9"))
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert re.search(r"stride: error: .*writing checkpoint to .*/flaky/checkpoint_\S+ failed 4 times \(\[Errno 5\] "
+                     r"Input/output error\); check that run.storage_path is writable", r.stdout + r.stderr)
+    assert checkpointing.read_meta(checkpointing.newest_complete(tmp_path / "flaky"))["step"] == 30
+    assert all(checkpointing.verify(c) is None for c in folders)
 
 
 def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_data):

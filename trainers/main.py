@@ -166,7 +166,9 @@ def init_ray(cfg: Config, log_to_driver: bool = True) -> bool:
     env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
                                            "RAY_TRAIN_ENABLE_PRINT_PATCH") if k in os.environ}
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
-    runtime_env = None if in_job else {"env_vars": dict(env_vars, PYTHONPATH=str(REPO_ROOT))}
+    # The workers import trainers/ from this checkout, and whatever the user's own PYTHONPATH holds.
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = None if in_job else {"env_vars": dict(env_vars, PYTHONPATH=pythonpath)}
     logging_config = ray.LoggingConfig(log_level="WARNING")
     if address:
         try:

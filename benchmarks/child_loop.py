@@ -8,7 +8,7 @@ measured window); the runtimes chosen (--runtimes, torchrun last) are interleave
 * `stride`: `python trainers/main.py` (embedded Ray, the loop in the Ray worker's training thread);
 * `stride_nice0`: Ray starts its workers at nice 15, below its daemons; this starts them at nice 0;
 * `stride_poll2`, `ray_child_poll2`: with Ray Train's default 2 s controller poll instead of Stride's 0.1 s;
-* `ray_child`: the same embedded Ray start (main.py's env and ray.init settings) and a 2-worker TorchTrainer
+* `ray_child`: the same embedded Ray start (trainers/main.py's quiet_ray_env and init_ray) and a 2-worker TorchTrainer
   whose per-worker function only starts `trainers/torchrun.py` as a child process (RANK/WORLD_SIZE/MASTER_* set,
   a process group of its own) and waits for it: Ray's resident processes and idle Ray workers are all there, but
   no Ray thread shares the training process;
@@ -37,10 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.step_gap import WARM_STEP, logged, wait_for_step  # noqa: E402
+from benchmarks.step_gap import WARM_STEP, command, job_args, logged, wait_for_step  # noqa: E402
 
 PYTHON = sys.executable
-BIN = Path(PYTHON).parent
 # Variants: the same runtime with these environment variables (set before Ray starts, so its raylet and workers
 # see them). Stride asks for a 0.1 s controller poll (trainers/main.py quiet_ray_env); Ray's default is 2 s.
 VARIANTS = {"stride_nice0": ("stride", {"RAY_worker_niceness": "0"}),
@@ -48,31 +47,22 @@ VARIANTS = {"stride_nice0": ("stride", {"RAY_worker_niceness": "0"}),
             "ray_child_poll2": ("ray_child", {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
             "ray_child_driver_env": ("ray_child", {"CHILD_LOOP_DRIVER_ENV": "1"})}
 RUNTIMES = ("stride", *VARIANTS, "ray_child", "torchrun_beside_ray", "torchrun")
-TORCHRUN = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", "29412", "trainers/torchrun.py"]
-
-
-def job_args(root: Path, name: str, steps: int) -> list[str]:
-    return ["--config", "trainers/configs/char_gpt.yaml", f"run.storage_path={root}", f"run.name={name}",
-            f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100000",
-            "checkpoint.every_steps=100000", "tracking.mlflow_uri=null"]
 
 
 def ray_driver(runtime: str, args: list[str]) -> int:
     """The driver of `ray_child` and `torchrun_beside_ray`: embedded Ray as trainers/main.py starts it, then
     either Train workers that each run the loop as a child, or torchrun beside the idle Ray."""
-    for key, value in (("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1"), ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
-                       ("RAY_TRAIN_ENABLE_PRINT_PATCH", "0"), ("RAY_DEDUP_LOGS", "0")):
-        os.environ.setdefault(key, value)
-    import ray
+    import ray.train
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
-                                           "RAY_TRAIN_ENABLE_PRINT_PATCH")}
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": env_vars}, logging_config=ray.LoggingConfig(log_level="WARNING"))
+    from trainers.config import load_config
+    from trainers.main import init_ray, quiet_ray_env
+
+    quiet_ray_env()
+    init_ray(load_config("trainers/configs/char_gpt.yaml", []), log_to_driver=False)
     if runtime == "torchrun_beside_ray":
-        return subprocess.run([*TORCHRUN, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+        return subprocess.run(command("torchrun", 2, args), cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL).returncode
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,10 +94,8 @@ def measure(runtime: str, steps: int, root: Path) -> float:
     args = job_args(root, name, steps)
     base, extra = VARIANTS.get(runtime, (runtime, {}))
     env = dict(os.environ, **extra)
-    if base == "stride":
-        cmd = [PYTHON, "trainers/main.py", *args, "scaling.num_workers=2"]
-    elif base == "torchrun":
-        cmd = [*TORCHRUN, *args]
+    if base in ("stride", "torchrun"):
+        cmd = command(base, 2, args)
     else:
         cmd = [PYTHON, __file__, "--ray-driver", base, "--", *args]
     metrics = root / name / "metrics.jsonl"

@@ -40,17 +40,24 @@ WARM_STEP = 60  # measure after this step: start-up, compilation of the first st
 SAMPLE_S = 10.0
 
 
-def job(runtime: str, workers: int, steps: int, root: Path) -> tuple[subprocess.Popen, Path]:
-    run = Path(tempfile.mkdtemp(prefix=f"{runtime}{workers}-", dir=root))  # a new run each time, never a resume
-    args = ["--config", "trainers/configs/char_gpt.yaml", f"run.storage_path={root}", f"run.name={run.name}",
+def job_args(root: Path, name: str, steps: int) -> list[str]:
+    """The default job, no checkpoints, evaluation or MLflow: the same for every runtime compared."""
+    return ["--config", "trainers/configs/char_gpt.yaml", f"run.storage_path={root}", f"run.name={name}",
             f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100000",
             "checkpoint.every_steps=100000", "tracking.mlflow_uri=null"]
+
+
+def command(runtime: str, workers: int, args: list[str]) -> list[str]:
     if runtime == "stride":
-        cmd = [PYTHON, "trainers/main.py", *args, f"scaling.num_workers={workers}"]
-    else:
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(workers), "--master-port", str(29400 + workers),
-               "trainers/torchrun.py", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return [PYTHON, "trainers/main.py", *args, f"scaling.num_workers={workers}"]
+    return [str(BIN / "torchrun"), "--nproc-per-node", str(workers), "--master-port", str(29400 + workers),
+            "trainers/torchrun.py", *args]
+
+
+def job(runtime: str, workers: int, steps: int, root: Path) -> tuple[subprocess.Popen, Path]:
+    run = Path(tempfile.mkdtemp(prefix=f"{runtime}{workers}-", dir=root))  # a new run each time, never a resume
+    proc = subprocess.Popen(command(runtime, workers, job_args(root, run.name, steps)), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, run / "metrics.jsonl"
 
 

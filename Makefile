@@ -12,6 +12,7 @@ STAMP := $(VENV)/.stride-installed
 help:
 	@echo "make train   - set up .venv, prepare data/pystdlib, train $(CONFIG) on an embedded local Ray"
 	@echo "make test    - set up .venv and test services, run the whole test suite"
+	@echo "make test-fast - the tier without Ray, servers or SLURM (minutes)"
 	@echo "make bench   - side-by-side benchmarks (benchmarks/run.py --quick)"
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build. GPU users install their CUDA torch
@@ -36,12 +37,15 @@ train: $(STAMP) data/pystdlib/train
 	$(PY) trainers/main.py --config $(CONFIG) $(ARGS)
 	@echo "Sample:  $(PY) trainers/generate.py --run runs/char_gpt --prompt 'def ' --tokens 200"
 
+# pytest's own script, not `python -m pytest`: that would put the checkout on sys.path, and its datasets/ would
+# hide Hugging Face `datasets` (Stride is imported as the installed `stride` package).
 test: $(STAMP)
 	bash tests/setup_services.sh
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The tier to run while you work: no Ray, no servers, no SLURM (a few minutes).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP) data
 	$(PY) benchmarks/run.py --quick

@@ -56,11 +56,11 @@ def ray_driver(runtime: str, args: list[str]) -> int:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from trainers.config import load_config
-    from trainers.main import init_ray, quiet_ray_env
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     quiet_ray_env()
-    init_ray(load_config("trainers/configs/char_gpt.yaml", []), log_to_driver=False)
+    init_ray(log_to_driver=False)
     if runtime == "torchrun_beside_ray":
         return subprocess.run(command("torchrun", 2, args), cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL).returncode

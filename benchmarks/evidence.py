@@ -66,9 +66,9 @@ def costs_loop(config: dict) -> dict:
     import torch.distributed as dist
     from ray.train import CheckpointUploadMode
 
-    from trainers import checkpointing
-    from trainers.config import from_dict
-    from trainers.step import Precision, build_model, build_optimizer, train_step
+    from stride.trainers import checkpointing
+    from stride.trainers.config import from_dict
+    from stride.trainers.step import Precision, build_model, build_optimizer, train_step
 
     cfg = from_dict(config["cfg"])
     torch.set_num_threads(1)
@@ -156,13 +156,13 @@ def run_costs(tmp: Path, overrides: list[str] | None = None, name: str = "costs"
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from trainers.config import load_config
-    from trainers.main import init_ray, quiet_ray_env
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     cfg = load_config(CONFIG, overrides or [])
     _by_value()
     quiet_ray_env()
-    init_ray(cfg, log_to_driver=False)
+    init_ray(log_to_driver=False)
     trainer = TorchTrainer(costs_loop, train_loop_config={"cfg": cfg.to_dict(), "n": 15, "checkpoints": 5},
                            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1.0}),
                            run_config=RunConfig(name=name, storage_path=str(tmp / name)))
@@ -346,7 +346,7 @@ def ingest_profile_loop(config: dict) -> dict:
     import pyarrow as pa
     import ray.train
 
-    from datasets.parquet import table_to_arrays
+    from stride.datasets.parquet import table_to_arrays
 
     spec = config["spec"]
 
@@ -372,9 +372,10 @@ def run_ingest(tmp: Path, rows: int) -> dict:
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from datasets.parquet import inspect
-    from trainers.config import load_config
-    from trainers.main import init_ray, quiet_ray_env, read_datasets
+    from stride.datasets.parquet import inspect
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
+    from stride.trainers.driver import read_datasets
 
     data = tmp / "tabular"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
@@ -383,7 +384,7 @@ def run_ingest(tmp: Path, rows: int) -> dict:
     spec = inspect(cfg.data, cfg.model, "train")
     _by_value()
     quiet_ray_env()
-    init_ray(cfg, log_to_driver=False)
+    init_ray(log_to_driver=False)
     ds = read_datasets({"train": spec})
     trainer = TorchTrainer(ingest_profile_loop, train_loop_config={"spec": spec},
                            scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1.0}),
@@ -455,9 +456,10 @@ def run_read(tmp: Path, rows: int) -> dict:
     import ray
     import ray.data
 
-    from datasets.parquet import inspect, read_local
-    from trainers.config import load_config
-    from trainers.main import init_ray, quiet_ray_env, read_datasets
+    from stride.datasets.parquet import inspect, read_local
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
+    from stride.trainers.driver import read_datasets
 
     data = tmp / "tabular_read"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
@@ -466,7 +468,7 @@ def run_read(tmp: Path, rows: int) -> dict:
             "tabular": load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}",
                                                                         f"data.val_path={data / 'val'}"])}
     quiet_ray_env()
-    init_ray(sets["pystdlib"], log_to_driver=False)
+    init_ray(log_to_driver=False)
     out = {}
     for name, cfg in sets.items():
         spec = inspect(cfg.data, cfg.model, "train")
@@ -491,7 +493,7 @@ def run_cluster(tmp: Path, reps: int = 2) -> dict:
     from run import MODES, free_port, launch, phases, read_jsonl, steady
     from run import job_overrides as over
 
-    from ray_cluster.local import start_head, stop_head
+    from stride.ray_cluster.local import start_head, stop_head
 
     mode = MODES["quick"]
     head_dir = Path(tempfile.mkdtemp(prefix="sb-", dir="/tmp"))

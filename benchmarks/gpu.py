@@ -41,9 +41,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `torchrun benchmarks/gpu.py` puts only benchmarks/ on the path
 
-from trainers.models import CharGPT  # noqa: E402
-from trainers.step import Precision, train_step  # noqa: E402
-from trainers.telemetry import peak_table  # noqa: E402,F401 - the one GPU peak table (also MFU in training)
+from stride.trainers.models import CharGPT  # noqa: E402
+from stride.trainers.step import Precision, train_step  # noqa: E402
+from stride.trainers.telemetry import peak_table  # noqa: E402,F401 - the one GPU peak table (also MFU in training)
 
 VOCAB_SIZE = 256  # char_gpt reads bytes
 # (layers, width, heads, context, batch per GPU)

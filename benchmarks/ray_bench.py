@@ -38,7 +38,7 @@ def ingest_loop(config: dict) -> dict:
     import ray.train
     import torch
 
-    from datasets.parquet import read_local, table_to_arrays
+    from stride.datasets.parquet import read_local, table_to_arrays
 
     class Files(torch.utils.data.Dataset):
         def __init__(self, spec):
@@ -99,9 +99,9 @@ def ingest(spec: dict, storage: Path, cache: dict) -> dict:
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from datasets.parquet import inspect
-    from trainers.config import load_config
-    from trainers.main import read_datasets
+    from stride.datasets.parquet import inspect
+    from stride.trainers.config import load_config
+    from stride.trainers.driver import read_datasets
 
     specs, driver_read_s = {}, {}
     datasets = {}
@@ -132,9 +132,9 @@ def ingest(spec: dict, storage: Path, cache: dict) -> dict:
 
 
 def scaling(spec: dict, storage: Path, cache: dict) -> dict:
-    from datasets.parquet import inspect
-    from trainers.config import load_config
-    from trainers.main import build_trainer, read_datasets
+    from stride.datasets.parquet import inspect
+    from stride.trainers.config import load_config
+    from stride.trainers.driver import build_trainer, read_datasets
 
     base = load_config(spec["config"], spec["overrides"])
     specs = {"train": inspect(base.data, base.model, "train")}
@@ -161,12 +161,12 @@ def main() -> int:
     storage = Path(spec["storage"])
     storage.mkdir(parents=True, exist_ok=True)
 
-    from trainers.config import load_config
-    from trainers.main import init_ray, quiet_ray_env
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     quiet_ray_env()
     t0 = time.perf_counter()
-    init_ray(load_config(spec["scaling"]["config"], spec["scaling"]["overrides"]), log_to_driver=spec.get("log_to_driver", True))
+    init_ray(log_to_driver=spec.get("log_to_driver", True))
     out: dict = {"ray_init_s": time.perf_counter() - t0}
     cache: dict = {}
     if spec.get("ingest_sets"):

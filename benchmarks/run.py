@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `python benchmarks/run.py` puts only benchmarks/ on the path
 PY = sys.executable
 
-from ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
+from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
 CONFIG = "trainers/configs/char_gpt.yaml"
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ray_cluster.node import processes  # noqa: E402
+from stride.ray_cluster.node import processes  # noqa: E402
 
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent

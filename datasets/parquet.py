@@ -1,9 +1,10 @@
 """Parquet inputs: find the shards, check them against the config, and turn Arrow tables into arrays.
 
-The driver calls `inspect()` once (fast: Parquet footers plus the label column) so that a wrong path, a
-missing column or a corrupted shard is a one-line usage error before any worker starts. Workers receive
-the rows from Ray Data (`ray.train.get_dataset_shard`) as Arrow batches, or read them with pyarrow under
-torchrun, and both paths end in `table_to_arrays()`, so the two runtimes see identical tensors.
+The driver calls `inspect()` once (Parquet footers, plus whatever the task's own `inspect` reads) so that a
+wrong path, a missing column or a corrupted shard is a one-line usage error before any worker starts. Workers
+receive the rows from Ray Data (`ray.train.get_dataset_shard`) as Arrow batches, or read them with pyarrow under
+torchrun, and both paths end in `table_to_columns()`, so the two runtimes see identical arrays. Nothing here
+knows a model: the task names its columns and turns rows into tensors (`Task.transform`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -27,17 +27,30 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What the loop needs to know about a split's columns; built from the Parquet schema."""
+    """What a worker reads of one split: the files, the columns (the task's, plus sample_id when present)."""
 
-    kind: str  # "text" (a `tokens` fixed-size list) or "tabular"
-    columns: tuple[str, ...]  # columns to read
-    feature_columns: tuple[str, ...] = ()
-    label_column: str | None = None
-    seq_len: int = 0
-    num_classes: int | None = None
+    columns: tuple[str, ...]
     has_sample_id: bool = True
     num_rows: int = 0
     files: tuple[str, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """One split as the driver sees it before training: its files, schema and row count, and a reader.
+
+    `Task.inspect` gets one per split to check the data and derive facts from it (input width, class count,
+    feature statistics). Errors it raises as `DataError` reach the user as one line, exit 2."""
+
+    name: str  # "train" or "val"
+    key: str  # the config key that named it, for messages: data.train_path
+    files: tuple[str, ...]
+    schema: pa.Schema
+    num_rows: int
+
+    def read(self, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
+        """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order."""
+        return read_files(self.files, None if columns is None else list(columns))
 
 
 def resolve_files(path: str, key: str) -> list[str]:
@@ -106,90 +119,72 @@ def read_schema(files: list[str], key: str) -> tuple[pa.Schema, int]:
     return schema, rows
 
 
-def _is_numeric(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-
-
-def inspect(data_cfg, model_cfg, split: str = "train") -> DataSpec:
-    """Check a split against the config and describe it. `split` is "train" or "val"."""
+def open_split(data_cfg, split: str) -> DataSplit:
+    """`split` ("train" or "val") of the data section: its files, checked to be readable Parquet with one schema."""
     key = f"data.{split}_path"
     files = resolve_files(getattr(data_cfg, f"{split}_path"), key)
     schema, rows = read_schema(files, key)
-    has_id = SAMPLE_ID in schema.names
-    if model_cfg.name == "char_gpt":
-        if "tokens" not in schema.names:
-            raise DataError(f"{key}: no 'tokens' column (found {schema.names}); char_gpt needs fixed-length token rows "
-                            f"from python datasets/prepare.py pystdlib, or set model.name=mlp for tabular data")
-        t = schema.field("tokens").type
-        if not (pa.types.is_fixed_size_list(t) and pa.types.is_integer(t.value_type)):
-            raise DataError(f"{key}: column 'tokens' is {t}, must be a fixed-size list of integers")
-        if model_cfg.context + 1 > t.list_size:
-            raise DataError(f"model.context ({model_cfg.context}) needs rows of {model_cfg.context + 1} tokens but "
-                            f"{key} has {t.list_size}; use model.context={t.list_size - 1} or prepare longer rows")
-        cols = ("tokens",) + ((SAMPLE_ID,) if has_id else ())
-        return DataSpec("text", cols, seq_len=t.list_size, num_classes=None, has_sample_id=has_id,
-                        num_rows=rows, files=tuple(files))
+    return DataSplit(split, key, tuple(files), schema, rows)
 
-    label = data_cfg.label_column
-    if label not in schema.names:
-        raise DataError(f"data.label_column ({label}) is not a column of {key} (columns: {schema.names}); "
-                        f"set data.label_column=<name>")
-    if not pa.types.is_integer(schema.field(label).type):
-        raise DataError(f"data.label_column ({label}) has type {schema.field(label).type}; labels must be integers 0..C-1")
-    if data_cfg.feature_columns:
-        missing = [c for c in data_cfg.feature_columns if c not in schema.names]
+
+def inspect(cfg, task) -> dict[str, DataSpec]:
+    """Check the config's splits against the task on the driver, before any worker starts: the task's own checks
+    and facts (`task.inspect`, which sets task.facts), then the columns it reads. Returns the specs the workers read."""
+    splits = {"train": open_split(cfg.data, "train")}
+    if cfg.data.val_path:
+        splits["val"] = open_split(cfg.data, "val")
+    task.facts = dict(task.inspect(splits["train"], splits.get("val")) or {})
+    specs = {}
+    for name, split in splits.items():
+        columns = tuple(task.columns) if task.columns is not None else tuple(c for c in split.schema.names if c != SAMPLE_ID)
+        missing = [c for c in columns if c not in split.schema.names]
         if missing:
-            raise DataError(f"data.feature_columns ({missing}) are not columns of {key} (columns: {schema.names}); "
-                            f"fix the names or leave data.feature_columns empty to use every numeric column")
-        non_numeric = [c for c in data_cfg.feature_columns if not _is_numeric(schema.field(c).type)]
-        if non_numeric:
-            raise DataError(f"data.feature_columns ({non_numeric}) are not numeric; remove them from data.feature_columns")
-        feats = tuple(data_cfg.feature_columns)
-    else:
-        feats = tuple(n for n in schema.names if n not in (label, SAMPLE_ID) and _is_numeric(schema.field(n).type))
-        if not feats:
-            raise DataError(f"{key}: no numeric feature columns besides '{label}'; set data.feature_columns")
-    labels = pa.concat_arrays([pq.read_table(_open(f), columns=[label]).column(0).combine_chunks() for f in files])
-    if labels.null_count:
-        raise DataError(f"data.label_column ({label}) has {labels.null_count} missing values in {key}; drop those rows")
-    lo, hi = (v.as_py() for v in (pc.min(labels), pc.max(labels)))
-    num_classes = model_cfg.num_classes or hi + 1
-    if lo < 0 or hi >= num_classes:
-        raise DataError(f"model.num_classes ({num_classes}) does not cover the labels in {key} (range {lo}..{hi}); "
-                        f"labels must be 0..num_classes-1: set model.num_classes={hi + 1} or relabel")
-    if data_cfg.nan_policy == "error":
-        # Never train on NaN silently: count missing values per feature column before any worker starts.
-        for f in files:
-            t = pq.read_table(_open(f), columns=list(feats))
-            for name in feats:
-                col = t.column(name)
-                bad = col.null_count + (pc.sum(pc.is_nan(col)).as_py() or 0 if pa.types.is_floating(col.type) else 0)
-                if bad:
-                    raise DataError(f"{key}: feature column '{name}' has {bad} NaN/missing values in {os.path.basename(f)}; "
-                                    f"clean the data or set data.nan_policy=impute (training mean)")
-    cols = feats + (label,) + ((SAMPLE_ID,) if has_id else ())
-    return DataSpec("tabular", cols, feature_columns=feats, label_column=label, num_classes=num_classes,
-                    has_sample_id=has_id, num_rows=rows, files=tuple(files))
+            raise DataError(f"{split.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
+                            f"(columns: {split.schema.names}); point {split.key} at data with it")
+        has_id = SAMPLE_ID in split.schema.names
+        specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.files)
+    return specs
+
+
+def read_files(files, columns: list[str] | None = None) -> pa.Table:
+    """pyarrow reads the shards in file order (the driver, the torchrun path and tests)."""
+    return pa.concat_tables(pq.read_table(_open(f), columns=columns) for f in files)
 
 
 def read_local(spec: DataSpec) -> pa.Table:
-    """pyarrow reads the shards in file order (the torchrun path and tests)."""
-    return pa.concat_tables(pq.read_table(_open(f), columns=list(spec.columns)) for f in spec.files)
+    return read_files(spec.files, list(spec.columns))
+
+
+def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """One column as a numpy array with the rows as first dimension: numbers 1-D, fixed-size lists 2-D (n, size),
+    everything else (bytes, strings, variable lists) an object array of Python values."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    t = col.type
+    if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)) \
+            and not col.null_count:
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), t.list_size)
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return col.to_numpy(zero_copy_only=False)
+    return np.array(col.to_pylist() + [None], dtype=object)[:-1]  # the None keeps numpy from stacking lists
 
 
 @dataclass
-class Arrays:
-    """One split in memory, rows sorted by sample_id so the order is independent of how rows arrived."""
+class Columns:
+    """One split in memory: the task's columns as numpy arrays, rows sorted by sample_id so the order is
+    independent of how rows arrived."""
 
-    x: np.ndarray  # text: (n, seq_len) integer tokens; tabular: (n, F) float32
-    y: np.ndarray | None  # tabular labels (n,) int64
+    data: dict[str, np.ndarray]
     sample_id: np.ndarray  # (n,) int64
 
     def __len__(self) -> int:
         return len(self.sample_id)
 
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: col[index] for name, col in self.data.items()}
 
-def table_to_arrays(table: pa.Table, spec: DataSpec) -> Arrays:
+
+def table_to_columns(table: pa.Table, spec: DataSpec) -> Columns:
     n = table.num_rows
     if spec.has_sample_id:
         ids = table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False)
@@ -197,16 +192,8 @@ def table_to_arrays(table: pa.Table, spec: DataSpec) -> Arrays:
         # No sample_id: rows arrive in file order (read_local, or Ray Data with preserve_order), so the
         # position is a stable id.
         ids = np.arange(n, dtype=np.int64)
-    if spec.kind == "text":
-        col = table.column("tokens").combine_chunks()
-        x = col.flatten().to_numpy(zero_copy_only=False).reshape(n, spec.seq_len)
-        y = None
-    else:
-        x = np.empty((n, len(spec.feature_columns)), dtype=np.float32)
-        for i, c in enumerate(spec.feature_columns):
-            x[:, i] = table.column(c).to_numpy(zero_copy_only=False)
-        y = table.column(spec.label_column).to_numpy().astype(np.int64, copy=False)
     order = np.argsort(ids, kind="stable")
     if spec.has_sample_id and len(ids) > 1 and np.any(np.diff(ids[order]) == 0):
         raise DataError(f"{SAMPLE_ID} has duplicate values; make it unique per row or drop the column")
-    return Arrays(x[order], None if y is None else y[order], ids[order])
+    data = {c: column_to_numpy(table.column(c))[order] for c in spec.columns if c != SAMPLE_ID}
+    return Columns(data, ids[order])

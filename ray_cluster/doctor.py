@@ -1,9 +1,9 @@
 """Cluster doctor: place the worker gang a training run would and check it before you spend GPU hours.
 
-    python -m ray_cluster.doctor                                   # embedded local Ray (or RAY_ADDRESS)
-    python -m ray_cluster.doctor --num-workers 2 --storage-path ./runs --json
-    python -m ray_cluster.doctor --address 10.0.0.5:6379 --num-workers 8 --use-gpu true --min-allreduce-gbps 100
-    RAY_ADDRESS=... RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... python -m ray_cluster.doctor --storage-path /shared/runs
+    python -m stride.ray_cluster.doctor                                   # embedded local Ray (or RAY_ADDRESS)
+    python -m stride.ray_cluster.doctor --num-workers 2 --storage-path ./runs --json
+    python -m stride.ray_cluster.doctor --address 10.0.0.5:6379 --num-workers 8 --use-gpu true --min-allreduce-gbps 100
+    RAY_ADDRESS=... RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... python -m stride.ray_cluster.doctor --storage-path /shared/runs
 
 It connects like the training driver (trainers/main.py: `--address`/RAY_ADDRESS, else an embedded local Ray
 with token auth), reserves one placement-group bundle per worker ({CPU: --cpus-per-worker, GPU: 1 with GPUs},
@@ -332,7 +332,7 @@ def _node_labels(nodes: list[dict]) -> dict[str, str]:
 def plan_gang(num_workers: int | str, use_gpu: bool | str, cpus_per_worker: float, nodes: list[dict],
               names: Names) -> tuple[int, bool]:
     """'auto' -> numbers like the training driver, and refuse a gang the cluster can never place (UsageError)."""
-    from trainers.main import UsageError
+    from stride.ray_cluster.connect import UsageError
 
     cpus = sum(n["Resources"].get("CPU", 0.0) for n in nodes)
     gpus = sum(n["Resources"].get("GPU", 0.0) for n in nodes)
@@ -604,7 +604,7 @@ def run_preflight(num_workers: int, use_gpu: bool | str, storage_path: str, cpus
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints the usage too)
-        self.exit(EXIT_USAGE, f"doctor: error: {message}; see python -m ray_cluster.doctor --help\n")
+        self.exit(EXIT_USAGE, f"doctor: error: {message}; see python -m stride.ray_cluster.doctor --help\n")
 
 
 def _workers(text: str) -> int | str:
@@ -641,7 +641,7 @@ def _use_gpu(text: str) -> bool | str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m ray_cluster.doctor",
+    ap = _Parser(prog="python -m stride.ray_cluster.doctor",
                  description="Place the worker gang a training run would and check nodes, GPUs, versions, GEMM, "
                              "all-reduce bandwidth and storage. Exit 0 all pass, 1 a check failed, 2 usage error.")
     ap.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
@@ -679,15 +679,15 @@ def _too_big_for_embedded(args: argparse.Namespace) -> str | None:
 
 
 def _reachable(address: str, timeout_s: float) -> str | None:
-    from trainers.main import unreachable
+    from stride.ray_cluster.connect import unreachable
 
     return unreachable(address, min(timeout_s, 10.0))
 
 
 def _connect(args: argparse.Namespace) -> None:
     """The training driver's connection logic: --address/RAY_ADDRESS, else an embedded Ray with token auth."""
-    from trainers.config import load_config
-    from trainers.main import UsageError, init_ray, quiet_ray_env
+    from stride.trainers.config import load_config
+    from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
@@ -695,10 +695,10 @@ def _connect(args: argparse.Namespace) -> None:
     if address and (why := _reachable(address, args.timeout_s)):
         flag = "--address" if args.address else "RAY_ADDRESS"
         raise UsageError(f"{flag} ({address}) is not reachable ({why}); start the cluster "
-                         f"(python -m ray_cluster.local start) or leave {flag} unset for an embedded local Ray")
+                         f"(python -m stride.ray_cluster.local start) or leave {flag} unset for an embedded local Ray")
     quiet_ray_env()
     workers = args.num_workers if args.num_workers != "auto" else 1
-    init_ray(load_config(None, [f"scaling.num_workers={workers}", f"scaling.cpus_per_worker={args.cpus_per_worker}"]))
+    init_ray()
 
 
 class _Watchdog:
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_big:
         print(f"doctor: error: {too_big}", file=sys.stderr)
         return EXIT_USAGE
-    from trainers.main import UsageError
+    from stride.ray_cluster.connect import UsageError
 
     t0 = time.perf_counter()
     report = lambda rows, facts: _report(args, rows, facts, time.perf_counter() - t0)  # noqa: E731
@@ -793,6 +793,6 @@ def _report(args: argparse.Namespace, rows: list[CheckResult], facts: dict, wall
 if __name__ == "__main__":
     # Import ourselves by name so the actor class is pickled by reference (ray_cluster.doctor.DoctorWorker),
     # not by value from __main__.
-    from ray_cluster.doctor import main as _main
+    from stride.ray_cluster.doctor import main as _main
 
     sys.exit(_main())

@@ -1,9 +1,9 @@
 """A Ray head on this machine with token auth; several can run side by side, each stopped on its own.
 
-    python -m ray_cluster.local start [--port 6379] [--dashboard-port 8265] [--temp-dir /tmp/stride-ray]
+    python -m stride.ray_cluster.local start [--port 6379] [--dashboard-port 8265] [--temp-dir /tmp/stride-ray]
                                       [--metrics-export-port M] [--num-cpus N]
-    python -m ray_cluster.local status [--temp-dir /tmp/stride-ray]
-    python -m ray_cluster.local stop [--temp-dir /tmp/stride-ray]
+    python -m stride.ray_cluster.local status [--temp-dir /tmp/stride-ray]
+    python -m stride.ray_cluster.local stop [--temp-dir /tmp/stride-ray]
 
 `start` writes a fresh token (mode 0600) to TEMP_DIR/auth_token and runs `ray start --head` with
 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to it (Ray's ~/.ray/auth_token is never read or written), the
@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ray_cluster import node
+from stride.ray_cluster import node
 
 DEFAULT_TEMP_DIR = Path("/tmp/stride-ray")
 HEAD_FILE = "stride-head.json"
@@ -120,7 +120,7 @@ def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_po
     state = node.read_state(temp_dir)
     if state and node.node_processes(state):
         raise HeadError(f"a Ray head from --temp-dir {temp_dir} is already running; stop it "
-                        f"(python -m ray_cluster.local stop --temp-dir {temp_dir}) or use another --temp-dir")
+                        f"(python -m stride.ray_cluster.local stop --temp-dir {temp_dir}) or use another --temp-dir")
     for flag, value in (("--port", port), ("--dashboard-port", dashboard_port),
                         ("--metrics-export-port", metrics_export_port)):
         if value is not None and not _port_free(value):
@@ -238,7 +238,7 @@ def stop_head(head: Head) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ray_cluster.local", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m stride.ray_cluster.local", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a head with token auth")
     start.add_argument("--port", type=int, default=6379, help="GCS port (RAY_ADDRESS)")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  token      {head.token_path}\n"
                   f"  state      {head.temp_dir / HEAD_FILE}\n"
                   f"use it:  export RAY_ADDRESS={head.address} RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={head.token_path}\n"
-                  f"stop it: python -m ray_cluster.local stop --temp-dir {head.temp_dir}")
+                  f"stop it: python -m stride.ray_cluster.local stop --temp-dir {head.temp_dir}")
         elif args.command == "status":
             status = head_status(load_head(args.temp_dir))
             print("\n".join(f"{k:<15} {v}" for k, v in status.items()))

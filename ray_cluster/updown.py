@@ -1,7 +1,7 @@
 """Bring a `ray up` cluster of your own machines up, and down again without `ray down`.
 
-    python -m ray_cluster.updown up cluster.yaml [ray up options, e.g. -y --no-config-cache]
-    python -m ray_cluster.updown down cluster.yaml
+    python -m stride.ray_cluster.updown up cluster.yaml [ray up options, e.g. -y --no-config-cache]
+    python -m stride.ray_cluster.updown down cluster.yaml
 
 Why not `ray down`: it runs a bare `ray stop` on the head, and `ray stop` kills every Ray process on the
 machine: another user's cluster, a colleague's `ray.init()`, a second cluster of yours. On the cloud that is

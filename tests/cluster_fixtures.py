@@ -22,10 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 VENV_BIN = Path(PYTHON).parent
 RAY = str(VENV_BIN / "ray")
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from ray_cluster import local, node  # noqa: E402
+from stride.ray_cluster import local, node  # noqa: E402
 
 TINY_JOB = ["train.max_steps=20", "train.epochs=null", "scaling.num_workers=1"]
 

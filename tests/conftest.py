@@ -14,7 +14,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-sys.path.insert(0, str(REPO))
 
 # Ray on a 2-core machine: never inherit a cluster address from the developer's shell.
 os.environ.pop("RAY_ADDRESS", None)

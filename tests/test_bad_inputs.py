@@ -74,9 +74,9 @@ def test_unwritable_storage_path_names_the_key(tmp_path, tabular_data):
 
 def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabular_data):
     """Resuming run.name with other model.* settings names the tensor that differs; the checkpoint survives."""
-    from trainers import checkpointing
-    from trainers.config import load_config
-    from trainers.step import build_model
+    from stride.trainers import checkpointing
+    from stride.trainers.config import load_config
+    from stride.trainers.step import build_model
 
     storage = tmp_path / "runs"
     cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"run.storage_path={storage}", "model.hidden_sizes=[32]"])

@@ -18,7 +18,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from cluster_fixtures import REPO
-from ray_cluster import updown
+from stride.ray_cluster import updown
 
 RAY_UP_CONFIGS = sorted({REPO / "cluster.yaml", *(p for p in (REPO / "ray_cluster").glob("*.yaml")
                                                    if "kuberay" not in p.name)})

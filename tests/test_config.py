@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from trainers.config import ConfigError, global_batch_size, global_micro_batch, load_config, scaled_lr
+from stride.trainers.config import ConfigError, global_batch_size, global_micro_batch, load_config, scaled_lr
 
 SHIPPED = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
 
@@ -125,7 +125,7 @@ def test_elastic_runs_keep_the_global_batch_of_max_workers():
 
 
 def test_readme_documents_every_config_key():
-    from trainers.config import SECTIONS
+    from stride.trainers.config import SECTIONS
 
     readme = (REPO / "README.md").read_text()
     for section, cls in SECTIONS.items():

@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli
-from datasets.parquet import DataError, inspect, read_local, table_to_arrays
-from datasets.prepare import stdlib_files
-from trainers.config import load_config
+from stride.datasets.parquet import DataError, inspect, read_local, table_to_arrays
+from stride.datasets.prepare import stdlib_files
+from stride.trainers.config import load_config
 
 
 def cfg_for(train, val, *extra, base="tabular_mlp.yaml"):

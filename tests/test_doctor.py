@@ -12,7 +12,7 @@ import pytest
 
 from conftest import free_port, run_cli
 
-DOCTOR = ["-m", "ray_cluster.doctor"]
+DOCTOR = ["-m", "stride.ray_cluster.doctor"]
 CORES = os.cpu_count() or 1
 
 
@@ -91,8 +91,8 @@ def node(cpus: float, gpus: float = 0, ip: str = "10.0.0.1", node_id: str = "a")
     (2, True, 1.0, [node(1, 2), node(8, 0, node_id="b")], ["do not fit", "(at most 1)"]),
 ])
 def test_impossible_gangs_are_refused_naming_requested_and_available(workers, use_gpu, cpus_per_worker, nodes, words):
-    from ray_cluster.doctor import Names, plan_gang
-    from trainers.main import UsageError
+    from stride.ray_cluster.doctor import Names, plan_gang
+    from stride.ray_cluster.connect import UsageError
 
     with pytest.raises(UsageError) as e:
         plan_gang(workers, use_gpu, cpus_per_worker, nodes, Names())
@@ -101,8 +101,8 @@ def test_impossible_gangs_are_refused_naming_requested_and_available(workers, us
 
 
 def test_gang_auto_and_preflight_names():
-    from ray_cluster.doctor import Names, plan_gang
-    from trainers.main import UsageError
+    from stride.ray_cluster.doctor import Names, plan_gang
+    from stride.ray_cluster.connect import UsageError
 
     assert plan_gang("auto", "auto", 1.0, [node(8, 4)], Names()) == (4, True)  # one worker per GPU
     assert plan_gang("auto", "auto", 1.0, [node(2)], Names()) == (2, False)  # two CPU workers: an all-reduce to test
@@ -112,7 +112,7 @@ def test_gang_auto_and_preflight_names():
 
 
 def test_failure_line_names_check_node_value_and_threshold():
-    from ray_cluster.doctor import CheckResult, format_table
+    from stride.ray_cluster.doctor import CheckResult, format_table
 
     row = CheckResult("allreduce", "all", "fail", 0.25, "GB/s", 1e9, "gloo, 2 workers")
     assert not row.ok
@@ -173,13 +173,13 @@ def test_failed_threshold_and_unwritable_storage_fail_by_name(tmp_path):
 PREFLIGHT = r"""
 import json, sys, time
 import ray
-from trainers.config import load_config
-from trainers.main import UsageError, init_ray, quiet_ray_env
-from ray_cluster import doctor
+from stride.trainers.config import load_config
+from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
+from stride.ray_cluster import doctor
 
 storage = sys.argv[1]
 quiet_ray_env()
-init_ray(load_config(None, ["scaling.num_workers=2"]))
+init_ray()
 out = {}
 
 t0 = time.monotonic()

@@ -22,8 +22,8 @@ import pytest
 
 from cluster_fixtures import PYTHON, REPO, clean_env, free_ports, short_tmp
 from conftest import read_jsonl
-from datasets.order import Order
-from ray_cluster import local
+from stride.datasets.order import Order
+from stride.ray_cluster import local
 
 pytestmark = pytest.mark.slow
 

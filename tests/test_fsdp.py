@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
-from trainers import checkpointing, fsdp
+from stride.trainers import checkpointing, fsdp
 
 STEPS = 20
 
@@ -103,7 +103,7 @@ def test_fsdp_loss_curve_matches_ddp(runs):
 
 
 def test_parameter_memory_per_worker_is_half_of_ddp(runs):
-    from trainers.models import CharGPT
+    from stride.trainers.models import CharGPT
 
     full = sum(p.numel() for p in CharGPT(256, 32, 2, 2, 32).parameters()) * 4  # fp32, tied head counted once
     ddp = summary(runs["storage"] / "ddp")["param_bytes_per_worker"]
@@ -181,9 +181,9 @@ STEP_CHECKS = r'''
 import math, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from trainers import fsdp
-from trainers.models import CharGPT
-from trainers.step import Precision, train_step
+from stride.trainers import fsdp
+from stride.trainers.models import CharGPT
+from stride.trainers.step import Precision, train_step
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -249,9 +249,9 @@ def test_accumulation_nonfinite_shard_and_bf16_inside_the_step(tmp_path):
 
 
 def test_optimizer_state_converts_between_positions_and_names():
-    from trainers.models import MLP
-    from trainers.step import build_optimizer
-    from trainers.config import load_config
+    from stride.trainers.models import MLP
+    from stride.trainers.step import build_optimizer
+    from stride.trainers.config import load_config
 
     cfg = load_config(None, ["model.name=mlp"])
     m = MLP(4, [8, 8], 3)

@@ -6,7 +6,7 @@ from conftest import PYTHON, REPO
 
 
 def test_datasets_resolves_to_repo():
-    import datasets
+    import stride.datasets
 
     assert getattr(datasets, "STRIDE_DATASETS", False)
     assert REPO / "datasets" / "__init__.py" == __import__("pathlib").Path(datasets.__file__).resolve()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cluster_fixtures import PYTHON, alive, clean_env, head_factory, head_pids, run, short_tmp  # noqa: F401
-from ray_cluster import local, node
+from stride.ray_cluster import local, node
 
 # ---- node.py without Ray: the stop logic on a fake node ------------------------------------------------
 
@@ -74,7 +74,7 @@ def test_start_refuses_a_port_in_use_and_names_the_flag():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        result = run([PYTHON, "-m", "ray_cluster.local", "start", "--temp-dir", str(folder), "--port", str(port)],
+        result = run([PYTHON, "-m", "stride.ray_cluster.local", "start", "--temp-dir", str(folder), "--port", str(port)],
                      env=clean_env(), timeout=60)
     shutil.rmtree(folder)
     assert result.returncode == 1
@@ -106,7 +106,7 @@ def test_two_heads_run_at_once_on_their_own_ports(two_heads):
                 "metrics_export"):
         assert a.ports[key] != b.ports[key], key
     for head in (a, b):
-        result = run([PYTHON, "-m", "ray_cluster.local", "status", "--temp-dir", str(head.temp_dir)], env=clean_env(),
+        result = run([PYTHON, "-m", "stride.ray_cluster.local", "status", "--temp-dir", str(head.temp_dir)], env=clean_env(),
                      timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "running         True" in result.stdout and head.dashboard_url in result.stdout
@@ -165,11 +165,11 @@ def test_stopping_one_head_leaves_the_other_and_nothing_of_itself(two_heads):
                      if "ray.util.client.server" in p["cmdline"] and f"--port={a.ports['ray_client_server']}" in p["cmdline"]]
     assert client_server and set(client_server) <= set(pids_a)
 
-    result = run([PYTHON, "-m", "ray_cluster.local", "stop", "--temp-dir", str(a.temp_dir)], env=clean_env(), timeout=120)
+    result = run([PYTHON, "-m", "stride.ray_cluster.local", "stop", "--temp-dir", str(a.temp_dir)], env=clean_env(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert alive(pids_a) == [], "processes of the stopped head are left"
     assert not a.token_path.exists()
-    status = run([PYTHON, "-m", "ray_cluster.local", "status", "--temp-dir", str(a.temp_dir)], env=clean_env(), timeout=60)
+    status = run([PYTHON, "-m", "stride.ray_cluster.local", "status", "--temp-dir", str(a.temp_dir)], env=clean_env(), timeout=60)
     assert status.returncode == 1 and "running         False" in status.stdout
 
     assert sorted(alive(pids_b)) == sorted(pids_b), "stopping one head killed processes of the other"

@@ -3,8 +3,8 @@
 import json
 
 from conftest import REPO, read_jsonl
-from trainers import checkpointing
-from trainers.torchrun import complete_checkpoints, main as torchrun_main
+from stride.trainers import checkpointing
+from stride.trainers.torchrun import complete_checkpoints, main as torchrun_main
 
 
 def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data):
@@ -72,7 +72,7 @@ def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch):
     import pytest
     import torch
 
-    import trainers.loop as loop
+    import stride.trainers.loop as loop
 
     def oom(*_a, **_k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -89,8 +89,8 @@ def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch):
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, tabular_data, monkeypatch):
     import pytest
 
-    import trainers.loop as loop
-    from trainers.step import StepResult
+    import stride.trainers.loop as loop
+    from stride.trainers.step import StepResult
 
     real = loop.train_step
     calls = {"n": 0}
@@ -159,7 +159,7 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
 def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data, monkeypatch):
     """Dropout draws from a stream reseeded at every step from (seed, rank, step): a run stopped between two
     checkpoints and resumed draws the same masks as one never stopped, so every later loss is bitwise equal."""
-    from trainers import loop
+    from stride.trainers import loop
 
     def losses(storage):
         return {r["step"]: r["train_loss"] for r in read_jsonl(storage / "r" / "metrics.jsonl") if "train_loss" in r}

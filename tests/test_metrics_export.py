@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from cluster_fixtures import PYTHON, REPO, clean_env, free_ports, short_tmp
-from ray_cluster import local
+from stride.ray_cluster import local
 
 pytestmark = pytest.mark.slow
 
@@ -374,7 +374,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 def test_dashboard_uses_only_exported_names(tabular_run, text_run):
     """Every name in the dashboard's queries is one the scrapes found (GPU memory only exists on GPU runs:
     it follows the same naming rule as the rest, checked against trainers/telemetry.py)."""
-    from trainers import telemetry
+    from stride.trainers import telemetry
 
     found = tabular_run.names | text_run.names
     used = {n for q in dashboard_queries() for n in re.findall(r"\bray_stride_[a-z_]+\b", q)}

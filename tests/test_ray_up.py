@@ -1,5 +1,5 @@
 """`ray up` of cluster.yaml for real (local provider, over a private sshd on 127.0.0.1), a job on it, and the
-safe stop (`python -m ray_cluster.updown down`), which must leave another Ray head on the machine running."""
+safe stop (`python -m stride.ray_cluster.updown down`), which must leave another Ray head on the machine running."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import yaml
 
 from cluster_fixtures import (  # noqa: F401
     PYTHON, RAY, REPO, VENV_BIN, alive, clean_env, free_ports, head_factory, head_pids, run, short_tmp, sshd)
-from ray_cluster import local, node
+from stride.ray_cluster import local, node
 
 pytestmark = [pytest.mark.slow, pytest.mark.sshd]
 
@@ -76,7 +76,7 @@ def test_ray_up_job_and_safe_down_beside_another_head(sshd, head_factory, tmp_pa
     cluster_state = Path("/tmp/ray") / f"cluster-{config['cluster_name']}.state"
     env = clean_env()
     try:
-        up = run([PYTHON, "-m", "ray_cluster.updown", "up", str(config_path), "-y", "--no-config-cache"],
+        up = run([PYTHON, "-m", "stride.ray_cluster.updown", "up", str(config_path), "-y", "--no-config-cache"],
                  env=env, timeout=300)
         assert up.returncode == 0, (up.stdout + up.stderr)[-5000:]
         assert oct(token.stat().st_mode & 0o777) == "0o600"
@@ -101,7 +101,7 @@ def test_ray_up_job_and_safe_down_beside_another_head(sshd, head_factory, tmp_pa
                       env=clean_env(HOME=str(tmp_path)), timeout=120)
         assert refused.returncode != 0
 
-        down = run([PYTHON, "-m", "ray_cluster.updown", "down", str(config_path)], env=env, timeout=180)
+        down = run([PYTHON, "-m", "stride.ray_cluster.updown", "down", str(config_path)], env=env, timeout=180)
         assert down.returncode == 0, (down.stdout + down.stderr)[-3000:]
         assert alive(cluster_pids) == [] and not node.node_processes(state), "processes of the cluster are left"
         assert sorted(alive(bystander_pids)) == sorted(bystander_pids), "down killed another head's processes"

@@ -53,7 +53,7 @@ def test_driver_sigkill_then_same_command_resumes_exactly(reference, tabular_dat
     proc.wait()
     time.sleep(2)
     kill_pids(tree)  # Ray's agents can outlive a SIGKILLed driver; stop exactly what this run started
-    from trainers import checkpointing
+    from stride.trainers import checkpointing
 
     # The workers may have written (not necessarily registered with Ray) the step-200 checkpoint before they died.
     newest = checkpointing.read_meta(checkpointing.newest_complete(storage / "killed"))["step"]
@@ -91,7 +91,7 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     """A driver killed between a checkpoint's write and Ray's registration of it leaves a complete checkpoint that
     Ray's own pointer misses. Here every checkpoint of the run folder is one Ray never saw (written by the torchrun
     launcher): the Ray run resumes from the newest, at the same global batch on 2 workers instead of 1."""
-    from trainers.torchrun import main as torchrun_main
+    from stride.trainers.torchrun import main as torchrun_main
 
     small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10"]
     assert torchrun_main(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=20",
@@ -142,7 +142,7 @@ def test_transient_storage_errors_on_ray_are_retried(tmp_path, tabular_data):
     r = run_cli(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=30"), env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     injected = log.read_text().splitlines()
-    from trainers import checkpointing
+    from stride.trainers import checkpointing
 
     folders = sorted((c for c in (tmp_path / "flaky").glob("checkpoint_*") if c.is_dir()),
                      key=lambda c: checkpointing.read_meta(c)["step"])
@@ -173,7 +173,7 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_dat
     assert "received SIGINT: checkpointing at the next step" in out
     s = json.loads((tmp_path / "int" / "summary.json").read_text())
     assert s["status"] == "interrupted" and 30 <= s["global_step"] < STEPS
-    from trainers import checkpointing
+    from stride.trainers import checkpointing
 
     newest = checkpointing.newest_complete(tmp_path / "int")
     assert newest is not None and checkpointing.read_meta(newest)["step"] == s["global_step"]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from datasets.order import Order, eval_rows
-from trainers.config import load_config
-from trainers.models import MLP, CharGPT
-from trainers.step import (Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step,
+from stride.datasets.order import Order, eval_rows
+from stride.trainers.config import load_config
+from stride.trainers.models import MLP, CharGPT
+from stride.trainers.step import (Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step,
                            loss_fn)
 
 

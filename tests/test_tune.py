@@ -19,8 +19,8 @@ import yaml
 
 from tests.conftest import PYTHON, REPO, read_jsonl, run_cli
 from tests.tune_fixtures import events, max_overlap, stop_session, wait_for, write_sweep
-from trainers.config import ConfigError
-from tune.space import build_sweep, load_sweep, parse_space
+from stride.trainers.config import ConfigError
+from stride.tune.space import build_sweep, load_sweep, parse_space
 
 SWEEP_CONFIGS = sorted((REPO / "tune" / "configs").glob("*.yaml"))
 
@@ -180,7 +180,7 @@ def test_optuna_samples_the_space_including_list_choices():
 
 
 def test_command_line_overrides(tmp_path):
-    from tune.space import apply_sweep_overrides
+    from stride.tune.space import apply_sweep_overrides
 
     raw = apply_sweep_overrides(_raw({"optim.lr": {"loguniform": [1e-4, 1e-1]}}),
                                 ["sweep.num_samples=3", "base.train.max_steps=50", "base.model.hidden_sizes=[16,8]"])
@@ -192,7 +192,7 @@ def test_command_line_overrides(tmp_path):
 
 
 def test_outcome_best_and_exit_codes():
-    from tune.main import exit_code, outcome
+    from stride.tune.main import exit_code, outcome
 
     trials = [  # sorted best first, as collect_trials returns them
         {"trial_id": "a", "status": "failed", "metric": 0.1},
@@ -212,7 +212,7 @@ def test_outcome_best_and_exit_codes():
 def test_a_truncated_train_snapshot_is_repaired(tmp_path):
     # Ray Train rewrites checkpoint_manager_snapshot.json in place; a sweep killed mid-write leaves it empty and
     # the trial could never start again.
-    from tune.trial import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+    from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
 
     good = json.dumps({"ray_version": "2.60.0", "checkpoint_results": []})
     (tmp_path / SNAPSHOT).write_text(good)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -52,29 +53,17 @@ class RunSection(Section):
 class DataSection(Section):
     train_path: str = Field("data/pystdlib/train", description="Parquet folder, file or glob of the training split")
     val_path: str | None = Field("data/pystdlib/val", description="Parquet folder, file or glob of the validation split (null: no validation)")
-    label_column: str = Field("label", description="Tabular: the integer class column")
-    feature_columns: list[str] = Field(default_factory=list, description="Tabular: input columns (empty: every numeric column but label and sample_id)")
-    standardize: bool = Field(False, description="Tabular: scale features by mean/std of the training split")
-    nan_policy: Literal["error", "impute"] = Field("error", description="Tabular: NaN in features is an error, or imputed with the training mean")
+    label_column: str = Field("label", description="Tabular tasks (mlp): the integer class column")
+    feature_columns: list[str] = Field(default_factory=list, description="Tabular tasks (mlp): input columns (empty: every numeric column but label and sample_id)")
+    standardize: bool = Field(False, description="Tabular tasks (mlp): scale features by mean/std of the training split")
+    nan_policy: Literal["error", "impute"] = Field("error", description="Tabular tasks (mlp): NaN in features is an error, or imputed with the training mean")
 
 
-class ModelSection(Section):
-    name: Literal["char_gpt", "mlp"] = Field("char_gpt", description="char_gpt (byte-level transformer) or mlp (tabular classifier)")
-    n_layers: int = Field(3, ge=1, description="char_gpt: transformer blocks")
-    n_heads: int = Field(4, ge=1, description="char_gpt: attention heads")
-    width: int = Field(128, ge=8, description="char_gpt: embedding width (divisible by n_heads)")
-    context: int = Field(64, ge=2, description="char_gpt: tokens per sequence seen by the model")
-    vocab_size: int = Field(256, ge=2, description="char_gpt: vocabulary size (bytes: 256)")
-    hidden_sizes: list[int] = Field(default_factory=lambda: [256, 256], description="mlp: hidden layer widths")
-    num_classes: int | None = Field(None, ge=2, description="mlp: number of classes (null: inferred from the labels)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability")
+class TaskConfig(Section):
+    """The model section: `name` picks the task; the task's Config (a subclass of this) adds its own fields."""
 
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelSection":
-        if self.name == "char_gpt" and self.width % self.n_heads:
-            raise ValueError(f"model.width ({self.width}) must be divisible by model.n_heads ({self.n_heads}); "
-                             f"use e.g. model.width={self.n_heads * max(1, round(self.width / self.n_heads))}")
-        return self
+    name: str = Field("char_gpt", description='The task: a built-in (char_gpt, mlp) or "<module>:<Class>" of your '
+                                              'own stride.Task, importable from the working directory or PYTHONPATH')
 
 
 class OptimSection(Section):
@@ -159,6 +148,7 @@ class CheckpointSection(Section):
 
 
 class TrackingSection(Section):
+    mlflow: bool = Field(True, description="Record the run in MLflow (params, metrics, tags; rank 0)")
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
     experiment: str = Field("stride", description="MLflow experiment name")
 
@@ -166,7 +156,8 @@ class TrackingSection(Section):
 class Config(Section):
     run: RunSection = RunSection()
     data: DataSection = DataSection()
-    model: ModelSection = ModelSection()
+    # SerializeAsAny: the dict and YAML of a config carry the task's own fields, not only TaskConfig's.
+    model: SerializeAsAny[TaskConfig] = Field(default_factory=lambda: _default_task_config())
     optim: OptimSection = OptimSection()
     train: TrainSection = TrainSection()
     scaling: ScalingSection = ScalingSection()
@@ -196,7 +187,25 @@ class Config(Section):
         return self.model_dump(mode="json")
 
 
-SECTIONS: dict[str, type[Section]] = {name: f.annotation for name, f in Config.model_fields.items()}
+# The model section's class depends on the task (section_class); TaskConfig holds the fields every task has.
+SECTIONS: dict[str, type[Section]] = {name: TaskConfig if name == "model" else f.annotation
+                                      for name, f in Config.model_fields.items()}
+
+
+def _default_task_config() -> TaskConfig:
+    from stride.trainers.tasks import DEFAULT, task_class
+
+    return task_class(DEFAULT).Config()
+
+
+def section_class(section: str, raw: dict[str, Any] | None = None) -> type[Section]:
+    """The pydantic class of a section; for `model`, the Config of the task that raw's model.name selects."""
+    if section != "model":
+        return SECTIONS[section]
+    from stride.trainers.tasks import DEFAULT, task_class
+
+    name = ((raw or {}).get("model") or {}).get("name") or DEFAULT
+    return task_class(str(name)).Config
 
 
 def _closest(word: str, options: list[str]) -> str:
@@ -204,7 +213,7 @@ def _closest(word: str, options: list[str]) -> str:
     return f"did you mean {match[0]}?" if match else f"valid: {', '.join(options)}"
 
 
-def _check_keys(raw: dict[str, Any], origin: str) -> None:
+def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = None) -> None:
     for section, body in raw.items():
         if section not in SECTIONS:
             raise ConfigError(f"{origin}: unknown section '{section}'; {_closest(section, list(SECTIONS))}")
@@ -212,10 +221,11 @@ def _check_keys(raw: dict[str, Any], origin: str) -> None:
             continue
         if not isinstance(body, dict):
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {body!r}")
-        fields = list(SECTIONS[section].model_fields)
+        fields = list(section_class(section, full if full is not None else raw).model_fields)
         for key in body:
             if key not in fields:
-                raise ConfigError(f"{origin}: unknown key '{section}.{key}'; {_closest(key, fields)}")
+                where = f" for model.name {((full or raw).get('model') or {}).get('name')}" if section == "model" else ""
+                raise ConfigError(f"{origin}: unknown key '{section}.{key}'{where}; {_closest(key, fields)}")
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -233,9 +243,12 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], origin: str = "command line") -> dict[str, Any]:
     merged = {k: dict(v or {}) for k, v in raw.items()}
-    for item in overrides:
-        section, field, value = parse_override(item)
-        _check_keys({section: {field: value}}, origin)
+    parsed = [parse_override(item) for item in overrides]
+    for section, field, value in parsed:  # model.name first: the task it picks decides the valid model.* keys
+        if (section, field) == ("model", "name"):
+            merged.setdefault("model", {})["name"] = value
+    for section, field, value in parsed:
+        _check_keys({section: {field: value}}, origin, merged)
         merged.setdefault(section, {})[field] = value
     return merged
 
@@ -259,15 +272,20 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 def build_config(raw: dict[str, Any], origin: str = "config") -> Config:
     _check_keys(raw, origin)
+    # The model section is validated by the task's own Config, then handed to Config as that instance.
     try:
-        return Config.model_validate(raw)
+        model = section_class("model", raw).model_validate(raw.get("model") or {})
+    except ValidationError as e:
+        raise ConfigError(describe_validation_error(e, raw, prefix="model")) from None
+    try:
+        return Config.model_validate(dict(raw, model=model))
     except ValidationError as e:
         raise ConfigError(describe_validation_error(e, raw)) from None
 
 
-def describe_validation_error(e: ValidationError, raw: dict[str, Any]) -> str:
+def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: str | None = None) -> str:
     err = e.errors()[0]
-    loc = [str(p) for p in err["loc"] if not str(p).isdigit()]
+    loc = ([prefix] if prefix else []) + [str(p) for p in err["loc"] if not str(p).isdigit()]
     # pydantic reports the failing member of a union ("int", "literal['auto']"): keep section.field only.
     loc = loc[:2]
     key = ".".join(loc)
@@ -285,7 +303,7 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any]) -> str:
         return msg
     if "; use " in msg:  # our own validators already say how to fix it
         return f"{key} ({value!r}) {msg}"
-    field = SECTIONS[loc[0]].model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
+    field = section_class(loc[0], raw).model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
     hint = f" ({field.description})" if field is not None and field.description else ""
     return f"{key} ({value!r}) {msg}; set {key}=<value>{hint}"
 
@@ -297,8 +315,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 
 
 def from_dict(d: dict[str, Any]) -> Config:
-    """Workers rebuild the driver's resolved config from its dict."""
-    return Config.model_validate(d)
+    """Workers rebuild the driver's resolved config from its dict (importing the task it names)."""
+    return build_config(d, origin="config")
 
 
 # ---- derived values: functions of the config, never stored back into it ----

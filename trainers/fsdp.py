@@ -1,8 +1,8 @@
 """`train.strategy: fsdp`: shard parameters, gradients and optimizer state across workers with PyTorch's FSDP2.
 
-`fully_shard` is applied bottom-up: each transformer block of char_gpt (each hidden Linear of the MLP) is one
-group whose parameters are all-gathered for its forward/backward and freed afterwards, then the root takes
-what is left (embeddings, final norm, the tied head; the MLP's output layer). Every parameter becomes a DTensor
+`fully_shard` is applied bottom-up: each of the task's repeated blocks (`Task.blocks`: char_gpt's transformer
+blocks, the MLP's hidden Linears, a user model's layers) is one group whose parameters are all-gathered for its
+forward/backward and freed afterwards, then the root takes what is left (embeddings, final norm, a tied head). Every parameter becomes a DTensor
 sharded on dim 0 over the data-parallel mesh, so a worker holds 1/world_size of the weights, of their gradients
 (reduce-scattered instead of all-reduced) and of the AdamW moments (the optimizer is built on the shards).
 
@@ -25,20 +25,10 @@ import torch
 import torch.nn as nn
 
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that get their own FSDP group before the root: char_gpt's blocks, the MLP's hidden Linears."""
-    from trainers.models import MLP, CharGPT
-
-    if isinstance(model, CharGPT):
-        return list(model.blocks)
-    if isinstance(model, MLP):
-        linears = [m for m in model.net if isinstance(m, nn.Linear)]
-        return linears[:-1]  # the output layer stays with the root (which must own something)
-    return []
-
-
-def shard_model(model: nn.Module, device: torch.device, world_size: int, param_dtype: torch.dtype | None) -> nn.Module:
-    """Apply FSDP2 in place (blocks, then the root) over all `world_size` ranks and return the model.
+def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device, world_size: int,
+                param_dtype: torch.dtype | None) -> nn.Module:
+    """Apply FSDP2 in place (each unit, then the root) over all `world_size` ranks and return the model. The units
+    are the task's repeated blocks (Task.blocks).
 
     `param_dtype` (bf16 or None): the MixedPrecisionPolicy's compute dtype; gradients are reduced in fp32 and the
     sharded master weights and optimizer state stay fp32."""
@@ -50,7 +40,7 @@ def shard_model(model: nn.Module, device: torch.device, world_size: int, param_d
     mesh = init_device_mesh(device.type, (world_size,))
     mp = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None
           else MixedPrecisionPolicy())
-    for unit in shard_units(model):
+    for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

@@ -8,17 +8,17 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-
-from trainers.models import MLP, CharGPT
 
 if TYPE_CHECKING:  # config needs pydantic; the step itself must import with torch alone (benchmarks/gpu.py)
-    from trainers.config import Config
+    from stride.trainers.config import Config
+
+# The loss of one micro-batch: Task.loss, or any function of (model, batch) (benchmarks/gpu.py's hand-written one).
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 # ---- precision ----
@@ -64,18 +64,10 @@ class Precision:
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
 
 
-# ---- model, optimizer, schedule ----
-
-def build_model(cfg: Config, in_features: int | None = None, num_classes: int | None = None) -> nn.Module:
-    m = cfg.model
-    if m.name == "char_gpt":
-        return CharGPT(m.vocab_size, m.context, m.n_layers, m.n_heads, m.width, m.dropout)
-    assert in_features is not None and num_classes is not None, "mlp needs the data's shape"
-    return MLP(in_features, list(m.hidden_sizes), m.num_classes or num_classes, m.dropout)
-
+# ---- optimizer, schedule ----
 
 def build_optimizer(cfg: Config, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
-    from trainers.config import scaled_lr
+    from stride.trainers.config import scaled_lr
 
     o = cfg.optim
     lr = scaled_lr(cfg, world_size)
@@ -105,12 +97,6 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: 
 
 # ---- one optimizer step ----
 
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean loss and the logits."""
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)), logits
-
-
 @dataclass
 class StepResult:
     loss: float  # mean over micro-steps, this rank
@@ -118,9 +104,8 @@ class StepResult:
     finite: bool
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               precision: Precision, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               grad_clip_norm: float | None) -> StepResult:
+def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               precision: Precision, micro_batches: list[Any], grad_clip_norm: float | None) -> StepResult:
     """Accumulate gradients over `micro_batches`, then one optimizer step.
 
     The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
@@ -130,7 +115,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     """
     n = len(micro_batches)
     total = torch.zeros((), dtype=torch.float32)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):
         sync = i == n - 1
         if hasattr(model, "set_requires_gradient_sync"):
             # FSDP2: no reduce-scatter on the other micro-steps; gradients accumulate unsharded until the last.
@@ -140,7 +125,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with ctx:
             with precision.autocast():
-                loss, _ = loss_fn(model, x, y)
+                loss = loss_fn(model, batch)
             scaler.scale(loss / n).backward()
         total += loss.detach().float().cpu()
     # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
@@ -166,32 +151,31 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 # ---- evaluation, reduced across ranks ----
 
 @torch.no_grad()
-def evaluate(model: nn.Module, precision: Precision, batches, text: bool, device: torch.device) -> dict[str, float]:
-    """Loss (and accuracy for classification, bits per byte for text) over this rank's rows, then summed
-    across ranks so every rank returns the global value over the whole split. Targets of -100 are ignored
-    (under FSDP every rank must run as many forwards as the others, so ranks with fewer rows pad)."""
+def evaluate(task, model: nn.Module, precision: Precision, batches, device: torch.device) -> dict[str, float]:
+    """val_loss (task.loss) and val_<name> (task.metrics, per sample) over this rank's rows, then summed across
+    ranks so every rank returns the mean over every validation sample. `batches` yields (batch, rows): a batch
+    with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in batches:
+    sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64),
+                                     "rows": torch.zeros((), dtype=torch.float64)}
+    for batch, rows in batches:
         with precision.autocast():
-            logits = model(x)
-        logits = logits.reshape(-1, logits.shape[-1]).float()
-        target = y.reshape(-1)
-        sums[0] += F.cross_entropy(logits, target, reduction="sum").double().cpu()
-        sums[1] += (logits.argmax(-1) == target).sum().double().cpu()
-        sums[2] += int((target != -100).sum())  # -100 (cross_entropy's ignore_index): FSDP's padding batches
+            loss = task.loss(model, batch)
+            per_sample = task.metrics(model, batch)
+        sums["loss"] += loss.detach().double().cpu() * rows
+        sums["rows"] += rows
+        for name, values in per_sample.items():
+            total = values.detach().double().reshape(-1)[:rows].sum().cpu()
+            sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + total
     if was_training:
         model.train()
-    sums = all_reduce_sum(sums, device)
-    loss = float(sums[0] / max(sums[2], 1))
-    out = {"val_loss": loss}
-    if text:
-        out["val_bpb"] = loss / math.log(2)
-        out["val_accuracy"] = None
-    else:
-        out["val_accuracy"] = float(sums[1] / max(sums[2], 1))
-    return out
+    names = sorted(sums)  # every rank ran the task's metrics at least once: the same names, in the same order
+    reduced = all_reduce_sum(torch.stack([sums[n] for n in names]), device)
+    total = dict(zip(names, reduced.tolist()))
+    rows = max(total.pop("rows"), 1.0)
+    out = {"val_loss": total.pop("loss") / rows}
+    return out | {f"val_{name}": value / rows for name, value in sorted(total.items())}
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -66,13 +66,45 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
     return peak_table(torch.cuda.get_device_name(device), None)[1].get(precision if precision != "fp32" else fp32)
 
 
-def flops_per_sample(model_name: str, n_params: int, cfg_model) -> float:
-    """Training FLOPs (forward + backward) per sample: 6 N per token, plus attention for char_gpt
-    (12 * layers * width * context per token: the PaLM / nanoGPT estimate)."""
-    if model_name == "char_gpt":  # as CharGPT.flops_per_token: N without the position embedding
-        t, w = cfg_model.context, cfg_model.width
-        return t * (6 * (n_params - t * w) + 12 * cfg_model.n_layers * w * t)
-    return 6.0 * n_params
+class Profiler:
+    """train.profile_steps [start, end]: a torch.profiler trace of those optimizer steps on every rank, written to
+    profile/rank<k>.json (Chrome trace: Perfetto, chrome://tracing); rank 0 logs the traces it can see to MLflow
+    (all of them when the run folder is shared)."""
+
+    def __init__(self, steps: list[int] | None, run_dir, env):
+        self.steps, self.run_dir, self.env = steps, run_dir, env
+        self.profiler = None
+
+    def before_step(self, step: int) -> None:
+        if self.steps and step + 1 == self.steps[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.env.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.profiler.start()
+
+    def after_step(self, step: int, tracker) -> None:
+        if self.profiler is not None and step == self.steps[1]:
+            self.close(tracker)
+
+    def close(self, tracker) -> None:
+        """Stop and write the trace (also when the run ends or stops inside the profiled range)."""
+        if self.profiler is None:
+            return
+        import logging
+
+        self.profiler.stop()
+        out = self.run_dir / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        trace = out / f"rank{self.env.world_rank}.json"
+        self.profiler.export_chrome_trace(str(trace))
+        self.profiler = None
+        logging.getLogger("stride").info("profile trace written to %s", trace)
+        if self.env.world_size > 1:
+            torch.distributed.barrier()
+        if tracker is not None:
+            for path in sorted(out.glob("rank*.json")):
+                tracker.log_artifact(path, "profile")
 
 
 class StepClock:

@@ -16,18 +16,20 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-sys.path.insert(0, str(REPO_ROOT))
+if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from datasets.parquet import DataError, inspect, read_local, table_to_arrays  # noqa: E402
-from trainers import checkpointing  # noqa: E402
-from trainers.config import ConfigError, load_config  # noqa: E402
-from trainers.loop import WorkerEnv, clear_stop_request, log, run  # noqa: E402
+from stride.datasets.parquet import DataError, read_local, table_to_columns  # noqa: E402
+from stride.trainers import checkpointing  # noqa: E402
+from stride.trainers.config import ConfigError, load_config  # noqa: E402
+from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare  # noqa: E402
+from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
+from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -36,6 +38,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, a checkpoint
+    of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed stop."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="torchrun ... trainers/torchrun.py")
@@ -43,14 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        specs = {"train": inspect(cfg.data, cfg.model, "train")}
-        if cfg.data.val_path:
-            specs["val"] = inspect(cfg.data, cfg.model, "val")
+        return train(args.config, args.overrides)
     except (ConfigError, DataError) as e:
         print(f"stride: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (TrainingError, checkpointing.CheckpointWriteError) as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
+
+def train(config: str, overrides: list[str]) -> int:
+    cfg = load_config(config, overrides)
+    task, specs = prepare(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -106,14 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         return tqdm(**kwargs)
 
     env = WorkerEnv(rank, world_size, local_rank, device,
-                    load_split=lambda name, spec: table_to_arrays(read_local(spec), spec),
+                    load_split=lambda name, spec: table_to_columns(read_local(spec), spec),
                     wrap_model=wrap_model, latest_checkpoint=latest_checkpoint, report=report,
                     progress_bar=progress_bar if sys.stdout.isatty() else None)
-    runtime = {"run_dir": str(run_dir), "train_spec": specs["train"], "val_spec": specs.get("val"),
-               "num_classes": specs["train"].num_classes, "cpus_per_worker": cfg.scaling.cpus_per_worker,
-               "mlflow_uri": cfg.tracking.mlflow_uri, "sample_log": os.environ.get("STRIDE_SAMPLE_LOG")}
     t0 = time.time()
-    summary = run(cfg, env, runtime)
+    summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty()))
     if rank == 0:
         ckpts = complete_checkpoints(run_dir)
         summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,

@@ -32,16 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script from anywhere: make the repo root importable and keep tune/ itself off the path.
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
+    import runpy
 
-from datasets.parquet import DataError, inspect  # noqa: E402
-from trainers.config import Config, ConfigError, build_config  # noqa: E402
-from tune.space import Sweep, load_sweep, with_values  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
+
+from stride.datasets.parquet import DataError  # noqa: E402
+from stride.trainers.config import Config, ConfigError, build_config  # noqa: E402
+from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 
 # torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
 # before either is imported, so trainers.main, trainers.checkpointing and tune.trial are imported where used.
@@ -73,24 +71,30 @@ def parse_args(argv: list[str] | None):
 # ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
 
 def check_storage(sweep: Sweep) -> Path:
-    from trainers.main import ensure_writable
+    from stride.trainers.driver import ensure_writable
 
     return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
 
 
-def inspect_data(cfg: Config, sweep: Sweep) -> dict:
-    specs = {"train": inspect(cfg.data, cfg.model, "train")}
-    if cfg.data.val_path:
-        specs["val"] = inspect(cfg.data, cfg.model, "val")
+def inspect_data(cfg: Config, sweep: Sweep) -> tuple[dict, dict]:
+    """The base config's data checks and facts (Task.inspect), once for the sweep; a task may also refuse model.*
+    values against the data (char_gpt: a context longer than the token rows), so the extremes of every model.*
+    dimension are checked too, before any trial starts."""
+    from stride.trainers.driver import prepare
+
+    task, specs = prepare(cfg)
     for d in sweep.dims:
-        if d.key == "model.context":  # the longest context a trial can get must fit the token rows
-            longest = build_config(with_values(sweep.base_raw, {d.key: max(d.values_to_check())}))
-            inspect(longest.data, longest.model, "train")
-    return specs
+        if d.key.startswith("model.") and d.key != "model.name":
+            values = d.values_to_check()
+            if all(isinstance(v, (int, float)) for v in values):
+                values = [min(values), max(values)]
+            for v in values:
+                prepare(build_config(with_values(sweep.base_raw, {d.key: v})))
+    return specs, task.facts
 
 
 def check_batches(sweep: Sweep, cfg: Config, train_rows: int, num_workers: int) -> None:
-    from trainers.main import UsageError
+    from stride.ray_cluster.connect import UsageError
 
     for d in sweep.dims:
         if d.key == "train.batch_size_per_worker":
@@ -123,8 +127,8 @@ def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> t
 
 def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
     """(max concurrent trials, workers per trial, use_gpu); raises UsageError for a gang that can never run."""
-    from trainers.config import elastic_range
-    from trainers.main import UsageError, resolve_scaling
+    from stride.trainers.config import elastic_range
+    from stride.ray_cluster.connect import UsageError, resolve_scaling
 
     if elastic_range(cfg):
         raise UsageError(f"base.scaling.num_workers ({list(elastic_range(cfg))}) is elastic, which sweeps do not "
@@ -169,7 +173,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def start_parent_run(sweep: Sweep, cfg: Config, uri: str, run_id: str | None) -> str | None:
-    from trainers.tracking import Tracker
+    from stride.trainers.tracking import Tracker
 
     tracker = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
     run_id = tracker.start(sweep.sweep.name, run_id, sweep.to_params())
@@ -185,7 +189,7 @@ def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: 
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from tune.trial import ConsoleCallback, trial_dirname
+    from stride.tune.trial import ConsoleCallback, trial_dirname
 
     s = sweep.sweep
     if restore:
@@ -224,7 +228,7 @@ def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: 
 
 def max_steps_of_sweep(sweep: Sweep, train_rows: int, num_workers: int) -> int:
     """The most steps any trial can take (ASHA's max_t): the extreme values of the step-shaping fields."""
-    from tune.trial import planned_steps
+    from stride.tune.trial import planned_steps
 
     candidates: dict[str, list] = {}
     for d in sweep.dims:
@@ -241,7 +245,7 @@ def max_steps_of_sweep(sweep: Sweep, train_rows: int, num_workers: int) -> int:
 # ---- results ----
 
 def trial_events(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    from tune.trial import EVENTS
+    from stride.tune.trial import EVENTS
 
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -286,7 +290,7 @@ def child_runs(uri: str, experiment: str, parent_run_id: str | None) -> dict[str
 
 def collect_trials(sweep: Sweep, results, uri: str, parent_run_id: str | None, train_rows: int,
                    num_workers: int) -> list[dict[str, Any]]:
-    from tune.trial import planned_steps, read_summary
+    from stride.tune.trial import planned_steps, read_summary
 
     events = trial_events(sweep.sweep_dir)
     children = child_runs(uri, sweep.base_cfg().tracking.experiment, parent_run_id)
@@ -350,7 +354,7 @@ def finish_mlflow(sweep: Sweep, uri: str, parent_run_id: str | None, trials: lis
         return
     from mlflow.entities import Param
 
-    from trainers.tracking import Tracker
+    from stride.trainers.tracking import Tracker
 
     cfg = sweep.base_cfg()
     child = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
@@ -433,17 +437,17 @@ def main(argv: list[str] | None = None) -> int:
                           "space": {d.key: d.describe() for d in sweep.dims}, "trials": sweep.num_trials()}, indent=1))
         return EXIT_OK
 
-    from trainers.main import UsageError, init_ray, quiet_ray_env
+    from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 
     try:
         sweep_dir = check_storage(sweep)
-        specs = inspect_data(cfg, sweep)
+        specs, facts = inspect_data(cfg, sweep)
         state = check_resumable(sweep, sweep_dir)
         quiet_ray_env()
         os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")  # a killed driver loses at most 2 s of sweep state
         # The legacy reporter honours verbose=0 completely (the new one still prints a config box and TensorBoard hints).
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-        init_ray(cfg)
+        init_ray()
         concurrency, num_workers, use_gpu = resolve_concurrency(sweep, cfg)
         check_batches(sweep, cfg, specs["train"].num_rows, num_workers)
     except (ConfigError, DataError, UsageError) as e:
@@ -452,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stride: interrupted before any trial started", file=sys.stderr)
         return 128 + signal.SIGINT
-    return run_sweep(sweep, cfg, specs, state, concurrency, num_workers, use_gpu, args.retry_failed, args.verbose, t_start)
+    return run_sweep(sweep, cfg, specs, facts, state, concurrency, num_workers, use_gpu, args.retry_failed, args.verbose, t_start)
 
 
 def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
@@ -460,7 +464,7 @@ def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
     refused (Tune would resume the old trials and silently ignore the new space)."""
     from ray.tune import Tuner
 
-    from trainers.main import UsageError
+    from stride.ray_cluster.connect import UsageError
 
     state = read_state(sweep_dir)
     identity = json.loads(json.dumps(sweep.identity()))  # as it reads back from the state file
@@ -473,16 +477,16 @@ def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
     return None  # never got as far as a Tune experiment: start afresh
 
 
-def run_sweep(sweep: Sweep, cfg: Config, specs: dict, state: dict | None, concurrency: int, num_workers: int,
+def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict | None, concurrency: int, num_workers: int,
               use_gpu: bool, retry_failed: bool, verbose: bool, t_start: float) -> int:
     import logging
 
     from ray import tune
 
-    from trainers.checkpointing import atomic_write_text
-    from trainers.main import read_datasets
-    from trainers.tracking import default_uri
-    from tune.trial import run_trial
+    from stride.trainers.checkpointing import atomic_write_text
+    from stride.trainers.driver import read_datasets
+    from stride.trainers.tracking import default_uri
+    from stride.tune.trial import run_trial
 
     import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that
 
@@ -508,7 +512,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, state: dict | None, concur
           + (" - resuming" if restore else ""), flush=True)
     datasets = read_datasets(specs)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=sweep, specs=specs, datasets=datasets, mlflow_uri=uri,
+        tune.with_parameters(run_trial, sweep=sweep, specs=specs, facts=facts, datasets=datasets, mlflow_uri=uri,
                              parent_run_id=parent_run_id),
         TRIAL_RESOURCES)
     logging.getLogger("ray.tune").setLevel(logging.ERROR)  # Stride prints the trials; Tune's tables are off

@@ -22,18 +22,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml
+from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml
+from stride.trainers.tasks import task_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "grid")
 # Metrics the loop reports (trainers/loop.py); val_* need data.val_path.
-KNOWN_METRICS = ("val_loss", "val_accuracy", "val_bpb", "train_loss", "samples_per_second")
+# Metrics every run reports; val_* also the task's own (Task.metrics: val_<name>), and need data.val_path.
+KNOWN_METRICS = ("val_loss", "train_loss", "samples_per_second")
 
 # Keys a sweep owns, or that must stay fixed across trials: the driver reads the data once and sizes the
 # concurrency from one worker gang, and every trial logs to the sweep's MLflow experiment under its parent run.
 SWEEP_OWNED = {"run.name": "the sweep names each trial's run folder after its trial id",
                "run.storage_path": "trials live under sweep.storage_path/sweep.name; set sweep.storage_path"}
-FIXED_IN_SPACE = ("data.", "model.name", "model.num_classes", "scaling.", "tracking.")
+FIXED_IN_SPACE = ("data.", "model.name", "scaling.", "tracking.")
 
 
 class SweepSection(BaseModel):
@@ -42,7 +44,8 @@ class SweepSection(BaseModel):
     name: str = Field(description="Sweep name; results under storage_path/name (rerun the command to resume it)")
     base_config: str = Field(description="Training YAML every trial starts from (relative to the working directory or the repo)")
     storage_path: str = Field("./runs", description="Folder holding the sweep folder (and the default MLflow store)")
-    metric: str = Field("val_loss", description=f"Reported metric to optimise: {', '.join(KNOWN_METRICS)}")
+    metric: str = Field("val_loss", description=f"Reported metric to optimise: {', '.join(KNOWN_METRICS)} or the "
+                                                f"task's val_<name> (val_accuracy for mlp, val_bpb for char_gpt)")
     mode: Literal["min", "max"] = Field("min", description="Minimise or maximise the metric")
     num_samples: int = Field(8, ge=1, description="Trials to sample (search: grid repeats the whole grid this many times)")
     search: Literal["random", "grid", "optuna"] = Field("random", description="random (grid entries enumerated), grid (choice/grid only) or optuna (TPE)")
@@ -70,8 +73,9 @@ class SweepSection(BaseModel):
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, v: str) -> str:
-        if v not in KNOWN_METRICS:
-            raise ValueError(f"is not a metric the trainer reports; use one of {', '.join(KNOWN_METRICS)}")
+        if v not in KNOWN_METRICS and not v.startswith("val_"):
+            raise ValueError(f"is not a metric the trainer reports; use one of {', '.join(KNOWN_METRICS)} or the "
+                             f"task's val_<name> (e.g. val_accuracy)")
         return v
 
 
@@ -170,6 +174,8 @@ def split_key(key: str, origin: str) -> tuple[str, str]:
         match = difflib.get_close_matches(section, list(SECTIONS), n=1)
         hint = f"did you mean {match[0]}.{field}?" if match else f"sections: {', '.join(SECTIONS)}"
         raise ConfigError(f"{origin}.{key} is not a field of the training config (no section '{section}'); {hint}")
+    if section == "model":  # the task's fields: checked against the base config's task when the space is built
+        return section, field
     fields = list(SECTIONS[section].model_fields)
     if field not in fields:
         match = difflib.get_close_matches(field, fields, n=1)
@@ -207,7 +213,7 @@ def parse_dimension(key: str, spec: Any) -> Dimension:
     if key in SWEEP_OWNED:
         raise ConfigError(f"{where} cannot be searched: {SWEEP_OWNED[key]}")
     if any(key == p or (p.endswith(".") and key.startswith(p)) for p in FIXED_IN_SPACE):
-        raise ConfigError(f"{where} cannot be searched: data, model.name/num_classes, scaling and tracking are fixed "
+        raise ConfigError(f"{where} cannot be searched: data, model.name, scaling and tracking are fixed "
                           f"for a sweep (one data read, one worker-gang size); set it under base")
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ConfigError(f"{where} must be one distribution, e.g. {{loguniform: [1.0e-4, 1.0e-1]}} "
@@ -365,10 +371,11 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
     if sweep.metric.startswith("val_") and not cfg.data.val_path:
         raise ConfigError(f"sweep.metric ({sweep.metric}) needs validation data but data.val_path is null; "
                           f"set base.data.val_path or sweep.metric=train_loss")
-    if cfg.model.name == "mlp" and sweep.metric == "val_bpb":
-        raise ConfigError("sweep.metric (val_bpb) is reported for char_gpt only; use val_loss or val_accuracy")
-    if cfg.model.name == "char_gpt" and sweep.metric == "val_accuracy":
-        raise ConfigError("sweep.metric (val_accuracy) is reported for mlp only; use val_loss or val_bpb")
+    reported = task_class(cfg.model.name).metric_names
+    if sweep.metric not in KNOWN_METRICS and reported is not None and sweep.metric.removeprefix("val_") not in reported:
+        names = ", ".join(["val_loss", *(f"val_{n}" for n in reported)])
+        raise ConfigError(f"sweep.metric ({sweep.metric}) is not reported by model.name ({cfg.model.name}), which "
+                          f"reports {names}; use one of those")
     if sweep.scheduler == "asha" and sweep.metric.startswith("val_") and not cfg.train.eval_every_steps \
             and "train.eval_every_steps" not in {d.key for d in dims}:
         raise ConfigError(f"sweep.scheduler (asha) stops trials on {sweep.metric} between evaluations, but "

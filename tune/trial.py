@@ -18,8 +18,8 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from trainers.checkpointing import atomic_write_text
-from trainers.config import Config, build_config, global_micro_batch
+from stride.trainers.checkpointing import atomic_write_text
+from stride.trainers.config import Config, build_config, global_micro_batch
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"
@@ -92,12 +92,12 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_trial(config: dict[str, Any], *, sweep, specs: dict, datasets: dict, mlflow_uri: str,
+def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, datasets: dict, mlflow_uri: str,
               parent_run_id: str | None) -> None:
     from ray import tune
     import ray.train
 
-    from trainers.main import build_trainer
+    from stride.trainers.driver import build_trainer
 
     trial_id = tune.get_context().get_trial_id()
     params = sweep.decode(config)
@@ -112,10 +112,9 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, datasets: dict, mlf
     repaired = repair_snapshot(cfg.run_dir)
     if repaired:
         print(f"stride: trial {trial_id}: {repaired}", flush=True)
-    trainer, runtime = build_trainer(cfg, specs, datasets, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
-                                     runtime_extra={"mlflow_parent_run_id": parent_run_id,
-                                                    # Tune's schedulers read train_* figures too
-                                                    "report_log_steps": True})
+    trainer, _, _ = build_trainer(cfg, specs, facts, datasets, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
+                                  mlflow_parent_run_id=parent_run_id,
+                                  report_log_steps=True)  # Tune's schedulers read train_* figures too
     t0 = time.time()
     try:
         result = trainer.fit()

@@ -30,13 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: keep ray_cluster/slurm/ off the path, the repo root on it
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
+    import runpy
 
-from ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "stride" / "_checkout.py"))
+
+from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
 
 LABEL = "stride-slurm-node"   # Ray node label holding the SLURM node name
 AF_UNIX_PATH_MAX = 107
@@ -384,7 +383,7 @@ def cmd_wait(a) -> None:
 # ---- driver bookkeeping ----
 
 def cmd_run_dir(a) -> None:
-    from trainers.config import ConfigError, load_config
+    from stride.trainers.config import ConfigError, load_config
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--config")

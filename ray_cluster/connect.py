@@ -1,0 +1,185 @@
+"""Connecting to Ray, shared by the training driver, sweeps and the doctor: start an embedded local Ray (token
+auth, dashboard on 127.0.0.1) or join RAY_ADDRESS, quietly; resolve and check a worker gang against what the
+cluster has. No trainer code here: a config object is read for its `scaling` section only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """One line for the user; exit 2."""
+
+
+def _auth_env_for_embedded() -> None:
+    """Token auth for the embedded cluster without Ray's world-readable ~/.ray/auth_token: a fresh token
+    in a private 0600 file that lives as long as this process."""
+    import secrets
+    import tempfile
+
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        return
+    folder = tempfile.mkdtemp(prefix="stride-auth-")
+    path = Path(folder) / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+
+
+def _ignore_ray_data_shutdown_race() -> None:
+    """Ray 2.60's Ray Data file listing (dynamic_work_queue) can lose a race at shutdown: its "completion-signaler"
+    thread, slower than the consumer on a loaded machine, puts a sentinel into a queue already interrupted and dies
+    with InterruptedError after every result was delivered. Harmless, but Python prints a traceback into the
+    user's output; drop exactly that one and keep every other thread error."""
+    import threading
+
+    default = threading.excepthook
+
+    def hook(args):
+        if args.exc_type is InterruptedError and args.thread is not None and args.thread.name.endswith("completion-signaler"):
+            return
+        default(args)
+
+    threading.excepthook = hook
+
+
+def quiet_ray_env() -> None:
+    # The controller polls workers every 2 s by default, which makes every ray.train.report() slow.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    _ignore_ray_data_shutdown_race()
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """None when something listens at a host:port (or ray://host:port) address; else why not. ray.init() retries
+    an unreachable GCS for minutes, so ask the socket first. Other forms (auto) are left to ray.init()."""
+    import socket
+
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def _propagate_address() -> None:
+    """Every Train process must know *its* cluster. Ray code that looks the cluster up by itself (Train's
+    PlacementGroupCleaner, via the state API) otherwise reads RAY_ADDRESS or /tmp/ray/ray_current_cluster, which
+    on a host with several Rays (an embedded one beside a `ray start` head, SLURM jobs sharing a node) names
+    another cluster: it then sees the controller as gone and removes the gang's placement group mid-run."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    try:  # Ray 2.60: the env vars the Train controller copies to itself and to every worker
+        from ray.train.v2._internal import constants
+
+        constants.ENV_VARS_TO_PROPAGATE.add("RAY_ADDRESS")
+    except (ImportError, AttributeError):
+        pass
+
+
+def init_ray(log_to_driver: bool = True) -> bool:
+    """Connect to RAY_ADDRESS or start an embedded local Ray. Returns True when embedded."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        _auth_env_for_embedded()
+    elif why := unreachable(address):
+        raise UsageError(f"RAY_ADDRESS ({address}) is not reachable ({why}); start the cluster "
+                         f"(python -m stride.ray_cluster.local start) or unset RAY_ADDRESS to train on an embedded local Ray")
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # a token given is a token meant to be sent
+    import ray
+    from ray._raylet import Config as RayletConfig
+
+    RayletConfig.initialize("")  # re-read RAY_AUTH_MODE in case ray was imported before it was set
+    env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                                           "RAY_TRAIN_ENABLE_PRINT_PATCH") if k in os.environ}
+    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+    runtime_env = None if in_job else {"env_vars": dict(env_vars, **worker_paths())}
+    logging_config = ray.LoggingConfig(log_level="WARNING")
+    if address:
+        try:
+            ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config, log_to_driver=log_to_driver)
+        except Exception as e:  # noqa: BLE001 - turn connection problems into one line
+            # The port answered (checked above), so the cluster is there and refused us: in practice a missing or
+            # wrong token (Ray says only "Failed to connect"), or a client of another Ray version.
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            token = os.environ.get("RAY_AUTH_TOKEN_PATH") or ("RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else "none")
+            raise UsageError(f"RAY_ADDRESS ({address}) refused the connection ({text[:160]}; token: {token}); set "
+                             f"RAY_AUTH_TOKEN_PATH to the cluster's token file (and check that the cluster runs "
+                             f"ray=={ray.__version__})") from None
+        _propagate_address()
+        return False
+    # The embedded cluster is this machine: as many CPUs as it has cores, so a gang that needs more is refused
+    # (exit 2) instead of oversubscribing the cores.
+    ctx = ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
+             logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
+    _propagate_address()
+    if ctx.dashboard_url:
+        # stderr: stdout of tools that embed Ray this way (the doctor's table or JSON) stays theirs alone.
+        print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", file=sys.stderr, flush=True)
+    return True
+
+
+def resolve_scaling(cfg) -> tuple[int, bool, dict]:
+    """num_workers/use_gpu 'auto' -> numbers, checked against what the cluster has. Raises UsageError."""
+    import ray
+
+    total = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    use_gpu = cfg.scaling.use_gpu if cfg.scaling.use_gpu != "auto" else gpus > 0
+    if cfg.scaling.num_workers == "auto":
+        num_workers = int(gpus) if use_gpu else max(1, len(nodes))
+    elif elastic(cfg):
+        num_workers = elastic(cfg)[0]  # elastic: the minimum must fit; Ray starts as many as fit up to max
+    else:
+        num_workers = cfg.scaling.num_workers
+    need_cpu = num_workers * cfg.scaling.cpus_per_worker
+    if use_gpu and gpus < num_workers:
+        raise UsageError(f"scaling.num_workers ({num_workers}) with scaling.use_gpu=true needs {num_workers} GPUs but the "
+                         f"cluster has {gpus:g}; use scaling.num_workers={int(gpus)} or scaling.use_gpu=false"
+                         if gpus else f"scaling.use_gpu (true) needs GPUs but the cluster has none; "
+                         f"set scaling.use_gpu=false (or auto)")
+    biggest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
+    if cfg.scaling.cpus_per_worker > biggest:
+        raise UsageError(f"scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) exceeds the largest node's "
+                         f"{biggest:g} CPUs; use scaling.cpus_per_worker={biggest:g} or less")
+    if need_cpu > cpus + 1e-9:
+        fit = cpus / num_workers
+        raise UsageError(f"scaling.num_workers ({num_workers}) x scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) "
+                         f"= {need_cpu:g} CPUs exceeds the cluster's {cpus:g} CPUs; use "
+                         + (f"scaling.cpus_per_worker={fit:.2g}" if fit >= 0.1 else f"scaling.num_workers={max(1, int(cpus))}")
+                         + " or a bigger cluster")
+    return num_workers, bool(use_gpu), {"CPU": cpus, "GPU": gpus, "nodes": len(nodes)}
+
+
+def elastic(cfg) -> tuple[int, int] | None:
+    nw = cfg.scaling.num_workers
+    return tuple(nw) if isinstance(nw, (tuple, list)) else None
+
+
+def worker_paths() -> dict[str, str]:
+    """Environment for the workers of a cluster this process starts or joins (not a Ray job's: the job's working
+    directory is theirs already). A user's task module is found in the driver's working directory (STRIDE_TASK_PATH,
+    appended to sys.path). A checkout run without installing Stride (stride/_checkout.py) also gives the workers the
+    checkout on PYTHONPATH; an installed Stride leaves the user's PYTHONPATH as it is."""
+    import stride
+    from stride.trainers.tasks import TASK_PATH_ENV, task_search_path
+
+    env = {TASK_PATH_ENV: os.pathsep.join(dict.fromkeys(task_search_path()))}
+    checkout = getattr(stride, "_CHECKOUT_ROOT", None)
+    if checkout:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
+    return env

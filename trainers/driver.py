@@ -1,0 +1,232 @@
+"""The driver's work between a resolved config and a finished run, shared by `python -m stride` (trainers/main.py)
+and sweeps (tune/): the task and its data checks, the Ray Data datasets, the TorchTrainer, resume checks, signals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from stride.datasets.parquet import DataSpec, inspect
+from stride.ray_cluster.connect import UsageError, elastic, resolve_scaling
+from stride.trainers.config import Config
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def prepare(cfg: Config):
+    """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.
+    Raises ConfigError/DataError (one line, exit 2) before any worker starts."""
+    from stride.trainers.tasks import make_task
+
+    task = make_task(cfg)
+    specs = inspect(cfg, task)
+    return task, specs
+
+
+def ensure_writable(folder: Path, key: str, value) -> Path:
+    """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{key} ({value}) is not writable ({e.strerror}); set {key}=<a folder you can write>") from None
+    return folder
+
+
+def check_storage(cfg: Config) -> Path:
+    return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
+
+
+def check_multinode_paths(cfg: Config, nodes: int) -> None:
+    if nodes <= 1:
+        return
+    for key in ("train_path", "val_path"):
+        p = getattr(cfg.data, key)
+        if p and "://" not in p and not os.environ.get("STRIDE_SHARED_FS"):
+            # A local path is only safe on a shared filesystem; say so instead of failing on a remote node.
+            raise UsageError(f"data.{key} ({p}) is a local path but the cluster has {nodes} nodes; put the data on "
+                             f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
+
+
+# Local splits up to this size are read by pyarrow in the driver; bigger ones (and remote URIs) by Ray Data's
+# parallel read tasks. Every worker holds the whole split in memory either way (datasets/order.py).
+
+
+# Local splits up to this size are read by pyarrow in the driver; bigger ones (and remote URIs) by Ray Data's
+# parallel read tasks. Every worker holds the whole split in memory either way (datasets/order.py).
+DRIVER_READ_MAX_BYTES = 2 << 30
+BLOCK_ROWS_TARGET_BYTES = 64 << 20
+
+
+def read_datasets(specs: dict) -> dict:
+    """Put each split's Parquet shards into the object store *before* any worker gang reserves CPUs: the reads
+    then never starve behind the gang (a Parquet read waiting forever for a CPU), and the blocks are read once,
+    not once per worker. Workers stream the blocks from the object store via get_dataset_shard.
+
+    Local files are read with pyarrow right here and handed to `ray.data.from_arrow` (in ~64 MB blocks): no Ray
+    Data read tasks, whose first run in a fresh cluster starts worker processes (about 9 s of a short job on
+    2 cores). Remote URIs and local splits over 2 GiB go through `ray.data.read_parquet`."""
+    import ray.data
+
+    from stride.datasets.parquet import read_local
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    t0 = time.perf_counter()
+    datasets, how = {}, set()
+    for split, spec in specs.items():
+        local = all("://" not in f for f in spec.files)
+        if local and sum(os.path.getsize(f) for f in spec.files) <= DRIVER_READ_MAX_BYTES:
+            table = read_local(spec)
+            rows = max(1, BLOCK_ROWS_TARGET_BYTES * table.num_rows // max(table.nbytes, 1))
+            datasets[split] = ray.data.from_arrow([table.slice(i, rows) for i in range(0, table.num_rows, rows)]
+                                                  or [table])
+            how.add("pyarrow")
+        else:
+            datasets[split] = ray.data.read_parquet(list(spec.files)).select_columns(list(spec.columns)).materialize()
+            how.add("Ray Data")
+    print(f"stride: read {', '.join(f'{k} {v.num_rows} rows' for k, v in specs.items())} with "
+          f"{' and '.join(sorted(how))} in {time.perf_counter() - t0:.1f}s", flush=True)
+    return datasets
+
+
+def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, datasets: dict, *, progress_bar: bool = False,
+                  callbacks=(), **plan_extra):
+    """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, plan, gang):
+    gang = (num_workers, use_gpu, the cluster's resources)."""
+    import ray.data
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from stride.trainers.loop import plan_run
+    from stride.trainers.ray_worker import train_loop_per_worker
+
+    num_workers, use_gpu, resources = resolve_scaling(cfg)
+    check_multinode_paths(cfg, resources["nodes"])
+    plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, **plan_extra)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.to_dict(), "plan": plan},
+        # A hung all-reduce fails the run after collective_timeout_s instead of the 30-minute default.
+        torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
+        # num_workers=auto on CPU means one worker per node: SPREAD places them so (PACK would stack them).
+        scaling_config=ScalingConfig(num_workers=elastic(cfg) or num_workers, use_gpu=use_gpu,
+                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
+                                     resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+                                     placement_strategy="SPREAD" if cfg.scaling.num_workers == "auto" and not use_gpu
+                                     else "PACK"),
+        run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+                             callbacks=list(callbacks)),
+        datasets=datasets,
+        # Each worker streams the whole split once into memory; the sample order comes from datasets/order.py.
+        dataset_config=DataConfig(datasets_to_split=[],
+                                  execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+    )
+    return trainer, plan, (num_workers, use_gpu, resources)
+
+
+def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_bar: bool) -> tuple[int, dict]:
+    """Fit one run on the connected Ray cluster. Returns (exit code, rank 0's summary fields)."""
+    import ray.train
+
+    num_workers, use_gpu, _ = resolve_scaling(cfg)  # fail on impossible resources before reading any data
+    if cfg.scaling.preflight:
+        preflight(cfg, num_workers, use_gpu)
+    trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, read_datasets(specs),
+                                                                progress_bar=progress_bar)
+    workers = "{}-{}".format(*elastic(cfg)) if elastic(cfg) else num_workers
+    print(f"stride: training {cfg.run.name} on {workers} {'GPU' if use_gpu else 'CPU'} "
+          f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
+    # Ray 2.60's fit() replaces the process's SIGINT handler with one that aborts the run at once, without
+    # Stride's checkpoint: keep ours (Ctrl-C = checkpoint at the next step, exit 130; a second Ctrl-C stops now).
+    trainer._register_sigint_handler = lambda controller: None
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        return EXIT_FAILED, {"status": "failed", "error": _error_line(e), "world_size": num_workers}
+    summary = dict(result.return_value or {})
+    summary.setdefault("status", "completed")
+    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    if summary.get("mlflow_run_id") and summary["checkpoint"] and plan.mlflow_uri:
+        from stride.trainers.tracking import Tracker
+
+        tracker = Tracker(plan.mlflow_uri, cfg.tracking.experiment, cfg.run.storage_path)
+        tracker.run_id = summary["mlflow_run_id"]
+        tracker.set_tag("final_checkpoint", summary["checkpoint"])
+    return EXIT_OK, summary
+
+
+def check_resume(cfg: Config, run_dir: Path, task) -> None:
+    """A run folder that holds a complete checkpoint is resumed from the newest one (the workers pick the same):
+    refuse, before Ray starts and with the checkpoint left as it is, a model whose tensors do not match it
+    (another model.* setting under the same run.name)."""
+    import torch
+
+    from stride.trainers import checkpointing
+
+    newest = checkpointing.newest_complete(run_dir)
+    if newest is None:
+        return
+    with torch.device("meta"):  # shapes only: no memory for the weights
+        model = task.build_model()
+    saved = torch.load(newest / checkpointing.STATE, map_location="cpu", mmap=True, weights_only=False)["model"]
+    if mismatch := checkpointing.shape_mismatch(model.state_dict(), saved):
+        raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
+                         f"use a new run.name, or the model.* settings it was trained with")
+    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)
+
+
+def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:
+    """scaling.preflight: the doctor's quick checks on the gang this run is about to place. A failure stops the
+    run before any data is read or checkpoint written (exit 2, naming the check, node and measured value)."""
+    from stride.ray_cluster.doctor import format_table, run_preflight
+
+    t0 = time.perf_counter()
+    rows = run_preflight(num_workers, use_gpu, str(cfg.run_dir.parent), cfg.scaling.cpus_per_worker, quick=True)
+    failed = [r for r in rows if not r.ok]
+    if failed:
+        print(format_table(rows), file=sys.stderr)
+        raise UsageError(f"scaling.preflight (true) failed: {failed[0].failure_line()}"
+                         + (f" (+{len(failed) - 1} more above)" if len(failed) > 1 else "")
+                         + "; fix the node or storage, or set scaling.preflight=false to train anyway")
+    print(f"stride: preflight passed ({len(rows)} checks in {time.perf_counter() - t0:.1f}s)", flush=True)
+
+
+def _error_line(e: BaseException) -> str:
+    text = str(e)
+    # Ray wraps the worker's exception; keep its last line ("ValueError: ...").
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else type(e).__name__
+
+
+def install_signal_handlers(run_dir: Path) -> list[int]:
+    """SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, scancel) and SIGINT ask every rank
+    to checkpoint at the next step boundary and stop; the exit code is then 128 + the signal. Under SLURM a
+    SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted."""
+    import signal
+
+    from stride.trainers.policies import clear_stop_request, request_stop
+
+    clear_stop_request(run_dir)
+    received: list[int] = []
+
+    def handler(signum, _frame):
+        if received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        received.append(signum)
+        preempt = signum == signal.SIGUSR1 or (signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"))
+        request_stop(run_dir, "preempted" if preempt else "interrupted", signum)
+        print(f"stride: received {signal.Signals(signum).name}: checkpointing at the next step, then exiting",
+              file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return received

@@ -1,0 +1,80 @@
+"""The Ray Train edge: what Ray Train runs on each worker. It builds the Ray `WorkerEnv` (rank, device, data
+from Ray Data, checkpoints through Ray's storage, Prometheus gauges), then runs the plain-PyTorch `Trainer`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stride.datasets.parquet import Columns, DataError, DataSpec, table_to_columns
+from stride.trainers import checkpointing, telemetry
+from stride.trainers.config import from_dict
+from stride.trainers.loop import RunPlan, WorkerEnv, log, run
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """Entry point Ray Train runs on each worker: {"cfg": the resolved config's dict, "plan": RunPlan}."""
+    import ray.train
+    import ray.train.torch
+    from ray.train.v2._internal.execution import context as train_context
+    from ray.train.v2._internal.execution import storage as train_storage
+
+    # Ray logs one INFO line per report and per checkpoint (loggers named after their files); Stride's say more.
+    train_context.logger.setLevel(logging.WARNING)
+    train_storage.logger.setLevel(logging.WARNING)
+    ctx = ray.train.get_context()
+    cfg = from_dict(config["cfg"])
+    plan: RunPlan = config["plan"]
+
+    def load_split(name: str, spec: DataSpec) -> Columns:
+        import pyarrow as pa
+
+        shard = ray.train.get_dataset_shard(name)
+        batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
+        if not batches:
+            raise DataError(f"data.{name}_path produced no rows through Ray Data")
+        return table_to_columns(pa.concat_tables(batches), spec)
+
+    def latest_checkpoint() -> Path | None:
+        # Not ray.train.get_checkpoint(): Ray's pointer misses a checkpoint written but never registered (driver
+        # killed in between), and run.storage_path is a local (or shared) folder that every worker reads.
+        return checkpointing.newest_complete(Path(plan.run_dir), log.warning if ctx.get_world_rank() == 0 else None)
+
+    def report(metrics: dict[str, Any], folder: Path | None, write: Callable[[], Path] | None) -> None:
+        if folder is None:
+            ray.train.report(metrics)
+            return
+        from ray.train import CheckpointUploadMode
+
+        storage = ray.train.get_context().get_storage()
+
+        def upload(checkpoint, dir_name: str):
+            # Ray's upload thread: serialise the staged state, then copy it to storage, retrying transient errors.
+            t0 = time.perf_counter()
+            write()
+            persisted = checkpointing.with_retries(lambda: storage.persist_current_checkpoint(checkpoint, dir_name),
+                                                   f"{storage.experiment_fs_path}/{dir_name}")
+            env.checkpoint_write_s.append(time.perf_counter() - t0)
+            return persisted
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True,
+                         checkpoint_upload_fn=upload)
+
+    def progress_bar(**kwargs):
+        from ray.experimental.tqdm_ray import tqdm
+
+        return tqdm(**kwargs)
+
+    env = WorkerEnv(
+        world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
+        device=ray.train.torch.get_device(), load_split=load_split,
+        wrap_model=lambda m: ray.train.torch.prepare_model(m) if ctx.get_world_size() > 1 else m,
+        latest_checkpoint=latest_checkpoint, report=report,
+        progress_bar=progress_bar if plan.progress_bar else None,
+        # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
+        record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
+    )
+    return run(cfg, env, plan)

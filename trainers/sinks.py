@@ -1,0 +1,77 @@
+"""Where a run's figures go, decided in one place: metrics.jsonl, MLflow and the console or progress bar (rank 0),
+Prometheus gauges (every rank, on Ray). The loop hands each log and evaluation to `Sinks`; nothing else writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from stride.trainers import checkpointing
+
+log = logging.getLogger("stride")
+
+# The fields of a training line in metrics.jsonl, in order (those present).
+TRAIN_FIELDS = ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second", "step_time_s",
+                "data_wait_s", "data_wait_fraction", "tokens_per_second", "mfu", "checkpoint_blocked_s",
+                "checkpoint_write_s")
+
+
+class MetricsFile:
+    """metrics.jsonl, written by rank 0. On resume, lines past the checkpoint's step are dropped so the
+    file continues exactly from the checkpointed step."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            checkpointing.atomic_write_text(path, "")
+        elif path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            checkpointing.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Sinks:
+    """One log or evaluation goes out to every sink this rank has."""
+
+    def __init__(self, rank0: bool, metrics_file: MetricsFile | None, tracker, bar,
+                 record: Callable[[dict[str, Any]], None] | None, total_steps: int):
+        self.rank0, self.metrics_file, self.tracker, self.bar = rank0, metrics_file, tracker, bar
+        self.record, self.total_steps = record, total_steps
+
+    def train(self, metrics: dict[str, Any], own: dict[str, Any], eta_s: float) -> None:
+        """A log step: `metrics` averaged over ranks (rank 0 writes them), `own` this rank's figures (Prometheus)."""
+        if self.record is not None:
+            self.record({**metrics, **own})
+        if not self.rank0:
+            return
+        self.metrics_file.write({k: metrics[k] for k in TRAIN_FIELDS if k in metrics})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}", sps=f"{metrics['samples_per_second']:.0f}")
+        else:
+            log.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f samples/s eta %.0fs", metrics["step"],
+                     self.total_steps, metrics["epoch"], metrics["train_loss"], metrics["lr"],
+                     metrics["samples_per_second"], eta_s)
+
+    def val(self, step: int, val: dict[str, float]) -> None:
+        if not self.rank0:
+            return
+        self.metrics_file.write({"step": step, **val})
+        log.info("step %d %s", step, " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+
+    def step_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def mlflow(self, metrics: dict[str, Any], step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

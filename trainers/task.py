@@ -1,0 +1,136 @@
+"""The Task: the one small contract a model, its data columns and its loss are written against.
+
+Stride's loop, driver, data path, FSDP and telemetry never ask which task they run; everything that varies
+between models lives in a `Task` subclass. `model.name` selects it: a built-in name (`char_gpt`, `mlp`) or
+`"<module>:<Class>"`, the module importable from the working directory or PYTHONPATH on the driver and on every
+worker.
+
+    import numpy as np, torch
+    from stride import Task
+
+    class Regression(Task):
+        class Config(Task.Config):          # its fields are this task's model.<field> keys (unknown key: exit 2)
+            hidden: int = 64
+        columns = ("x", "y")                # the Parquet columns it reads (None: all)
+
+        def transform(self, batch):         # CPU, numpy in and out, one batch of rows
+            return {"x": batch["x"].astype(np.float32)[:, None], "y": batch["y"].astype(np.float32)}
+
+        def build_model(self):
+            return torch.nn.Sequential(torch.nn.Linear(1, self.config.hidden), torch.nn.Tanh(),
+                                       torch.nn.Linear(self.config.hidden, 1))
+
+        def loss(self, model, batch):       # the mean loss of this micro-batch
+            return torch.nn.functional.huber_loss(model(batch["x"]).squeeze(-1), batch["y"])
+
+The hooks below the four required methods have defaults that work; override one when a real task needs it.
+Plain PyTorch and numpy: no Ray here, so a task runs under Ray Train and under torchrun alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from stride.datasets.parquet import DataError, DataSplit  # noqa: F401 - part of the task API
+from stride.trainers.config import TaskConfig
+
+
+class Task:
+    """Base class of every task. Stride builds one per process: `self.config` is the validated model section
+    (the task's Config), `self.data_config` the data section, `self.facts` what `inspect` found in the data."""
+
+    Config: ClassVar[type[TaskConfig]] = TaskConfig
+    columns: ClassVar[tuple[str, ...] | None] = None
+    # Names of the per-sample values `metrics` returns (val_<name>), when known before training: a sweep then
+    # checks sweep.metric against them before any trial starts. None: not declared, any val_<name> is accepted.
+    metric_names: ClassVar[tuple[str, ...] | None] = None
+
+    def __init__(self, config: TaskConfig, data_config: Any = None, facts: dict[str, Any] | None = None):
+        self.config = config
+        self.data_config = data_config
+        self.facts: dict[str, Any] = dict(facts or {})
+
+    # ---- required ----
+
+    def transform(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """CPU, numpy in and out, one batch of rows (`columns` -> arrays with the batch as first dimension):
+        decoding, augmentation, tokenising. The arrays returned become tensors on the worker's device. Randomness:
+        use np.random / torch; both are reseeded from (run.seed, rank, step), so a resume is exact."""
+        raise NotImplementedError(f"{type(self).__name__}.transform")
+
+    def build_model(self) -> nn.Module:
+        """The model, built from self.config (and self.facts). Plain nn.Module: Stride wraps it (DDP, FSDP)."""
+        raise NotImplementedError(f"{type(self).__name__}.build_model")
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss of this micro-batch (Stride handles accumulation, precision, DDP/FSDP). The validation
+        loss (val_loss) is this on the validation split, averaged over samples."""
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+    # ---- optional hooks ----
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-sample values (shape [batch]) on validation batches; Stride averages each over every validation
+        sample of every rank and reports it as val_<name>. Default: none."""
+        return {}
+
+    def inspect(self, train: DataSplit, val: DataSplit | None) -> dict[str, Any]:
+        """Driver only, before any worker starts: check the splits (raise stride.DataError for a problem the user
+        can fix) and return facts derived from the data (JSON values: input width, class count, statistics).
+        Every process's task then has them as self.facts; checkpoints and summary.json record them, so a model
+        can be rebuilt without the data (generate, export). Default: no facts."""
+        return {}
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's repeated blocks: FSDP's units (each all-gathered on its own) and the units of activation
+        checkpointing. Default: the largest run of same-type modules in a ModuleList or Sequential (a
+        transformer's layers); the last one is left to the root when they would hold every parameter."""
+        return repeated_blocks(model)
+
+    def flops_per_sample(self, model: nn.Module) -> float | None:
+        """Training FLOPs (forward + backward) per sample, for MFU. Default: 6 x parameters, right for a model
+        applied once per sample (an MLP, a CNN's dense part), low for sequence models (x tokens per sample):
+        override it there, or return None to report no MFU."""
+        return 6.0 * sum(p.numel() for p in model.parameters())
+
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one sample, for tokens_per_second (text tasks). Default: None (not reported)."""
+        return None
+
+    def generate(self, model: nn.Module, prompt: str, tokens: int, temperature: float) -> str:
+        """Text generation from a trained model (trainers/generate.py), where the task has it."""
+        raise NotImplementedError(f"the task {type(self).__name__} has no text generation")
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The largest group (by parameters) of same-type children of one ModuleList/Sequential, at least two of
+    them and each holding parameters. When the group holds every parameter of the model, the last member is
+    left out: FSDP's root must own something."""
+    best: list[nn.Module] = []
+    best_params = 0
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_type: dict[type, list[nn.Module]] = {}
+        for child in container.children():
+            if any(True for _ in child.parameters()):
+                by_type.setdefault(type(child), []).append(child)
+        for group in by_type.values():
+            n = sum(p.numel() for m in group for p in m.parameters())
+            if len(group) >= 2 and n > best_params:
+                best, best_params = group, n
+    if best and best_params == sum(p.numel() for p in model.parameters()):
+        best = best[:-1]
+    return best
+
+
+def cross_entropy_bits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean cross-entropy in bits (bits per token for text), for metrics."""
+    per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                            reduction="none")
+    return per_token.view(targets.shape[0], -1).mean(1) / math.log(2)

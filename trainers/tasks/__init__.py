@@ -1,0 +1,76 @@
+"""Built-in tasks and how `model.name` finds a task: a built-in name, or "<module>:<Class>" of a user's own.
+
+The user's module is imported from the working directory or PYTHONPATH. The driver passes its working directory
+to every worker as STRIDE_TASK_PATH; those folders are appended to sys.path (never prepended: a user's folder must
+not hide an installed package).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+
+from stride.trainers.config import ConfigError
+
+# The registry of built-in names: the only place besides the tasks themselves that names them.
+BUILTIN = {
+    "char_gpt": "stride.trainers.tasks.char_gpt:CharGPTTask",
+    "mlp": "stride.trainers.tasks.mlp:MLPTask",
+}
+DEFAULT = "char_gpt"
+TASK_PATH_ENV = "STRIDE_TASK_PATH"
+
+
+def task_search_path() -> list[str]:
+    """Folders a user's task module may live in: STRIDE_TASK_PATH (set by the driver for its workers), then the
+    working directory."""
+    extra = [p for p in os.environ.get(TASK_PATH_ENV, "").split(os.pathsep) if p]
+    return extra + [os.getcwd()]
+
+
+def task_class(name: str):
+    """`model.name` -> the Task subclass. Raises ConfigError (one line, exit 2) naming what to fix."""
+    from stride.trainers.task import Task
+
+    spec = BUILTIN.get(name, name)
+    module_name, colon, class_name = spec.partition(":")
+    if not colon or not module_name or not class_name:
+        raise ConfigError(f"model.name ({name}) is neither a built-in task ({', '.join(BUILTIN)}) nor "
+                          f"\"<module>:<Class>\"; use e.g. model.name=my_task:MyTask (my_task.py in the working "
+                          f"directory or on PYTHONPATH)")
+    for folder in task_search_path():
+        if folder not in sys.path:
+            sys.path.append(folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise ConfigError(f"model.name ({name}): module {module_name} is not importable; put {module_name}.py in "
+                              f"the working directory ({os.getcwd()}) or on PYTHONPATH") from None
+        raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; install the missing "
+                          f"module or fix the import") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed to import: one line naming where
+        raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; fix the module") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"model.name ({name}): module {module_name} has no {class_name}; "
+                          f"name a class defined in {getattr(module, '__file__', module_name)}")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"model.name ({name}): {class_name} is not a stride.Task subclass; "
+                          f"define it as class {class_name}(stride.Task)")
+    if not (isinstance(cls.Config, type) and issubclass(cls.Config, Task.Config)):
+        raise ConfigError(f"model.name ({name}): {class_name}.Config must subclass stride.Task.Config")
+    return cls
+
+
+def _where(e: BaseException) -> str:
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+
+
+def make_task(cfg, facts: dict | None = None):
+    """The task of a resolved config, with the facts its `inspect` found (the driver passes them on)."""
+    return task_class(cfg.model.name)(cfg.model, cfg.data, facts)

@@ -1,0 +1,155 @@
+"""mlp: a tabular classifier over numeric Parquet columns and an integer label (python datasets/prepare.py tabular).
+
+Which columns, the class count and the feature statistics (standardisation, NaN imputation) come from the data
+on the driver (`inspect`); the workers get them as facts and apply them in `transform`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch.nn.functional as F
+from pydantic import Field
+
+from stride.datasets.parquet import SAMPLE_ID, DataError
+from stride.trainers.models import MLP
+from stride.trainers.task import DataSplit, Task
+
+
+def _is_numeric(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+class MLPTask(Task):
+    class Config(Task.Config):
+        hidden_sizes: list[int] = Field(default_factory=lambda: [256, 256], description="Hidden layer widths")
+        num_classes: int | None = Field(None, ge=2, description="Number of classes (null: inferred from the labels)")
+        dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability")
+
+    metric_names = ("accuracy",)
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:  # known once inspect found the feature columns
+        f = self.facts
+        return (*f["feature_columns"], f["label_column"]) if f else None
+
+    # ---- driver: which columns, how many classes, the statistics of the training features ----
+
+    def inspect(self, train: DataSplit, val: DataSplit | None) -> dict:
+        d = self.data_config
+        feats = self._feature_columns(train)
+        splits = (train, val) if val is not None else (train,)
+        for split in splits[1:]:
+            missing = [c for c in (*feats, d.label_column) if c not in split.schema.names]
+            if missing:
+                raise DataError(f"{split.key}: column {missing[0]!r} is missing (it is in {train.key}); give both "
+                                f"splits the same columns")
+        tables = {s.name: s.read([*feats, d.label_column]) for s in splits}
+        num_classes = self._check_labels(splits, tables)
+        x = _features(tables["train"], feats)
+        facts = {"feature_columns": list(feats), "label_column": d.label_column, "num_classes": num_classes}
+        if d.nan_policy == "error":
+            for split in splits:
+                _refuse_nan(split, tables[split.name], feats)
+        else:
+            facts["fill"] = np.nan_to_num(np.nanmean(x, axis=0)).tolist()
+        if d.standardize:
+            # Constant columns get std 1 so they map to 0, never NaN or inf.
+            std = np.nanstd(x, axis=0)
+            std[~np.isfinite(std) | (std < 1e-12)] = 1.0
+            facts["mean"], facts["std"] = np.nanmean(x, axis=0).tolist(), std.tolist()
+        return facts
+
+    def _feature_columns(self, train: DataSplit) -> tuple[str, ...]:
+        d, schema = self.data_config, train.schema
+        if d.label_column not in schema.names:
+            raise DataError(f"data.label_column ({d.label_column}) is not a column of {train.key} (columns: "
+                            f"{schema.names}); set data.label_column=<name>")
+        import pyarrow as pa
+
+        if not pa.types.is_integer(schema.field(d.label_column).type):
+            raise DataError(f"data.label_column ({d.label_column}) has type {schema.field(d.label_column).type}; "
+                            f"labels must be integers 0..C-1")
+        if d.feature_columns:
+            missing = [c for c in d.feature_columns if c not in schema.names]
+            if missing:
+                raise DataError(f"data.feature_columns ({missing}) are not columns of {train.key} (columns: "
+                                f"{schema.names}); fix the names or leave data.feature_columns empty to use every "
+                                f"numeric column")
+            non_numeric = [c for c in d.feature_columns if not _is_numeric(schema.field(c).type)]
+            if non_numeric:
+                raise DataError(f"data.feature_columns ({non_numeric}) are not numeric; remove them from "
+                                f"data.feature_columns")
+            return tuple(d.feature_columns)
+        feats = tuple(n for n in schema.names if n not in (d.label_column, SAMPLE_ID) and _is_numeric(schema.field(n).type))
+        if not feats:
+            raise DataError(f"{train.key}: no numeric feature columns besides '{d.label_column}'; set data.feature_columns")
+        return feats
+
+    def _check_labels(self, splits, tables) -> int:
+        import pyarrow.compute as pc
+
+        label = self.data_config.label_column
+        num_classes = self.config.num_classes
+        for split in splits:
+            labels = tables[split.name].column(label)
+            if labels.null_count:
+                raise DataError(f"data.label_column ({label}) has {labels.null_count} missing values in {split.key}; "
+                                f"drop those rows")
+            lo, hi = (v.as_py() for v in (pc.min(labels), pc.max(labels)))
+            num_classes = num_classes or hi + 1
+            if lo < 0:
+                raise DataError(f"data.label_column ({label}) has negative labels in {split.key} (min {lo}); labels "
+                                f"must be 0..num_classes-1: relabel them")
+            if hi >= num_classes:
+                raise DataError(f"model.num_classes ({num_classes}) does not cover the labels in {split.key} (range "
+                                f"{lo}..{hi}); labels must be 0..num_classes-1: set model.num_classes={hi + 1} or relabel")
+        return num_classes
+
+    # ---- workers ----
+
+    def transform(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        f = self.facts
+        x = np.stack([batch[c].astype(np.float32) for c in f["feature_columns"]], axis=1)
+        if "fill" in f:
+            bad = np.isnan(x)
+            if bad.any():
+                x[bad] = np.take(np.asarray(f["fill"], np.float32), np.nonzero(bad)[1])
+        if "mean" in f:
+            x = (x - np.asarray(f["mean"], np.float32)) / np.asarray(f["std"], np.float32)
+        return {"x": x, "y": batch[f["label_column"]].astype(np.int64)}
+
+    def build_model(self) -> MLP:
+        c = self.config
+        return MLP(len(self.facts["feature_columns"]), list(c.hidden_sizes), c.num_classes or self.facts["num_classes"],
+                   c.dropout)
+
+    def loss(self, model, batch):
+        return F.cross_entropy(model(batch["x"]).float(), batch["y"])
+
+    def metrics(self, model, batch):
+        return {"accuracy": (model(batch["x"]).argmax(-1) == batch["y"]).float()}
+
+
+def _features(table, feats) -> np.ndarray:
+    x = np.empty((table.num_rows, len(feats)), dtype=np.float64)
+    for i, c in enumerate(feats):
+        x[:, i] = table.column(c).to_numpy(zero_copy_only=False)
+    return x
+
+
+def _refuse_nan(split: DataSplit, table, feats) -> None:
+    """Never train on NaN silently: count missing values per feature column before any worker starts."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for name in feats:
+        col = table.column(name)
+        bad = col.null_count + ((pc.sum(pc.is_nan(col)).as_py() or 0) if pa.types.is_floating(col.type) else 0)
+        if bad:
+            where = os.path.basename(split.files[0]) if len(split.files) == 1 else f"{len(split.files)} files"
+            raise DataError(f"{split.key}: feature column '{name}' has {bad} NaN/missing values in {where}; clean the "
+                            f"data or set data.nan_policy=impute (training mean)")

@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 CONFIG ?= trainers/configs/char_gpt.yaml
 STAMP := $(VENV)/.stride-installed
 
-.PHONY: venv train test test-fast data bench clean help
+.PHONY: venv train test test-fast data bench docs clean help
 
 help:
 	@echo "make train   - set up .venv, prepare data/pystdlib, train $(CONFIG) on an embedded local Ray"
@@ -46,6 +46,10 @@ test: $(STAMP)
 # The tier to run while you work: no Ray, no servers, no SLURM (a few minutes).
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+# docs/configuration.md is generated from the config's field descriptions (a test fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m stride.trainers.config > docs/configuration.md
 
 bench: $(STAMP) data
 	$(PY) benchmarks/run.py --quick

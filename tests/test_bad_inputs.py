@@ -76,11 +76,11 @@ def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabula
     """Resuming run.name with other model.* settings names the tensor that differs; the checkpoint survives."""
     from stride.trainers import checkpointing
     from stride.trainers.config import load_config
-    from stride.trainers.step import build_model
+    from stride.trainers.models import MLP
 
     storage = tmp_path / "runs"
     cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"run.storage_path={storage}", "model.hidden_sizes=[32]"])
-    model = build_model(cfg, 16, 4)
+    model = MLP(16, [32], 4)
     ckpt = checkpointing.save(storage / cfg.run.name / "checkpoint_000010", {"model": model.state_dict()},
                               {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0})
     before = _digest(ckpt)

@@ -23,7 +23,7 @@ def test_every_shipped_config_loads_and_states_its_command(path):
 def test_precedence_command_line_over_yaml_over_defaults(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("train: {batch_size_per_worker: 16, max_steps: 10}\noptim: {lr: 0.01}\n")
-    cfg = load_config(p, ["train.max_steps=20", "model.hidden_sizes=[8, 4]", "train.epochs=null"])
+    cfg = load_config(p, ["train.max_steps=20", "model.name=mlp", "model.hidden_sizes=[8, 4]", "train.epochs=null"])
     assert cfg.train.max_steps == 20          # command line wins
     assert cfg.train.batch_size_per_worker == 16  # YAML beats the default
     assert cfg.optim.lr == 0.01
@@ -124,10 +124,17 @@ def test_elastic_runs_keep_the_global_batch_of_max_workers():
     assert global_micro_batch(fixed, 2) == 96 and global_batch_size(fixed, 2) == 192
 
 
-def test_readme_documents_every_config_key():
-    from stride.trainers.config import SECTIONS
+def test_configuration_reference_is_current():
+    """docs/configuration.md is generated from the field descriptions: every key of every section and built-in task."""
+    from stride.trainers.config import SECTIONS, reference_markdown
+    from stride.trainers.tasks import BUILTIN, task_class
 
-    readme = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "configuration.md").read_text()
+    assert text == reference_markdown(), "docs/configuration.md is stale: run `make docs`"
     for section, cls in SECTIONS.items():
         for name in cls.model_fields:
-            assert f"| `{section}.{name}` |" in readme, f"README's configuration table lacks {section}.{name}"
+            assert f"| `{section}.{name}` |" in text
+    for task in BUILTIN:
+        assert f"### `model.name: {task}`" in text
+        for name in task_class(task).Config.model_fields:
+            assert f"| `model.{name}` |" in text

@@ -6,13 +6,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli
-from stride.datasets.parquet import DataError, inspect, read_local, table_to_arrays
+from stride.datasets.parquet import DataError, read_local, table_to_columns
 from stride.datasets.prepare import stdlib_files
 from stride.trainers.config import load_config
+from stride.trainers.driver import prepare
 
 
 def cfg_for(train, val, *extra, base="tabular_mlp.yaml"):
     return load_config(REPO / "trainers/configs" / base, [f"data.train_path={train}", f"data.val_path={val}", *extra])
+
+
+def rows_of(task, spec):
+    """What the loop feeds the model: the split's columns, through the task's transform."""
+    columns = table_to_columns(read_local(spec), spec)
+    return columns, task.transform(columns.rows(np.arange(len(columns))))
 
 
 def test_pystdlib_shape_split_and_ids(text_data):
@@ -49,21 +56,25 @@ def test_prepare_never_overwrites(tmp_path):
 
 def test_tabular_inspect_infers_features_and_classes(tabular_data):
     cfg = cfg_for(tabular_data / "train", tabular_data / "val")
-    spec = inspect(cfg.data, cfg.model, "train")
-    assert spec.kind == "tabular" and spec.num_classes == 4
-    assert spec.label_column == "label" and "sample_id" not in spec.feature_columns and len(spec.feature_columns) == 16
-    arrays = table_to_arrays(read_local(spec), spec)
-    assert arrays.x.dtype == np.float32 and arrays.x.shape == (spec.num_rows, 16)
-    assert np.all(np.diff(arrays.sample_id) > 0)  # sorted by sample_id
+    task, specs = prepare(cfg)
+    assert task.facts["num_classes"] == 4 and task.facts["label_column"] == "label"
+    assert "sample_id" not in task.facts["feature_columns"] and len(task.facts["feature_columns"]) == 16
+    columns, batch = rows_of(task, specs["train"])
+    assert batch["x"].dtype == np.float32 and batch["x"].shape == (specs["train"].num_rows, 16)
+    assert batch["y"].dtype == np.int64
+    assert np.all(np.diff(columns.sample_id) > 0)  # sorted by sample_id
+    assert task.build_model()(__import__("torch").from_numpy(batch["x"][:3])).shape == (3, 4)
 
 
 def test_rows_sorted_by_sample_id_whatever_order_they_arrive(tabular_data):
     cfg = cfg_for(tabular_data / "train", tabular_data / "val")
-    spec = inspect(cfg.data, cfg.model, "train")
+    _, specs = prepare(cfg)
+    spec = specs["train"]
     table = read_local(spec)
     shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))
-    a, b = table_to_arrays(table, spec), table_to_arrays(shuffled, spec)
-    assert np.array_equal(a.x, b.x) and np.array_equal(a.sample_id, b.sample_id)
+    a, b = table_to_columns(table, spec), table_to_columns(shuffled, spec)
+    assert a.data.keys() == b.data.keys() and all(np.array_equal(a.data[k], b.data[k]) for k in a.data)
+    assert np.array_equal(a.sample_id, b.sample_id)
 
 
 def test_sample_id_is_optional(tmp_path):
@@ -71,9 +82,9 @@ def test_sample_id_is_optional(tmp_path):
     d.mkdir()
     pq.write_table(pa.table({"a": [1.0, 2.0, 3.0, 4.0], "label": [0, 1, 0, 1]}), d / "x.parquet")
     cfg = cfg_for(d, d)
-    spec = inspect(cfg.data, cfg.model, "train")
-    assert not spec.has_sample_id
-    assert table_to_arrays(read_local(spec), spec).sample_id.tolist() == [0, 1, 2, 3]
+    _, specs = prepare(cfg)
+    assert not specs["train"].has_sample_id
+    assert table_to_columns(read_local(specs["train"]), specs["train"]).sample_id.tolist() == [0, 1, 2, 3]
 
 
 def _write(d, **cols):
@@ -116,14 +127,14 @@ def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
         extra = ["model.num_classes=2"]
     cfg = cfg_for(d, d, *extra)
     with pytest.raises(DataError) as e:
-        inspect(cfg.data, cfg.model, "train")
+        prepare(cfg)
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
 def test_text_context_longer_than_rows_is_a_usage_error(text_data):
     cfg = cfg_for(text_data / "train", text_data / "val", "model.context=4096", base="char_gpt.yaml")
     with pytest.raises(DataError, match=r"model.context \(4096\)"):
-        inspect(cfg.data, cfg.model, "train")
+        prepare(cfg)
 
 
 def test_missing_data_path_exits_2_before_ray_starts(tmp_path):

@@ -24,7 +24,7 @@ def tiny_args(data, storage, name, steps=STEPS, *extra):
             f"run.storage_path={storage}", f"run.name={name}", "model.n_layers=2", "model.width=32", "model.n_heads=2",
             "model.context=32", "train.batch_size_per_worker=8", f"train.max_steps={steps}", "train.log_every_steps=1",
             "train.eval_every_steps=10", "checkpoint.every_steps=10", "optim.warmup_steps=50",
-            "train.deterministic=true", "tracking.mlflow_uri=null", *extra]
+            "train.deterministic=true", "tracking.mlflow=false", *extra]
 
 
 def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py") -> subprocess.CompletedProcess:
@@ -180,10 +180,14 @@ def test_bf16_with_accumulation_under_fsdp_trains(runs):
 STEP_CHECKS = r'''
 import math, sys
 import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
 from stride.trainers import fsdp
 from stride.trainers.models import CharGPT
 from stride.trainers.step import Precision, train_step
+
+def ce(model, batch):
+    x, y = batch
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -193,7 +197,7 @@ fp32 = Precision.create("fp32", cpu, sharded=True)
 def model(precision=fp32, shard=True):
     torch.manual_seed(0)
     m = CharGPT(256, 16, 2, 2, 32)
-    return fsdp.shard_model(m, cpu, 2, precision.fsdp_param_dtype) if shard else m
+    return fsdp.shard_model(m, list(m.blocks), cpu, 2, precision.fsdp_param_dtype) if shard else m
 
 def full(m):
     return torch.cat([p.full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten() for p in m.parameters()])
@@ -205,11 +209,11 @@ data = torch.randint(0, 256, (2, 2, 4, 17))  # [micro-step, rank, rows, tokens]
 m = model()
 sgd = torch.optim.SGD(m.parameters(), lr=0.5)
 micro = [(data[i, rank, :, :-1], data[i, rank, :, 1:]) for i in range(2)]
-r = train_step(m, sgd, fp32.grad_scaler(), fp32, micro, grad_clip_norm=None)
+r = train_step(ce, m, sgd, fp32.grad_scaler(), fp32, micro, grad_clip_norm=None)
 ref = model(Precision.create("fp32", cpu), shard=False)
 ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
 both = [(data[i].reshape(8, 17)[:, :-1], data[i].reshape(8, 17)[:, 1:]) for i in range(2)]
-rr = train_step(ref, ref_sgd, torch.amp.GradScaler("cpu", enabled=False), Precision.create("fp32", cpu), both, None)
+rr = train_step(ce, ref, ref_sgd, torch.amp.GradScaler("cpu", enabled=False), Precision.create("fp32", cpu), both, None)
 assert r.finite and math.isclose(r.grad_norm, rr.grad_norm, rel_tol=1e-5), (r.grad_norm, rr.grad_norm)
 assert torch.allclose(full(m), full(ref), rtol=1e-5, atol=1e-7), (full(m) - full(ref)).abs().max()
 
@@ -219,7 +223,7 @@ class Poison(torch.amp.GradScaler):
         if rank == 1:
             next(iter(m.parameters())).grad.to_local().view(-1)[0] = float("nan")
 before = full(m).clone()
-r = train_step(m, sgd, Poison("cpu", enabled=False), fp32, micro, grad_clip_norm=1.0)
+r = train_step(ce, m, sgd, Poison("cpu", enabled=False), fp32, micro, grad_clip_norm=1.0)
 assert not r.finite and math.isnan(r.grad_norm), r
 assert torch.equal(full(m), before)
 
@@ -235,7 +239,7 @@ with torch.no_grad():
     assert mb(data[0, rank, :, :-1]).dtype == torch.bfloat16
 mb.reshard()
 assert all(p.dtype == torch.float32 for p in mb.parameters())
-r = train_step(mb, torch.optim.AdamW(mb.parameters(), lr=1e-3), bf16.grad_scaler(), bf16, micro, 1.0)
+r = train_step(ce, mb, torch.optim.AdamW(mb.parameters(), lr=1e-3), bf16.grad_scaler(), bf16, micro, 1.0)
 assert r.finite
 print(f"rank {rank} ok", flush=True)
 '''
@@ -300,7 +304,7 @@ def test_mlp_under_fsdp_matches_ddp(tabular_data, tmp_path):
         return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
                 f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", f"run.name={name}",
                 "train.epochs=null", "train.max_steps=30", "train.log_every_steps=10", "train.eval_every_steps=30",
-                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow_uri=null", *extra]
+                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow=false", *extra]
 
     torchrun(2, args("ddp"))
     torchrun(2, args("fsdp", "train.strategy=fsdp"))

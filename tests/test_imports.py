@@ -1,20 +1,44 @@
-"""The repo's `datasets/` shares its name with Hugging Face `datasets`: Stride must import its own."""
+"""`stride` is the one name Stride installs: the repo's folders are its subpackages, and Hugging Face `datasets`
+(installed in the test venv) stays importable beside it."""
 
 import subprocess
 
 from conftest import PYTHON, REPO
 
 
-def test_datasets_resolves_to_repo():
-    import stride.datasets
+def _python(code: str, cwd) -> str:
+    r = subprocess.run([PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
-    assert getattr(datasets, "STRIDE_DATASETS", False)
-    assert REPO / "datasets" / "__init__.py" == __import__("pathlib").Path(datasets.__file__).resolve()
+
+def test_only_stride_is_installed_and_datasets_is_hugging_faces(tmp_path):
+    out = _python("""
+import importlib.util, datasets, stride, stride.datasets, stride.trainers.loop
+print({n: importlib.util.find_spec(n) is not None for n in ('trainers', 'tune', 'ray_cluster')})
+print(datasets.__file__)
+print(hasattr(datasets, 'load_dataset'), stride.datasets.__file__)
+print(sorted(stride.__all__))
+""", cwd=tmp_path)  # a user's folder: not the checkout
+    found, hf_file, checks, public = out.splitlines()
+    assert found == "{'trainers': False, 'tune': False, 'ray_cluster': False}"
+    assert "site-packages" in hf_file and not hf_file.startswith(str(REPO / "datasets"))
+    assert checks == f"True {REPO}/datasets/__init__.py"
+    for name in ("Task", "DataSplit", "DataError", "Config", "load_config", "fit"):
+        assert f"'{name}'" in public
+
+
+def test_the_public_api_resolves():
+    import stride
+    from stride.trainers.task import Task
+
+    assert stride.Task is Task and stride.DataError.__name__ == "DataError"
+    assert callable(stride.fit) and callable(stride.load_config)
 
 
 def test_main_runs_as_a_script_without_stride_installed():
     # `ray job submit --working-dir .` runs `python trainers/main.py` on nodes where Stride is not installed:
-    # the script must put the repo root on the path itself. Drop every other route to the repo first.
+    # the script finds the checkout's stride package itself, without putting the repo root on sys.path.
     code = f"""
 import runpy, sys
 sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]
@@ -24,10 +48,10 @@ try:
     runpy.run_path('trainers/main.py', run_name='__main__')
 except SystemExit as e:
     assert e.code in (0, None), e.code
-import trainers, datasets
-print('FOUND', trainers.__file__, datasets.__file__)
+import stride.trainers
+print('FOUND', stride.trainers.__file__, stride._CHECKOUT_ROOT, {str(REPO)!r} in sys.path)
 """
     r = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert f"FOUND {REPO}/trainers/__init__.py {REPO}/datasets/__init__.py" in r.stdout
+    assert f"FOUND {REPO}/trainers/__init__.py {REPO} False" in r.stdout
     assert "model:" in r.stdout  # the resolved config was printed

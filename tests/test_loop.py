@@ -11,7 +11,7 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
     args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
             f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", "run.name=one", "train.epochs=null",
             "train.max_steps=30", "train.log_every_steps=5", "train.eval_every_steps=15", "checkpoint.every_steps=10",
-            "checkpoint.keep_last=2", "tracking.mlflow_uri=null"]
+            "checkpoint.keep_last=2", "tracking.mlflow=false"]
     assert torchrun_main(args) == 0
     run = tmp_path / "one"
     summary = json.loads((run / "summary.json").read_text())
@@ -35,7 +35,7 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
 
     # Same run name, higher max_steps: resumes at step 30 and continues metrics.jsonl from there.
     assert torchrun_main(args[:-6] + ["train.max_steps=40", "train.log_every_steps=5", "train.eval_every_steps=15",
-                                      "checkpoint.every_steps=10", "checkpoint.keep_last=2", "tracking.mlflow_uri=null"]) == 0
+                                      "checkpoint.every_steps=10", "checkpoint.keep_last=2", "tracking.mlflow=false"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["restarts"] == 1
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
@@ -46,7 +46,7 @@ def _args(tmp_path, data, steps, *extra):
     return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
             f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=null",
             f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100",
-            "checkpoint.every_steps=10", "checkpoint.keep_last=3", "tracking.mlflow_uri=null", *extra]
+            "checkpoint.every_steps=10", "checkpoint.keep_last=3", "tracking.mlflow=false", *extra]
 
 
 def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular_data, capsys):
@@ -68,8 +68,16 @@ def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # resumed at 20: 25 and 30 were rewritten, not duplicated
 
 
-def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch):
-    import pytest
+def _error_line(capsys) -> str:
+    """The one line a failed run leaves on stderr (exit 1), without a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("stride: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch, capsys):
     import torch
 
     import stride.trainers.loop as loop
@@ -78,16 +86,16 @@ def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(loop, "train_step", oom)
-    with pytest.raises(loop.TrainingError) as e:
-        torchrun_main(_args(tmp_path, tabular_data, 10))
-    msg = str(e.value)
-    assert "\n" not in msg
+    capsys.readouterr()
+    assert torchrun_main(_args(tmp_path, tabular_data, 10)) == 1
+    msg = _error_line(capsys)
+    assert "out of memory at step 1" in msg
     for fix in ("train.batch_size_per_worker", "train.grad_accum_steps", "bf16", "fsdp"):
         assert fix in msg
 
 
-def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, tabular_data, monkeypatch):
-    import pytest
+def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, tabular_data, monkeypatch, capsys):
+    import re
 
     import stride.trainers.loop as loop
     from stride.trainers.step import StepResult
@@ -101,20 +109,21 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
         return r if calls["n"] <= 12 else StepResult(float("nan"), float("nan"), False)
 
     monkeypatch.setattr(loop, "train_step", nan_after_12)
-    with pytest.raises(loop.TrainingError, match="non-finite .* at step 15.*3 in a row"):
-        torchrun_main(_args(tmp_path, tabular_data, 40, "train.max_nonfinite_steps=3"))
+    capsys.readouterr()
+    assert torchrun_main(_args(tmp_path, tabular_data, 40, "train.max_nonfinite_steps=3")) == 1
+    assert re.search("non-finite .* at step 15.*3 in a row", _error_line(capsys))
     ckpts = complete_checkpoints(tmp_path / "r")
     assert [checkpointing.read_meta(c)["step"] for c in ckpts] == [10]
     assert checkpointing.verify(ckpts[0]) is None
 
     calls["n"] = 0
-    with pytest.raises(loop.TrainingError, match=r"at step 13 .*, 1 in a row"):
-        torchrun_main(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s"))
+    assert torchrun_main(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s")) == 1
+    assert re.search(r"at step 13 .*, 1 in a row", _error_line(capsys))
 
 
 def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known_peak(tmp_path, tabular_data):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11",
+    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11", "tracking.mlflow=true",
                                f"tracking.mlflow_uri={uri}")) == 0
     from mlflow.tracking import MlflowClient
 
@@ -127,10 +136,10 @@ def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known
     assert all(0 < r["mfu"] < 1 for r in logs)
 
 
-def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_path(tmp_path, tabular_data, monkeypatch):
+def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_path(tmp_path, tabular_data, monkeypatch,
+                                                                                 capsys):
+    import re
     import shutil
-
-    import pytest
 
     real_copytree, calls = shutil.copytree, []
 
@@ -150,8 +159,9 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shutil, "copytree", broken)
-    with pytest.raises(checkpointing.CheckpointWriteError, match=r"checkpoint_00000030.*failed 4 times.*No space left"):
-        torchrun_main(_args(tmp_path, tabular_data, 40))
+    capsys.readouterr()
+    assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 1
+    assert re.search(r"checkpoint_00000030.*failed 4 times.*No space left", _error_line(capsys))
     # The checkpoints written before are still there and intact.
     assert all(checkpointing.verify(c) is None for c in complete_checkpoints(tmp_path / "r"))
 
@@ -159,7 +169,7 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
 def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data, monkeypatch):
     """Dropout draws from a stream reseeded at every step from (seed, rank, step): a run stopped between two
     checkpoints and resumed draws the same masks as one never stopped, so every later loss is bitwise equal."""
-    from stride.trainers import loop
+    from stride.trainers import policies
 
     def losses(storage):
         return {r["step"]: r["train_loss"] for r in read_jsonl(storage / "r" / "metrics.jsonl") if "train_loss" in r}
@@ -170,19 +180,19 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
     assert losses(tmp_path / "ref")[30] != losses(tmp_path / "nodrop")[30]  # the masks matter
 
     calls = {"n": 0}
-    requested = loop.StopRequest.requested
+    requested = policies.StopRequest.requested
 
     def sigterm_at_step_17(self):  # what the driver's SIGTERM handler does, at a known step
         calls["n"] += 1
         if calls["n"] == 17:
-            loop.request_stop(tmp_path / "cut" / "r", "interrupted", 15)
+            policies.request_stop(tmp_path / "cut" / "r", "interrupted", 15)
         return requested(self)
 
-    monkeypatch.setattr(loop.StopRequest, "requested", sigterm_at_step_17)
+    monkeypatch.setattr(policies.StopRequest, "requested", sigterm_at_step_17)
     assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 143
     cut = json.loads((tmp_path / "cut" / "r" / "summary.json").read_text())
     assert cut["status"] == "interrupted" and cut["global_step"] == 17
-    monkeypatch.setattr(loop.StopRequest, "requested", requested)
+    monkeypatch.setattr(policies.StopRequest, "requested", requested)
     # The same command resumes (the spent stop request does not stop it again) and completes.
     assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
     ref, cut = losses(tmp_path / "ref"), losses(tmp_path / "cut")

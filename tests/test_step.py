@@ -11,8 +11,14 @@ from conftest import REPO
 from stride.datasets.order import Order, eval_rows
 from stride.trainers.config import load_config
 from stride.trainers.models import MLP, CharGPT
-from stride.trainers.step import (Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step,
-                           loss_fn)
+from stride.trainers.step import Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step
+
+
+def ce(model, batch):
+    """Cross-entropy of an (inputs, targets) micro-batch: the loss the built-in tasks compute."""
+    x, y = batch
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
 def test_lr_warmup_then_cosine_to_min_ratio():
@@ -63,7 +69,7 @@ def test_accumulation_equals_one_big_batch():
             return orig(*a, **k)
 
         opt.step = step_and_capture
-        train_step(m, opt, prec.grad_scaler(), prec, micro, grad_clip_norm=None)
+        train_step(ce, m, opt, prec.grad_scaler(), prec, micro, grad_clip_norm=None)
         return captured["g"]
 
     one = grads_after([(x, y)])
@@ -83,7 +89,7 @@ def test_fp16_gradscaler_path_on_cpu():
     data = torch.randint(0, 256, (8, 17))
     losses = []
     for _ in range(30):
-        r = train_step(model, opt, scaler, prec, [(data[:, :-1], data[:, 1:])], grad_clip_norm=1.0)
+        r = train_step(ce, model, opt, scaler, prec, [(data[:, :-1], data[:, 1:])], grad_clip_norm=1.0)
         losses.append(r.loss)
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0] * 0.8  # it learns under autocast(fp16) + dynamic loss scaling
@@ -98,7 +104,7 @@ def test_fp16_scaler_skips_non_finite_steps():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.clone() for p in model.parameters()]
     x = torch.tensor([[float("inf"), 1.0]])
-    r = train_step(model, opt, scaler, prec, [(x, torch.tensor([0]))], grad_clip_norm=1.0)
+    r = train_step(ce, model, opt, scaler, prec, [(x, torch.tensor([0]))], grad_clip_norm=1.0)
     assert not r.finite
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
     assert scaler.get_scale() < 65536.0
@@ -143,7 +149,7 @@ def test_fp32_non_finite_gradients_are_never_applied():
     prec = Precision.create("fp32", torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.clone() for p in model.parameters()]
-    r = train_step(model, opt, prec.grad_scaler(), prec, [(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0]))],
+    r = train_step(ce, model, opt, prec.grad_scaler(), prec, [(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0]))],
                    grad_clip_norm=None)
     assert not r.finite
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

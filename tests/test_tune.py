@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, read_jsonl, run_cli
-from tests.tune_fixtures import events, max_overlap, stop_session, wait_for, write_sweep
+from conftest import PYTHON, REPO, read_jsonl, run_cli
+from tune_fixtures import events, max_overlap, stop_session, wait_for, write_sweep
 from stride.trainers.config import ConfigError
 from stride.tune.space import build_sweep, load_sweep, parse_space
 
@@ -142,7 +142,7 @@ def test_combinations_of_discrete_values_are_checked():
     ({"nme": "x"}, {}, ["sweep.nme", "did you mean sweep.name"]),
     ({"mode": "minimize"}, {}, ["sweep.mode", "'min'"]),
     ({"metric": "accuracy"}, {}, ["sweep.metric", "val_accuracy"]),
-    ({"metric": "val_bpb"}, {}, ["val_bpb", "char_gpt"]),
+    ({"metric": "val_bpb"}, {}, ["sweep.metric (val_bpb)", "model.name (mlp)", "val_accuracy"]),
     ({"max_concurrent_trials": 0}, {}, ["sweep.max_concurrent_trials"]),
     ({"name": "a/b"}, {}, ["sweep.name"]),
     ({"base_config": "nope.yaml"}, {}, ["sweep.base_config (nope.yaml) does not exist"]),

@@ -30,7 +30,7 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = Field("char_gpt", description="Run name; results, checkpoints and resume live under storage_path/name")
     storage_path: str = Field("./runs", description="Folder (shared by all nodes on a cluster) holding run folders")
-    seed: int = Field(0, description="Seed for data order and weight init; dropout uses seed + world_rank")
+    seed: int = Field(0, description="Seed of the data order, the weight init and each step's random streams (dropout, augmentation)")
 
     @field_validator("name")
     @classmethod
@@ -198,14 +198,19 @@ def _default_task_config() -> TaskConfig:
     return task_class(DEFAULT).Config()
 
 
+def _task_name(raw: dict[str, Any] | None) -> str:
+    from stride.trainers.tasks import DEFAULT
+
+    return str(((raw or {}).get("model") or {}).get("name") or DEFAULT)
+
+
 def section_class(section: str, raw: dict[str, Any] | None = None) -> type[Section]:
     """The pydantic class of a section; for `model`, the Config of the task that raw's model.name selects."""
     if section != "model":
         return SECTIONS[section]
-    from stride.trainers.tasks import DEFAULT, task_class
+    from stride.trainers.tasks import task_class
 
-    name = ((raw or {}).get("model") or {}).get("name") or DEFAULT
-    return task_class(str(name)).Config
+    return task_class(_task_name(raw)).Config
 
 
 def _closest(word: str, options: list[str]) -> str:
@@ -224,7 +229,7 @@ def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = 
         fields = list(section_class(section, full if full is not None else raw).model_fields)
         for key in body:
             if key not in fields:
-                where = f" for model.name {((full or raw).get('model') or {}).get('name')}" if section == "model" else ""
+                where = f" for model.name {_task_name(full if full is not None else raw)}" if section == "model" else ""
                 raise ConfigError(f"{origin}: unknown key '{section}.{key}'{where}; {_closest(key, fields)}")
 
 
@@ -346,3 +351,54 @@ def scaled_lr(cfg: Config, world_size: int) -> float:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# ---- the configuration reference (docs/configuration.md), generated from the field descriptions ----
+
+def _default_text(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        return ""
+    return json_text(value)
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def _rows(prefix: str, cls: type[BaseModel]) -> list[str]:
+    return [f"| `{prefix}.{name}` | `{_default_text(f)}` | {f.description or ''} |" for name, f in cls.model_fields.items()]
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every key of every section and of each built-in task, with default and description.
+    Regenerate with `make docs`; tests/test_config.py fails when the file is stale."""
+    from stride.trainers.tasks import BUILTIN, task_class
+
+    out = ["# Configuration reference", "",
+           "Generated from the pydantic field descriptions in `trainers/config.py` and the built-in tasks' `Config` "
+           "classes by `make docs` (`python -m stride.trainers.config`); a test fails when it is stale.", "",
+           "Precedence: `section.field=value` on the command line > the YAML file > these defaults. Values on the "
+           "command line are parsed as YAML (`train.max_steps=null`, `model.hidden_sizes=[128,64]`).", ""]
+    for section, cls in SECTIONS.items():
+        out += [f"## `{section}`", "", cls.__doc__.strip() if section == "model" else "", "",
+                "| key | default | description |", "|---|---|---|", *_rows(section, cls), ""]
+        if section == "model":
+            for name in BUILTIN:
+                task = task_class(name).Config
+                rows = [r for r in _rows("model", task) if not r.startswith("| `model.name`")]
+                out += [f"### `model.name: {name}`", "", *(["| key | default | description |", "|---|---|---|"] + rows), ""]
+            out += ["A task of your own (`model.name: \"<module>:<Class>\"`) adds the fields of its `Config`: "
+                    "see [writing-a-task.md](writing-a-task.md).", ""]
+    return "\n".join(line for i, line in enumerate(out) if line or (i and out[i - 1])) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(reference_markdown())

@@ -239,6 +239,7 @@ class Trainer:
     # ---- one optimizer step ----
 
     def micro_batches(self, sample_log) -> list[dict[str, torch.Tensor]]:
+        self.task.training = True
         batches = []
         for _ in range(self.cfg.train.grad_accum_steps):
             rows = self.order.rows(self.state.micro_step, self.env.world_rank, self.env.world_size)
@@ -269,6 +270,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.val is None:
             return {}
+        self.task.training = False
         out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device)
         if self.sharded:
             fsdp.reshard(self.model)  # a forward without backward leaves the root unsharded

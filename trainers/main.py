@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None):
         prog="python trainers/main.py",
         description="Train a model with Stride (Ray Train + Ray Data).",
         epilog=f"Overrides are section.field=value (values parsed as YAML). Sections and fields:\n{sections}\n\n"
-               "Full table with descriptions: README.md, 'Configuration'.",
+               "Full table with descriptions: docs/configuration.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=False, help="YAML config (e.g. trainers/configs/char_gpt.yaml)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")

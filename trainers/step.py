@@ -157,25 +157,24 @@ def evaluate(task, model: nn.Module, precision: Precision, batches, device: torc
     with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing."""
     was_training = model.training
     model.eval()
-    sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64),
-                                     "rows": torch.zeros((), dtype=torch.float64)}
-    for batch, rows in batches:
+    loss_sum, rows = torch.zeros((), dtype=torch.float64), 0.0
+    metric_sums: dict[str, torch.Tensor] = {}
+    for batch, n in batches:
         with precision.autocast():
             loss = task.loss(model, batch)
             per_sample = task.metrics(model, batch)
-        sums["loss"] += loss.detach().double().cpu() * rows
-        sums["rows"] += rows
+        loss_sum += loss.detach().double().cpu() * n
+        rows += n
         for name, values in per_sample.items():
-            total = values.detach().double().reshape(-1)[:rows].sum().cpu()
-            sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + total
+            total = values.detach().double().reshape(-1)[:n].sum().cpu()
+            metric_sums[name] = metric_sums.get(name, torch.zeros((), dtype=torch.float64)) + total
     if was_training:
         model.train()
-    names = sorted(sums)  # every rank ran the task's metrics at least once: the same names, in the same order
-    reduced = all_reduce_sum(torch.stack([sums[n] for n in names]), device)
-    total = dict(zip(names, reduced.tolist()))
-    rows = max(total.pop("rows"), 1.0)
-    out = {"val_loss": total.pop("loss") / rows}
-    return out | {f"val_{name}": value / rows for name, value in sorted(total.items())}
+    names = sorted(metric_sums)  # every rank ran the task's metrics at least once: the same names, in the same order
+    reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(rows, dtype=torch.float64),
+                                          *(metric_sums[n] for n in names)]), device).tolist()
+    count = max(reduced[1], 1.0)
+    return {"val_loss": reduced[0] / count} | {f"val_{n}": v / count for n, v in zip(names, reduced[2:])}
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:

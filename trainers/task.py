@@ -54,13 +54,17 @@ class Task:
         self.config = config
         self.data_config = data_config
         self.facts: dict[str, Any] = dict(facts or {})
+        # True while Stride transforms training batches, False for validation ones (no augmentation there), as
+        # nn.Module.training.
+        self.training = True
 
     # ---- required ----
 
     def transform(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """CPU, numpy in and out, one batch of rows (`columns` -> arrays with the batch as first dimension):
-        decoding, augmentation, tokenising. The arrays returned become tensors on the worker's device. Randomness:
-        use np.random / torch; both are reseeded from (run.seed, rank, step), so a resume is exact."""
+        decoding, augmentation, tokenising. The arrays returned become tensors on the worker's device. Augment only
+        when self.training (False for validation batches). Randomness: use np.random / torch; both are reseeded
+        from (run.seed, rank, step), so a resume is exact."""
         raise NotImplementedError(f"{type(self).__name__}.transform")
 
     def build_model(self) -> nn.Module:

@@ -40,9 +40,10 @@ def task_class(name: str):
         raise ConfigError(f"model.name ({name}) is neither a built-in task ({', '.join(BUILTIN)}) nor "
                           f"\"<module>:<Class>\"; use e.g. model.name=my_task:MyTask (my_task.py in the working "
                           f"directory or on PYTHONPATH)")
-    for folder in task_search_path():
-        if folder not in sys.path:
-            sys.path.append(folder)
+    if name not in BUILTIN:  # a user's module: from the working directory or STRIDE_TASK_PATH
+        for folder in task_search_path():
+            if folder not in sys.path:
+                sys.path.append(folder)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -1,0 +1,69 @@
+"""The loop's policies without a training: cadence, non-finite steps, stop requests, per-step seeds."""
+
+import numpy as np
+import pytest
+import torch
+
+from stride.trainers.policies import (Cadence, NonFinitePolicy, StopRequest, TrainingError, clear_stop_request,
+                                      request_stop, reseed, step_seed)
+
+
+def test_cadence_logs_evaluates_and_checkpoints_on_schedule_and_at_the_end():
+    c = Cadence(total_steps=25, log_every=5, eval_every=10, checkpoint_every=20, has_val=True)
+    due = {s: c.due(s) for s in range(1, 26)}
+    assert [s for s, d in due.items() if d.log] == [5, 10, 15, 20, 25]
+    assert [s for s, d in due.items() if d.eval] == [10, 20, 25]  # and always at the end
+    assert [s for s, d in due.items() if d.checkpoint] == [20, 25]  # and always at the end
+    assert [s for s, d in due.items() if d.any] == [5, 10, 15, 20, 25]
+    assert due[25].last and not due[20].last
+
+
+def test_a_stop_checkpoints_and_logs_at_once_but_does_not_evaluate():
+    c = Cadence(total_steps=100, log_every=50, eval_every=None, checkpoint_every=None, has_val=True)
+    d = c.due(7, stopping=True)
+    assert d.log and d.checkpoint and d.last and not d.eval
+    assert not c.due(7).any
+
+
+def test_no_validation_split_never_evaluates():
+    c = Cadence(total_steps=10, log_every=1, eval_every=1, checkpoint_every=None, has_val=False)
+    assert not any(c.due(s).eval for s in range(1, 11))
+
+
+def test_nonfinite_skip_counts_steps_in_a_row_and_resets_on_a_good_one():
+    p = NonFinitePolicy("skip", limit=3)
+    assert p.observe(1, True, 0.5, 1.0) is None
+    assert "step 2" in p.observe(2, False, float("nan"), float("nan")) and p.in_a_row == 1
+    assert "2 in a row" in p.observe(3, False, float("inf"), 1.0)
+    assert p.observe(4, True, 0.4, 1.0) is None and p.in_a_row == 0  # a good step resets the count
+    p.observe(5, False, float("nan"), 1.0)
+    p.observe(6, False, float("nan"), 1.0)
+    with pytest.raises(TrainingError, match=r"non-finite .* at step 7 .*3 in a row.*optim.lr") as e:
+        p.observe(7, False, float("nan"), 1.0)
+    assert "\n" not in str(e.value)
+
+
+def test_nonfinite_stop_ends_at_the_first():
+    with pytest.raises(TrainingError, match=r"at step 1 .*1 in a row"):
+        NonFinitePolicy("stop", limit=5).observe(1, False, float("nan"), float("nan"))
+
+
+def test_stop_request_from_a_file_or_a_signal(tmp_path):
+    stop = StopRequest(tmp_path, torch.device("cpu"), world_size=1)
+    assert not stop.requested()
+    request_stop(tmp_path, "preempted", 10)
+    assert stop.requested() and stop.status() == "preempted" and stop.signal() == 10
+    clear_stop_request(tmp_path)
+    assert not stop.requested()
+    stop.on_signal(15)
+    assert stop.requested() and stop.status() == "interrupted" and stop.signal() == 15
+
+
+def test_step_seeds_differ_by_rank_and_step_and_reseed_numpy_and_torch():
+    seeds = {step_seed(0, r, s) for r in range(4) for s in range(50)}
+    assert len(seeds) == 200 and step_seed(0, 1, 7) == step_seed(0, 1, 7) != step_seed(1, 1, 7)
+    reseed(0, 1, 7)
+    a = (np.random.rand(3), torch.rand(3))
+    reseed(0, 1, 7)
+    b = (np.random.rand(3), torch.rand(3))
+    assert np.array_equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -8,10 +8,11 @@ measured window); the runtimes chosen (--runtimes, torchrun last) are interleave
 * `stride`: `python trainers/main.py` (embedded Ray, the loop in the Ray worker's training thread);
 * `stride_nice0`: Ray starts its workers at nice 15, below its daemons; this starts them at nice 0;
 * `stride_poll2`, `ray_child_poll2`: with Ray Train's default 2 s controller poll instead of Stride's 0.1 s;
-* `ray_child`: the same embedded Ray start (trainers/main.py's quiet_ray_env and init_ray) and a 2-worker TorchTrainer
-  whose per-worker function only starts `trainers/torchrun.py` as a child process (RANK/WORLD_SIZE/MASTER_* set,
-  a process group of its own) and waits for it: Ray's resident processes and idle Ray workers are all there, but
-  no Ray thread shares the training process;
+* `ray_child`: the same embedded Ray start (stride.ray_cluster.connect's quiet_ray_env and init_ray, as
+  trainers/main.py calls them) and a 2-worker TorchTrainer whose per-worker function only starts
+  `trainers/torchrun.py` as a child process (RANK/WORLD_SIZE/MASTER_* set, a process group of its own) and waits
+  for it: Ray's resident processes and idle Ray workers are all there, but no Ray thread shares the training
+  process;
 * `ray_child_driver_env`: `ray_child` whose child gets the driver's environment (as torchrun's workers get their
   launcher's), not the one Ray gives its worker processes;
 * `torchrun_beside_ray`: the same embedded Ray start, idle (no Train, no workers), and beside it
@@ -41,7 +42,7 @@ from benchmarks.step_gap import WARM_STEP, command, job_args, logged, wait_for_s
 
 PYTHON = sys.executable
 # Variants: the same runtime with these environment variables (set before Ray starts, so its raylet and workers
-# see them). Stride asks for a 0.1 s controller poll (trainers/main.py quiet_ray_env); Ray's default is 2 s.
+# see them). Stride asks for a 0.1 s controller poll (stride.ray_cluster.connect.quiet_ray_env); Ray's default is 2 s.
 VARIANTS = {"stride_nice0": ("stride", {"RAY_worker_niceness": "0"}),
             "stride_poll2": ("stride", {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
             "ray_child_poll2": ("ray_child", {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}),
@@ -56,7 +57,6 @@ def ray_driver(runtime: str, args: list[str]) -> int:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from stride.trainers.config import load_config
     from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     quiet_ray_env()

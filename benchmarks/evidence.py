@@ -5,19 +5,21 @@
 * costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
   call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
   `ray.train.report(metrics)` (Stride's per-log-step report) vs `dist.barrier()` (torchrun's report) vs a
-  1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py does them (checkpointing.stage,
-  ray.train.report(..., ASYNC) returning) vs its whole write
+  1-element all_reduce; and a checkpoint's blocking parts as trainers/loop.py and trainers/ray_worker.py do them
+  (checkpointing.stage, ray.train.report(..., ASYNC) returning) vs its whole write
   (checkpointing.save + persist, in Ray's upload thread). costs_big: the same with a ~7M-parameter char_gpt.
 * stacks (py-spy): rank 0 of `python trainers/main.py` and of `torchrun ... trainers/torchrun.py` (same job as
   make bench, longer), sampled during steady-state training; the share of samples by activity.
   Also the cores used by every process of the job's tree (Ray's daemons and actors included) and by the whole
   machine; with --stride-env KEY=VALUE a third, variant Stride run.
 * ingest (cProfile): one pass of Stride's worker-side path (get_dataset_shard -> iter_batches -> concat ->
-  table_to_arrays) over the tabular ingest set, top functions by cumulative time.
-* read: the driver's read (trainers.main.read_datasets: Ray Data read_parquet + materialize) vs pyarrow in the
-  driver + ray.data.from_arrow, for the default job's data and the tabular set.
+  table_to_columns) over the tabular ingest set, top functions by cumulative time.
+* read: the driver's read (stride.trainers.driver.read_datasets: pyarrow + ray.data.from_arrow for local splits up
+  to 2 GiB, else Ray Data read_parquet + materialize) vs pyarrow in the driver + ray.data.from_arrow, for the
+  default job's data and the tabular set.
 * driver (py-spy, idle included): a whole `python trainers/main.py` run, the driver's wall time by phase.
-* cluster: the make-bench job on an already running local head (ray_cluster.local) vs embedded Ray vs torchrun.
+* cluster: the make-bench job on an already running local head (stride.ray_cluster.local) vs embedded Ray vs
+  torchrun.
 
 Writes <out>/evidence-<YYYY-MM-DDTHHMM>.json and prints a summary. Temporary storage only.
 """
@@ -68,21 +70,25 @@ def costs_loop(config: dict) -> dict:
 
     from stride.trainers import checkpointing
     from stride.trainers.config import from_dict
-    from stride.trainers.step import Precision, build_model, build_optimizer, train_step
+    from stride.trainers.step import Precision, build_optimizer, train_step
+    from stride.trainers.tasks import make_task
 
     cfg = from_dict(config["cfg"])
     torch.set_num_threads(1)
     rank = ray.train.get_context().get_world_rank()
     W = ray.train.get_context().get_world_size()
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(build_model(cfg))
+    task = make_task(cfg)  # char_gpt: needs no facts from the data
+    model = ray.train.torch.prepare_model(task.build_model())
     raw = model.module
     opt = build_optimizer(cfg, raw, W)
     prec = Precision.create("fp32", torch.device("cpu"))
     scaler = prec.grad_scaler()
-    x = torch.randint(0, 256, (cfg.train.batch_size_per_worker, cfg.model.context + 1))
+    tokens = torch.randint(0, 256, (cfg.train.batch_size_per_worker, cfg.model.context + 1))
+    # One micro-batch as the loop builds it: the task's transform of the rows, as tensors.
+    batch = {k: torch.from_numpy(v) for k, v in task.transform({"tokens": tokens.numpy()}).items()}
     for _ in range(2):  # AdamW state exists, as in a real checkpoint
-        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        train_step(task.loss, model, opt, scaler, prec, [batch], 1.0)
     n = config["n"]
     t = collections.defaultdict(list)
 
@@ -93,7 +99,7 @@ def costs_loop(config: dict) -> dict:
         return r
 
     def step():
-        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        train_step(task.loss, model, opt, scaler, prec, [batch], 1.0)
 
     for i in range(n):
         # A training step before each call, as in the loop: Ray's result queue holds one report and the controller
@@ -134,13 +140,13 @@ def costs_loop(config: dict) -> dict:
         t["ckpt_blocked_s"].append(time.perf_counter() - t0)
         # Let the write finish before the next one, and time how long a step takes while it runs.
         s0 = time.perf_counter()
-        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        train_step(task.loss, model, opt, scaler, prec, [batch], 1.0)
         t["step_during_write_s"].append(time.perf_counter() - s0)
         deadline = time.time() + 60
         while rank == 0 and len(writes) < i + 1 and time.time() < deadline:
             time.sleep(0.01)
         s0 = time.perf_counter()
-        train_step(model, opt, scaler, prec, [(x[:, :-1], x[:, 1:])], 1.0)
+        train_step(task.loss, model, opt, scaler, prec, [batch], 1.0)
         t["step_quiet_s"].append(time.perf_counter() - s0)
     if rank == 0:
         t["ckpt_write_s"] = writes
@@ -156,8 +162,8 @@ def run_costs(tmp: Path, overrides: list[str] | None = None, name: str = "costs"
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from stride.trainers.config import load_config
     from stride.ray_cluster.connect import init_ray, quiet_ray_env
+    from stride.trainers.config import load_config
 
     cfg = load_config(CONFIG, overrides or [])
     _by_value()
@@ -176,14 +182,15 @@ def run_costs(tmp: Path, overrides: list[str] | None = None, name: str = "costs"
 # ------------------------------------------------------------------ stacks
 
 CATEGORIES = [  # first match wins, tested against the whole collapsed stack (outermost first)
-    ("checkpoint", re.compile(r"save_checkpoint|checkpointing\.py|_upload_checkpoint")),
+    # Trainer.checkpoint (trainers/loop.py) stages the state; Ray's upload thread writes it (checkpointing.save)
+    ("checkpoint", re.compile(r"save_checkpoint|checkpointing\.py|_upload_checkpoint|\bcheckpoint \(")),
     ("report (ray.train.report / torchrun barrier)", re.compile(r"\breport \(|train_fn_utils|_sync_checkpoint_dir_name|torchrun\.py\)?;?.*barrier")),
-    ("metrics (MLflow, all-reduce of figures, jsonl)", re.compile(r"log_metrics|tracking\.py|all_reduce_mean_many|MetricsFile|record_metrics")),
+    ("metrics (MLflow, all-reduce of figures, jsonl)", re.compile(r"log_metrics|tracking\.py|all_reduce_mean_many|MetricsFile|record_metrics|sinks\.py|log_figures \(")),
     ("stop check (all-reduce per step)", re.compile(r"requested \(")),
     ("optimizer step", re.compile(r"optimizer\.step|adamw|_multi_tensor_adam|_single_tensor_adam|clip_grad_norm")),
     ("backward + DDP all-reduce", re.compile(r"backward|_engine_run_backward")),
-    ("forward", re.compile(r"forward|loss_fn")),
-    ("batch (data)", re.compile(r"_to_batch|order\.py|rows \(")),
+    ("forward", re.compile(r"forward|loss_fn|\bloss \(")),  # Task.loss: the model's forward and the loss
+    ("batch (data)", re.compile(r"_to_batch|order\.py|rows \(|micro_batches \(|to_device \(|transform \(")),
     ("train_step other", re.compile(r"train_step")),
 ]
 
@@ -346,14 +353,14 @@ def ingest_profile_loop(config: dict) -> dict:
     import pyarrow as pa
     import ray.train
 
-    from stride.datasets.parquet import table_to_arrays
+    from stride.datasets.parquet import table_to_columns
 
     spec = config["spec"]
 
-    def stride_path():
+    def stride_path():  # == trainers/ray_worker.py train_loop_per_worker.load_split
         shard = ray.train.get_dataset_shard("train")
         batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
-        return table_to_arrays(pa.concat_tables(batches), spec), len(batches)
+        return table_to_columns(pa.concat_tables(batches), spec), len(batches)
 
     stride_path()  # warm
     prof = cProfile.Profile()
@@ -372,16 +379,15 @@ def run_ingest(tmp: Path, rows: int) -> dict:
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from stride.datasets.parquet import inspect
-    from stride.trainers.config import load_config
     from stride.ray_cluster.connect import init_ray, quiet_ray_env
-    from stride.trainers.driver import read_datasets
+    from stride.trainers.config import load_config
+    from stride.trainers.driver import prepare, read_datasets
 
     data = tmp / "tabular"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
                    cwd=REPO, check=True, capture_output=True)
     cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}"])
-    spec = inspect(cfg.data, cfg.model, "train")
+    spec = prepare(cfg)[1]["train"]  # the mlp task's checks and the columns it reads, as the driver does
     _by_value()
     quiet_ray_env()
     init_ray(log_to_driver=False)
@@ -404,9 +410,10 @@ def run_ingest(tmp: Path, rows: int) -> dict:
 DRIVER_PHASES = [  # first match wins, against the main thread's stack (outermost first)
     ("ray.init (embedded cluster start)", re.compile(r"init_ray \(")),
     ("driver's Ray Data read", re.compile(r"read_datasets \(")),
-    ("trainer.fit (controller, worker group, training)", re.compile(r"\bfit \(ray/train|fit \(trainers/main.py")),
+    # train_on_ray (trainers/driver.py) is what trainers/main.py's fit was: build the trainer, fit, the summary
+    ("trainer.fit (controller, worker group, training)", re.compile(r"\bfit \(ray/train|fit \(trainers/main.py|train_on_ray \(")),
     ("building the trainer", re.compile(r"build_trainer \(")),
-    ("config, data check, checkpoint check", re.compile(r"load_config|inspect \(|check_resume|check_storage")),
+    ("config, data check, checkpoint check", re.compile(r"load_config|prepare \(|inspect \(|check_resume|check_storage")),
     ("imports", re.compile(r"<module> \(|_find_and_load")),
 ]
 
@@ -450,16 +457,16 @@ def run_driver(tmp: Path, steps: int = 20) -> dict:
 
 
 def run_read(tmp: Path, rows: int) -> dict:
-    """The driver's read of the default job's data and of a tabular set: trainers.main.read_datasets (Ray Data
-    read_parquet + materialize) vs pyarrow in the driver + ray.data.from_arrow (same blocks in the object store)."""
+    """The driver's read of the default job's data and of a tabular set: stride.trainers.driver.read_datasets vs
+    pyarrow in the driver + ray.data.from_arrow (same blocks in the object store)."""
     import pyarrow.parquet as pq
     import ray
     import ray.data
 
-    from stride.datasets.parquet import inspect, read_local
-    from stride.trainers.config import load_config
+    from stride.datasets.parquet import read_local
     from stride.ray_cluster.connect import init_ray, quiet_ray_env
-    from stride.trainers.driver import read_datasets
+    from stride.trainers.config import load_config
+    from stride.trainers.driver import prepare, read_datasets
 
     data = tmp / "tabular_read"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
@@ -471,7 +478,7 @@ def run_read(tmp: Path, rows: int) -> dict:
     init_ray(log_to_driver=False)
     out = {}
     for name, cfg in sets.items():
-        spec = inspect(cfg.data, cfg.model, "train")
+        spec = prepare(cfg)[1]["train"]
         t = collections.defaultdict(list)
         for _ in range(3):
             t0 = time.perf_counter()
@@ -488,7 +495,7 @@ def run_read(tmp: Path, rows: int) -> dict:
 # ------------------------------------------------------------------ cluster (a job on a running head)
 
 def run_cluster(tmp: Path, reps: int = 2) -> dict:
-    """The make-bench job (quick) on an already running local head (ray_cluster.local, token auth) vs embedded
+    """The make-bench job (quick) on an already running local head (stride.ray_cluster.local, token auth) vs embedded
     Ray vs torchrun, alternating: how much of Stride's wall time is starting and stopping Ray itself."""
     from run import MODES, free_port, launch, phases, read_jsonl, steady
     from run import job_overrides as over

@@ -5,11 +5,13 @@
     torchrun --nproc-per-node 8 benchmarks/gpu.py --shapes M,L           # DDP: every rank measures, rank 0 writes
     python benchmarks/gpu.py --device cpu                                # tiny shape: a logic check, not a benchmark
 
-It imports only torch, the standard library and Stride's plain-PyTorch core (trainers/models.py, trainers/step.py),
-so it runs on a GPU machine without Ray, pydantic or a network. For every shape, precision and compile setting it
-times two loops on the same model, optimizer and random on-device data:
+It imports only torch, the standard library and Stride's plain-PyTorch core (stride.trainers.models,
+stride.trainers.step, stride.trainers.telemetry's peak table), so it runs on a GPU machine without Ray, pydantic or a
+network. For every shape, precision and compile setting it times two loops on the same model, optimizer and random
+on-device data:
 
-- Stride: `trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun loops call;
+- Stride: `stride.trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun
+  loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic);
 - reference: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`.
 
 Warm-up steps (compilation included) are not timed; a step's time is the median of the CUDA-event intervals between
@@ -54,7 +56,7 @@ SHAPES = {
     "tiny": (2, 64, 2, 32, 4),  # CPU logic checks
 }
 MODES = ("fp32", "bf16", "fp16")
-# Stride's defaults (trainers/config.py), copied because importing the config needs pydantic.
+# Stride's defaults (stride.trainers.config), copied because importing the config needs pydantic.
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP_NORM = 1e-3, (0.9, 0.95), 0.01, 1.0
 FLOPS_FORMULA = ("6*N + 12*layers*width*context per token (nanoGPT/PaLM MFU estimate, forward + backward; N = "
                  "parameters without the position embedding, the tied head counted once): CharGPT.flops_per_token()")
@@ -156,11 +158,18 @@ def mode_unsupported(mode: str, device: torch.device) -> str | None:
 
 # ---- one measured loop ----
 
+def char_gpt_loss(model, batch: dict) -> torch.Tensor:
+    """The char_gpt task's loss (trainers/tasks/char_gpt.py, CharGPTTask.loss), copied because importing the task
+    needs pydantic: the mean cross-entropy of the next byte, in fp32."""
+    logits = model(batch["inputs"])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch["targets"].reshape(-1))
+
+
 def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: bool):
     layers, width, heads, context, _ = shape
     torch.manual_seed(0)  # both loops start from the same weights
     raw = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0).to(device)
-    # The same parameter groups as trainers.step.build_optimizer (which needs the pydantic config).
+    # The same parameter groups as stride.trainers.step.build_optimizer (which needs the pydantic config).
     decay = [p for p in raw.parameters() if p.dim() >= 2]
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
@@ -235,7 +244,8 @@ def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, device
         scaler = precision.grad_scaler()
 
         def step(x, y):
-            return train_step(model, optimizer, scaler, precision, [(x, y)], GRAD_CLIP_NORM).loss
+            batch = {"inputs": x, "targets": y}
+            return train_step(char_gpt_loss, model, optimizer, scaler, precision, [batch], GRAD_CLIP_NORM).loss
     else:
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
@@ -421,7 +431,8 @@ def main(argv: list[str]) -> int:
             "settings": {"steps": args.steps, "warmup": args.warmup, "allow_tf32": args.allow_tf32,
                          "vocab_size": VOCAB_SIZE, "dropout": 0.0, "data": "random tokens generated on the device",
                          "optimizer": f"AdamW lr {LR} betas {BETAS} weight decay {WEIGHT_DECAY} (2-d parameters only)",
-                         "stride_loop": f"trainers.step.train_step, Precision, grad_clip_norm {GRAD_CLIP_NORM}",
+                         "stride_loop": f"stride.trainers.step.train_step with CharGPTTask's loss, Precision, "
+                                        f"grad_clip_norm {GRAD_CLIP_NORM}",
                          "reference_loop": "autocast forward + cross_entropy, scaler.scale(loss).backward(), "
                                            "scaler.step, scaler.update, zero_grad(set_to_none=True); no clipping",
                          "timing": "median of CUDA-event intervals between timed steps (wall clock on CPU); "

@@ -3,17 +3,19 @@
     python benchmarks/ray_bench.py <spec.json> <result.json>
 
 Started by run.py as one subprocess (its own process tree, an embedded Ray like `trainers/main.py` starts:
-trainers.main.init_ray), so several measurements share one `ray.init()` and one Ray Data read:
+stride.ray_cluster.connect.init_ray), so several measurements share one `ray.init()` and one Ray Data read:
 
-* ingest: the driver reads each Parquet set with Stride's own `trainers.main.read_datasets`; then ONE worker (a
+* ingest: the driver checks each Parquet set against its task (stride.trainers.driver.prepare: the task's inspect,
+  the columns it reads) and reads it with Stride's own `stride.trainers.driver.read_datasets`; then ONE worker (a
   TorchTrainer with the DataConfig Stride's build_trainer uses: datasets_to_split=[], preserve_order) takes turns,
-  `passes` times, between (a) Stride's worker-side path, the same calls as trainers/loop.py
+  `passes` times, between (a) Stride's worker-side path, the same calls as trainers/ray_worker.py
   train_loop_per_worker.load_split (get_dataset_shard -> iter_batches(batch_size=None, batch_format="pyarrow",
-  prefetch_batches=2) -> pa.concat_tables -> datasets.parquet.table_to_arrays), (b) pyarrow reading the same files
-  in that same process (datasets.parquet.read_local -> table_to_arrays, the torchrun path) and (c) a torch
-  DataLoader over the same files (one file per item, num_workers=0). Same process, same CPU reservation, side by
-  side: the ratio is not skewed by where each reader runs.
-* scaling: fits of Stride's own trainer (trainers.main.build_trainer, the real loop) with 1 (and, with
+  prefetch_batches=2) -> pa.concat_tables -> datasets.parquet.table_to_columns), (b) pyarrow reading the same
+  files in that same process (datasets.parquet.read_local -> table_to_columns, the torchrun path) and (c) a torch
+  DataLoader over the same files (one file per item, num_workers=0, each file through table_to_columns, then the
+  columns concatenated and put in sample_id order). Same process, same CPU reservation, side by side: the ratio
+  is not skewed by where each reader runs. (The task's per-batch transform is not part of any of the three.)
+* scaling: fits of Stride's own trainer (stride.trainers.driver.build_trainer, the real loop) with 1 (and, with
   "workers": [1, 2], 2) workers at the same per-worker batch, alternating, on the data read once; throughput from
   each run's metrics.jsonl.
 """
@@ -38,7 +40,7 @@ def ingest_loop(config: dict) -> dict:
     import ray.train
     import torch
 
-    from stride.datasets.parquet import read_local, table_to_arrays
+    from stride.datasets.parquet import Columns, read_local, table_to_columns
 
     class Files(torch.utils.data.Dataset):
         def __init__(self, spec):
@@ -51,28 +53,28 @@ def ingest_loop(config: dict) -> dict:
             import pyarrow.parquet as pq
 
             t = pq.read_table(self.spec.files[i], columns=list(self.spec.columns))
-            a = table_to_arrays(t, self.spec)
-            return a.x, a.y, a.sample_id
+            c = table_to_columns(t, self.spec)
+            return c.data, c.sample_id
 
     def collate(items):
         return items
 
-    def stride_path(name, spec):  # == trainers/loop.py train_loop_per_worker.load_split
+    def stride_path(name, spec):  # == trainers/ray_worker.py train_loop_per_worker.load_split
         shard = ray.train.get_dataset_shard(name)
         batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
         table = pa.concat_tables(batches)
-        return table_to_arrays(table, spec)
+        return table_to_columns(table, spec)
 
     def pyarrow_path(name, spec):
-        return table_to_arrays(read_local(spec), spec)
+        return table_to_columns(read_local(spec), spec)
 
     def dataloader_path(name, spec):
         import numpy as np
 
         parts = list(torch.utils.data.DataLoader(Files(spec), batch_size=None, num_workers=0, collate_fn=None))
-        x = np.concatenate([p[0] for p in parts])
-        ids = np.concatenate([p[2] for p in parts])
-        return x[np.argsort(ids, kind="stable")]
+        ids = np.concatenate([p[1] for p in parts])
+        order = np.argsort(ids, kind="stable")
+        return Columns({c: np.concatenate([p[0][c] for p in parts])[order] for c in parts[0][0]}, ids[order])
 
     out: dict = {"threads": {"torch": torch.get_num_threads(), "pyarrow": pa.cpu_count(),
                              "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
@@ -99,15 +101,14 @@ def ingest(spec: dict, storage: Path, cache: dict) -> dict:
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from stride.datasets.parquet import inspect
     from stride.trainers.config import load_config
-    from stride.trainers.driver import read_datasets
+    from stride.trainers.driver import prepare, read_datasets
 
     specs, driver_read_s = {}, {}
     datasets = {}
     for name, d in spec["ingest_sets"].items():
         cfg = load_config(d["config"], d["overrides"])
-        specs[name] = inspect(cfg.data, cfg.model, "train")
+        specs[name] = prepare(cfg)[1]["train"]  # the task's checks and the columns it reads, as the driver does
         driver_read_s[name] = []
         for _ in range(d.get("reads", 1)):  # the driver's read, as trainers/main.py does it before the gang starts
             t0 = time.perf_counter()
@@ -132,12 +133,12 @@ def ingest(spec: dict, storage: Path, cache: dict) -> dict:
 
 
 def scaling(spec: dict, storage: Path, cache: dict) -> dict:
-    from stride.datasets.parquet import inspect
     from stride.trainers.config import load_config
-    from stride.trainers.driver import build_trainer, read_datasets
+    from stride.trainers.driver import build_trainer, prepare, read_datasets
 
     base = load_config(spec["config"], spec["overrides"])
-    specs = {"train": inspect(base.data, base.model, "train")}
+    task, all_specs = prepare(base)
+    specs = {"train": all_specs["train"]}
     datasets = {"train": cache[specs["train"]]} if specs["train"] in cache else read_datasets(specs)
     runs = []
     for rep in range(spec["reps"]):
@@ -146,22 +147,28 @@ def scaling(spec: dict, storage: Path, cache: dict) -> dict:
             name = f"scale_w{workers}_r{rep}"
             cfg = load_config(spec["config"], spec["overrides"] + [
                 f"run.name={name}", f"run.storage_path={storage}", f"scaling.num_workers={workers}"])
-            trainer, runtime = build_trainer(cfg, specs, datasets)
+            trainer, plan, _ = build_trainer(cfg, specs, task.facts, datasets)
             t0 = time.perf_counter()
             result = trainer.fit()
             runs.append({"rep": rep, "workers": workers, "fit_s": time.perf_counter() - t0,
-                         "run_dir": runtime["run_dir"], "summary": result.return_value,
+                         "run_dir": plan.run_dir, "summary": result.return_value,
                          "loadavg": os.getloadavg()})
     return {"runs": runs}
 
 
-def main() -> int:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out_path = Path(sys.argv[2])
+def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if len(argv) != 2:
+        print("usage: python benchmarks/ray_bench.py <spec.json> <result.json> (benchmarks/run.py writes the spec)",
+              file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    out_path = Path(argv[1])
     storage = Path(spec["storage"])
     storage.mkdir(parents=True, exist_ok=True)
 
-    from stride.trainers.config import load_config
     from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     quiet_ray_env()
@@ -180,4 +187,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

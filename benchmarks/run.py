@@ -443,7 +443,7 @@ def compute(mode: Mode, pairs: list[dict], rb: dict) -> dict:
         "scaling_2_over_1", [ratio(b, a) for a, b in zip(one, two)], "ratio", None, ideal=2.0,
         samples_per_second_1=summarize(one), samples_per_second_2=summarize(two), two_worker_source=source,
         job=f"char_gpt, 32 sequences per worker, 1 torch thread per worker; 1 worker: Stride's trainer "
-            f"(trainers.main.build_trainer), {mode.scale_steps} steps")
+            f"(stride.trainers.driver.build_trainer), {mode.scale_steps} steps")
     ck = [c for a in s for c in a["checkpoints"]]
     ckt = [c for b in t for c in b["checkpoints"]]
     figs["ckpt_blocked_fraction"] = figure(

@@ -44,7 +44,7 @@ def job_args(root: Path, name: str, steps: int) -> list[str]:
     """The default job, no checkpoints, evaluation or MLflow: the same for every runtime compared."""
     return ["--config", "trainers/configs/char_gpt.yaml", f"run.storage_path={root}", f"run.name={name}",
             f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100000",
-            "checkpoint.every_steps=100000", "tracking.mlflow_uri=null"]
+            "checkpoint.every_steps=100000", "tracking.mlflow=false"]
 
 
 def command(runtime: str, workers: int, args: list[str]) -> list[str]:

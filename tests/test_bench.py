@@ -7,13 +7,26 @@ from __future__ import annotations
 import json
 import math
 import re
+import runpy
+import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 GOALS = {"step_time_ratio": "<= 1.02", "wall_ratio": "<= 1.5", "ingest_ratio": ">= 0.8",
          "data_wait_fraction": "< 0.02", "ckpt_blocked_fraction": "<= 0.2"}
+
+
+def load_script(path: str) -> dict:
+    """A benchmark script's namespace, run by path (benchmarks/ is no package, and the repository root is not on the
+    tests' sys.path). The script puts the root on sys.path to import Stride from the checkout: undone here, so the
+    repository's datasets/ never hides Hugging Face `datasets` in later tests."""
+    saved = list(sys.path)
+    try:
+        return runpy.run_path(str(REPO / path), run_name=path.rsplit("/", 1)[-1].removesuffix(".py"))
+    finally:
+        sys.path[:] = saved
 
 
 def finite(x) -> bool:
@@ -53,7 +66,7 @@ def test_bench_smoke_writes_every_figure_with_its_goal(tmp_path):
 
 def test_step_gap_sorts_py_spy_stacks_into_gil_and_collective_waits(tmp_path):
     """benchmarks/step_gap.py's reading of py-spy's raw stacks (the README's GIL-wait figure comes from it)."""
-    from benchmarks.step_gap import classify
+    classify = load_script("benchmarks/step_gap.py")["classify"]
 
     train = "thread (1): TrainingThread;run (trainers/loop.py:400);train_step (trainers/step.py:120)"
     raw = tmp_path / "spy.txt"

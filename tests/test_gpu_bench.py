@@ -9,6 +9,7 @@ import json
 import os
 import runpy
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +28,16 @@ def run_gpu_py(args: list[str], timeout: float = 600) -> subprocess.CompletedPro
     # One thread: this machine is shared, and OpenMP spinning under contention makes tiny steps take seconds.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run([PYTHON, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def load_gpu_py() -> dict:
+    """gpu.py's namespace, run in this process. It puts the repository root on sys.path (to import Stride from a
+    checkout): undone here, so the repository's datasets/ never hides Hugging Face `datasets` in later tests."""
+    saved = list(sys.path)
+    try:
+        return runpy.run_path(str(REPO / GPU_PY), run_name="gpu_bench")
+    finally:
+        sys.path[:] = saved
 
 
 def check_loop(fig: dict) -> None:
@@ -117,7 +128,7 @@ def test_bad_option_one_line_exit_2():
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_options_in_process(args, says, capsys):
-    gpu = runpy.run_path(str(REPO / GPU_PY), run_name="gpu_bench")
+    gpu = load_gpu_py()
     assert gpu["main"](["--device", "cpu", *args] if "--device" not in args else args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("benchmarks/gpu.py: error: ") and says in err[0], err
@@ -132,7 +143,7 @@ def test_cuda_without_gpu_says_use_cpu():
 
 
 def test_peak_table_and_slug():
-    gpu = runpy.run_path(str(REPO / GPU_PY), run_name="gpu_bench")
+    gpu = load_gpu_py()
     expect = {"NVIDIA H100 80GB HBM3": ("H100 SXM", 989e12), "NVIDIA H100 PCIe": ("H100 PCIe", 756e12),
               "NVIDIA H100 NVL": ("H100 NVL", 835e12), "NVIDIA H200": ("H200", 989e12),
               "NVIDIA A100-SXM4-80GB": ("A100", 312e12), "NVIDIA A100 80GB PCIe": ("A100", 312e12),

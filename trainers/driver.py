@@ -55,10 +55,6 @@ def check_multinode_paths(cfg: Config, nodes: int) -> None:
 
 # Local splits up to this size are read by pyarrow in the driver; bigger ones (and remote URIs) by Ray Data's
 # parallel read tasks. Every worker holds the whole split in memory either way (datasets/order.py).
-
-
-# Local splits up to this size are read by pyarrow in the driver; bigger ones (and remote URIs) by Ray Data's
-# parallel read tasks. Every worker holds the whole split in memory either way (datasets/order.py).
 DRIVER_READ_MAX_BYTES = 2 << 30
 BLOCK_ROWS_TARGET_BYTES = 64 << 20
 

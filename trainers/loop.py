@@ -124,7 +124,7 @@ class Trainer:
         self.rank0 = env.world_rank == 0
         self.run_dir = Path(plan.run_dir)
         self.task = make_task(cfg, plan.facts)
-        self.state = TrainState(mlflow_run_id=None)
+        self.state = TrainState()
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
@@ -228,7 +228,7 @@ class Trainer:
                 from stride.trainers.tracking import Tracker
 
                 tracker = Tracker(self.plan.mlflow_uri, self.cfg.tracking.experiment, self.cfg.run.storage_path)
-                # A restarted Tune trial with no checkpoint yet continues the MLflow run its caller opened.
+                # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
                 self.state.mlflow_run_id = tracker.start(self.cfg.run.name, self.state.mlflow_run_id,
                                                          self.cfg.to_dict(), self.plan.mlflow_parent_run_id)
             if self.env.progress_bar is not None:

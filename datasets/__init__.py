@@ -1,7 +1,5 @@
 """Stride's data: prepared Parquet sets, Parquet inspection, and the deterministic sample order.
 
-This package shares its name with Hugging Face `datasets`; tests/test_imports.py proves that
-`import datasets` resolves here when Stride runs from the repo root.
+Installed as `stride.datasets` (setup.cfg's package_dir), never as a top-level `datasets`: Hugging Face `datasets`
+keeps its name in any environment Stride is installed in (tests/test_imports.py).
 """
-
-STRIDE_DATASETS = True

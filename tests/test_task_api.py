@@ -19,6 +19,9 @@ TASK = '''
 import numpy as np, torch
 from stride import Task
 
+SEEN = []  # (self.training, rows) of every transform call, for the test
+
+
 class Line(Task):
     class Config(Task.Config):
         hidden: int = 8
@@ -29,6 +32,7 @@ class Line(Task):
         return {"scale": float(np.abs(train.read(["y"]).column("y").to_numpy()).max())}
 
     def transform(self, batch):
+        SEEN.append((self.training, len(batch["x"])))
         return {"x": batch["x"].astype(np.float32)[:, None], "y": (batch["y"] / self.facts["scale"]).astype(np.float32)}
 
     def build_model(self):
@@ -117,8 +121,15 @@ def test_a_user_task_trains_in_one_process_and_reports_its_metric(project):
         checkpoint: {every_steps: 60}
         tracking: {mlflow: false}
         """))
-    r = run_cli([str(REPO / "trainers/torchrun.py"), "--config", "line.yaml"], cwd=project, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    from stride.trainers.torchrun import main as torchrun_main
+
+    assert torchrun_main(["--config", "line.yaml"]) == 0
+    import line_task
+
+    # transform's self.training: True for the 120 training batches, False for validation's (256 rows in batches of
+    # 64, before training and at steps 60 and 120).
+    assert line_task.SEEN.count((True, 64)) == 120 and line_task.SEEN.count((False, 64)) == 3 * 4
+    assert line_task.SEEN[:4] == [(False, 64)] * 4
     s = json.loads((project / "runs/line/summary.json").read_text())
     assert s["task"] == "line_task:Line" and s["facts"] == {"scale": pytest.approx(7.0, abs=0.01)}
     assert s["val_loss"] < 0.05 * s["initial_val_loss"] and s["val_abs_err"] < 0.1

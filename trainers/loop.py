@@ -30,6 +30,7 @@ from stride.trainers.policies import Cadence, NonFinitePolicy, StopRequest, Trai
 from stride.trainers.sinks import MetricsFile, Sinks
 from stride.trainers.step import (Precision, StepResult, all_reduce_mean_many, build_optimizer, build_scheduler,
                                   evaluate, resolve_precision, train_step)
+from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 
 log = logging.getLogger("stride")
@@ -159,6 +160,10 @@ class Trainer:
         self.precision_name = resolve_precision(t.precision, env.device)
         self.sample_flops = self.task.flops_per_sample(model)
         self.device_peak = telemetry.peak_flops(env.device, self.precision_name, t.peak_flops)
+        if self.device_peak and self.sample_flops and type(self.task).flops_per_sample is Task.flops_per_sample \
+                and self.rank0:
+            log.info("mfu uses Task.flops_per_sample's default estimate, 6 x %d parameters per sample: low for "
+                     "sequence models; override flops_per_sample in %s", self.sample_flops // 6, cfg.model.name)
         if self.precision_name != "fp32" and env.device.type == "cpu" and self.rank0:
             log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; use "
                         "train.precision=auto (fp32 on CPU) unless you are testing mixed precision", self.precision_name)

@@ -1,0 +1,439 @@
+"""A user's own task, in a project folder outside Stride's packages (tests/user_project: signal_task.py, a 1-D CNN
+over a fixed-length float signal; make_data.py; signal.yaml), through every way Stride runs it: 2 Ray workers
+(`python -m stride`, MLflow), torchrun DDP and FSDP, bf16/fp16 on CPU, gradient accumulation, exact resume after a
+SIGKILLed driver, a 2-worker checkpoint resumed by 1 worker, a Tune sweep over the task's own field, `ray job submit`
+of the folder to a token-auth head, and SLURM's stride.sbatch.
+
+Each test copies the project into a temporary folder and runs from there (the task module is found in the working
+directory, as a user's is); nothing is written into the repository. The module itself asserts that `import
+datasets` is Hugging Face's in every process that imports it: Stride must never shadow it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster_fixtures import RAY, clean_env, head_factory  # noqa: F401 - head_factory: a fixture used below
+from conftest import PYTHON, REPO, descendants, free_port, kill_pids, read_jsonl, run_cli, wait_for_step
+from slurm_cluster import slurm_cluster_fixture
+
+PROJECT = Path(__file__).resolve().parent / "user_project"
+TASK = "signal_task:SignalTask"
+TORCHRUN_PY = str(REPO / "trainers" / "torchrun.py")
+FACTS = {"num_classes": 4, "signal_length": 64}
+# The model of signal.yaml (channels 16, depth 3, 4 classes): stem 16*7+16, 3 blocks of 16*16*3+16, head 16*4+4.
+PARAM_BYTES = (16 * 7 + 16 + 3 * (16 * 16 * 3 + 16) + 16 * 4 + 4) * 4
+
+# The shared 2-worker Ray run, also the uninterrupted reference of the SIGKILL test: a few seconds of training with
+# steps long enough (batch 128 per worker) that a kill lands between two checkpoints.
+RAY_STEPS = 300
+RAY_ARGS = [f"train.max_steps={RAY_STEPS}", "train.batch_size_per_worker=128", "checkpoint.every_steps=100",
+            "train.log_every_steps=10", "train.eval_every_steps=100"]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+def copy_project(dst: Path) -> Path:
+    """The user's folder, as a user has it: the three files, then `python make_data.py` run there."""
+    shutil.copytree(PROJECT, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "runs", "data"))
+    r = subprocess.run([PYTHON, "make_data.py"], cwd=dst, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dst
+
+
+def stride(project: Path, *overrides: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    """`python -m stride --config signal.yaml ...` from the user's folder (embedded local Ray)."""
+    return run_cli(["-m", "stride", "--config", "signal.yaml", *overrides], cwd=project, env=env, timeout=timeout)
+
+
+def start_stride(project: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, "-m", "stride", "--config", "signal.yaml", *overrides], cwd=project,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def torchrun(project: Path, nproc: int, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """trainers/torchrun.py from the user's folder: under torch.distributed.run with nproc > 1, else one plain
+    process (no launcher, no process group)."""
+    launcher = ([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                 str(free_port())] if nproc > 1 else [PYTHON])
+    r = subprocess.run([*launcher, TORCHRUN_PY, "--config", "signal.yaml", *overrides], cwd=project,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r}
+
+
+def evals(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
+
+
+def assert_reports_accuracy(run_dir: Path, s: dict) -> None:
+    """The task's own metric: val_accuracy in every evaluation line of metrics.jsonl and in summary.json."""
+    lines = evals(run_dir)
+    assert lines and all("val_accuracy" in r and 0.0 <= r["val_accuracy"] <= 1.0 for r in lines), lines
+    assert s["val_accuracy"] == lines[-1]["val_accuracy"] and s["global_step"] == lines[-1]["step"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    return copy_project(tmp_path_factory.mktemp("user") / "signal_project")
+
+
+# ---- fast: the project's own files, config resolution (no Ray, no training) --------------------------------
+
+def test_make_data_writes_signal_rows_with_unique_ids(project):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train, val = (pq.read_table(project / "data" / split) for split in ("train", "val"))
+    assert train.num_rows == 2048 and val.num_rows == 512
+    t = train.schema.field("signal").type
+    assert pa.types.is_fixed_size_list(t) and t.list_size == 64 and t.value_type == pa.float32()
+    assert train.schema.field("sample_id").type == "int64" and train.schema.field("target").type == "int64"
+    ids = train.column("sample_id").to_pylist() + val.column("sample_id").to_pylist()
+    assert len(set(ids)) == len(ids)
+    assert set(train.column("target").to_pylist()) == {0, 1, 2, 3}
+
+
+def test_config_takes_the_tasks_fields_and_refuses_unknown_ones(project):
+    r = stride(project, "--print-config", "model.channels=8", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = yaml.safe_load(r.stdout)["model"]
+    assert model == {"name": TASK, "channels": 8, "depth": 3, "dropout": 0.0, "max_shift": 8}
+    r = stride(project, "--print-config", "model.chanels=8", timeout=120)
+    assert r.returncode == 2
+    assert f"unknown key 'model.chanels' for model.name {TASK}" in r.stderr and "channels" in r.stderr, r.stderr
+    r = stride(project, "--print-config", "model.channels=1", timeout=120)  # the task's own pydantic bound
+    assert r.returncode == 2 and "model.channels" in r.stderr, r.stderr
+
+
+# ---- 1. two Ray workers, MLflow ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_run(project):
+    r = stride(project, "run.name=ray2", *RAY_ARGS)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {"dir": project / "runs" / "ray2", "stdout": r.stdout}
+
+
+@pytest.mark.slow
+def test_two_ray_workers_train_the_users_task(ray_run):
+    run, s = ray_run["dir"], summary(ray_run["dir"])
+    assert s["status"] == "completed" and s["global_step"] == RAY_STEPS and s["world_size"] == 2
+    assert s["strategy"] == "ddp" and s["task"] == TASK and s["facts"] == FACTS and s["restarts"] == 0
+    assert s["config"]["model"]["channels"] == 16
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(10, RAY_STEPS + 1, 10))
+    assert losses[RAY_STEPS] < 0.5 * losses[10]  # the loss falls
+    assert s["val_loss"] < 0.5 * s["initial_val_loss"]
+    assert_reports_accuracy(run, s)
+    assert s["val_accuracy"] > 0.9  # 4 classes: chance is 0.25
+    assert f"val_accuracy {s['val_accuracy']:.4f}" in ray_run["stdout"]  # the driver's final line names it
+    assert s["param_checksums"][0] == s["param_checksums"][1]  # DDP replicas hold identical weights
+    assert s["param_bytes_per_worker"] == [PARAM_BYTES, PARAM_BYTES]
+
+
+@pytest.mark.slow
+def test_mlflow_run_records_the_tasks_fields_and_metric(ray_run, project):
+    from mlflow.tracking import MlflowClient
+
+    s = summary(ray_run["dir"])
+    client = MlflowClient(f"sqlite:///{project / 'runs' / 'mlflow.db'}")  # tracking.mlflow_uri null: the default
+    run = client.get_run(s["mlflow_run_id"])
+    params = run.data.params
+    assert params["model.name"] == TASK and params["model.channels"] == "16" and params["model.depth"] == "3"
+    assert params["model.max_shift"] == "8"
+    assert run.data.metrics["val_accuracy"] == pytest.approx(s["val_accuracy"])
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "ray2"
+
+
+# ---- 2, 5. torchrun, 2 processes: DDP and FSDP ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torchrun_runs(project, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("torchrun")
+    common = [f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
+    torchrun(project, 2, "run.name=ddp", *common)
+    torchrun(project, 2, "run.name=fsdp", "train.strategy=fsdp", *common)
+    return storage
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_reports_the_tasks_metric(torchrun_runs):
+    run = torchrun_runs / "ddp"
+    s = summary(run)
+    assert s["status"] == "completed" and s["global_step"] == 40 and s["world_size"] == 2
+    assert s["strategy"] == "ddp" and s["runtime"] == "torchrun" and s["task"] == TASK and s["facts"] == FACTS
+    assert_reports_accuracy(run, s)
+    assert [r["step"] for r in evals(run)] == [20, 40]
+    assert s["val_loss"] < s["initial_val_loss"] - 0.3 and s["val_accuracy"] > 0.5
+    assert s["param_checksums"][0] == s["param_checksums"][1]
+    # tracking.mlflow=false: no MLflow run, no store created
+    assert s["mlflow_run_id"] is None and not (torchrun_runs / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_users_blocks(torchrun_runs):
+    run = torchrun_runs / "fsdp"
+    s, ddp = summary(run), summary(torchrun_runs / "ddp")
+    assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["world_size"] == 2 and s["global_step"] == 40
+    assert s["val_loss"] < s["initial_val_loss"] - 0.3
+    assert_reports_accuracy(run, s)
+    assert ddp["param_bytes_per_worker"] == [PARAM_BYTES, PARAM_BYTES]
+    sharded = s["param_bytes_per_worker"]
+    assert sum(sharded) == PARAM_BYTES and all(abs(b - PARAM_BYTES / 2) <= 0.02 * PARAM_BYTES for b in sharded), sharded
+    assert s["param_checksums"][0] == s["param_checksums"][1]  # both ranks sum the same full parameters
+    # Same data, seed and init: the strategies differ only by the order of float reductions.
+    a, b = train_losses(torchrun_runs / "ddp"), train_losses(run)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), step
+
+
+# ---- 3. mixed precision on CPU ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu_gives_finite_losses(project, tmp_path, precision):
+    torchrun(project, 2, f"run.storage_path={tmp_path}", "run.name=p", f"train.precision={precision}",
+             "train.max_steps=10", "train.log_every_steps=1", "train.eval_every_steps=10", "tracking.mlflow=false")
+    s = summary(tmp_path / "p")
+    assert s["status"] == "completed" and s["precision"] == precision and s["global_step"] == 10
+    losses = train_losses(tmp_path / "p")
+    assert sorted(losses) == list(range(1, 11)) and all(math.isfinite(v) for v in losses.values()), losses
+    assert math.isfinite(s["val_loss"]) and s["val_loss"] < s["initial_val_loss"]
+    assert_reports_accuracy(tmp_path / "p", s)
+
+
+# ---- 4. gradient accumulation -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_accumulating_two_micro_batches_equals_one_batch_twice_as_big(project, tmp_path):
+    """One process: 2 micro-batches of 16 per step, against 1 batch of 32. The rows of a step are the same (the
+    order cuts the same permutation), the augmentation draws the same shifts (np.random, reseeded per step), so
+    the runs differ only by float rounding."""
+    common = [f"run.storage_path={tmp_path}", "tracking.mlflow=false", "model.dropout=0.0", "train.max_steps=20",
+              "train.log_every_steps=1", "train.eval_every_steps=20", "scaling.num_workers=1"]
+    torchrun(project, 1, "run.name=accum", "train.batch_size_per_worker=16", "train.grad_accum_steps=2", *common)
+    torchrun(project, 1, "run.name=big", "train.batch_size_per_worker=32", "train.grad_accum_steps=1", *common)
+    accum, big = train_losses(tmp_path / "accum"), train_losses(tmp_path / "big")
+    assert sorted(accum) == sorted(big) == list(range(1, 21))
+    for step in big:
+        assert accum[step] == pytest.approx(big[step], rel=1e-4, abs=1e-6), (step, accum[step], big[step])
+    assert big[20] < big[1]
+    sa, sb = summary(tmp_path / "accum"), summary(tmp_path / "big")
+    assert sa["samples_seen"] == sb["samples_seen"] == 20 * 32
+    assert sa["val_loss"] == pytest.approx(sb["val_loss"], rel=1e-4)
+    assert sa["val_accuracy"] == pytest.approx(sb["val_accuracy"], abs=2 / 512)  # at most a sample or two flips
+
+
+# ---- 6. a SIGKILLed driver: the same command resumes exactly ----------------------------------------------------
+
+@pytest.mark.slow
+def test_driver_sigkill_then_same_command_resumes_exactly(project, ray_run):
+    from stride.trainers import checkpointing
+
+    run = project / "runs" / "killed"
+    args = ["run.name=killed", *RAY_ARGS]
+    proc = start_stride(project, *args)
+    try:
+        wait_for_step(run / "metrics.jsonl", 110, proc)
+        deadline = time.time() + 60  # the step-100 checkpoint is uploaded in the background: wait until it landed
+        while checkpointing.newest_complete(run) is None and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+    finally:
+        tree = descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        time.sleep(2)
+        kill_pids(tree)  # Ray's agents can outlive a SIGKILLed driver; stop exactly what this run started
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            out = "(output not readable: a process still holds the pipe)"
+    newest = checkpointing.newest_complete(run)
+    assert newest is not None, out[-3000:]
+    step = checkpointing.read_meta(newest)["step"]
+    assert step in (100, 200), out[-3000:]  # killed between two checkpoints, before the end
+    assert not (run / "summary.json").exists()
+    mlflow_run_id = checkpointing.read_meta(newest)["mlflow_run_id"]
+
+    r = stride(project, *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resuming killed from {newest.name} (step {step})" in r.stdout and f"at step {step}" in r.stdout
+    s = summary(run)
+    assert s["status"] == "completed" and s["global_step"] == RAY_STEPS and s["restarts"] == 1
+    assert s["mlflow_run_id"] == mlflow_run_id  # the same MLflow run continues
+    # Every logged step equals the uninterrupted run's, bitwise; the evaluations and final weights too.
+    assert train_losses(run) == train_losses(ray_run["dir"])
+    ref = summary(ray_run["dir"])
+    assert [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(run) if e["step"] > step] == \
+           [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(ray_run["dir"]) if e["step"] > step]
+    assert s["param_checksums"] == ref["param_checksums"] and s["val_accuracy"] == ref["val_accuracy"]
+
+
+# ---- 7. a 2-worker checkpoint resumed by 1 worker ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(project, tmp_path):
+    """Ray, 2 workers x 64 rows for 10 steps, then the same run on 1 worker x 128 rows (the same global batch) to
+    the end of the epoch: every training row is seen exactly once in epoch 0 (STRIDE_SAMPLE_LOG)."""
+    log = tmp_path / "samples"
+    rows = 2048
+    per_epoch = rows // 128
+    common = [f"run.storage_path={tmp_path}", "run.name=elastic", "tracking.mlflow=false", "checkpoint.every_steps=10",
+              "train.log_every_steps=2", "train.eval_every_steps=100"]
+    env = {"STRIDE_SAMPLE_LOG": str(log)}
+    r = stride(project, *common, "scaling.num_workers=2", "train.batch_size_per_worker=64", "train.max_steps=10",
+               env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    first = train_losses(tmp_path / "elastic")
+    r = stride(project, *common, "scaling.num_workers=1", "train.batch_size_per_worker=128",
+               f"train.max_steps={per_epoch}", env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "(step 10)" in r.stdout and "at step 10" in r.stdout
+    s = summary(tmp_path / "elastic")
+    assert s["status"] == "completed" and s["restarts"] == 1 and s["world_size"] == 1
+    assert s["global_step"] == per_epoch and s["samples_seen"] == per_epoch * 128
+    seen = [(r["micro_step"], r["world_size"], i) for f in log.glob("rank*.jsonl") for r in read_jsonl(f)
+            for i in r["sample_ids"]]
+    assert {w for m, w, _ in seen if m < 10} == {2} and {w for m, w, _ in seen if m >= 10} == {1}
+    ids = [i for m, _, i in seen if m < per_epoch]
+    assert len(ids) == len(set(ids)) == rows and set(ids) == set(range(rows))  # none twice, none skipped
+    losses = train_losses(tmp_path / "elastic")
+    assert {k: losses[k] for k in first} == first and max(losses) == per_epoch  # continued, not restarted
+    assert losses[per_epoch] < first[2]
+
+
+# ---- 8. a Tune sweep over the task's own field ------------------------------------------------------------------
+
+SWEEP = """\
+# Sweep the task's own field model.channels: 2 trials of 1 worker each, side by side on 2 CPUs.
+# Launch:   python -m stride.tune.main --config sweep.yaml      (from this folder)
+sweep:
+  name: signal_sweep
+  base_config: signal.yaml
+  storage_path: ./runs
+  metric: val_accuracy
+  mode: max
+  num_samples: 1
+  search: grid
+  scheduler: fifo
+  max_concurrent_trials: auto
+  seed: 0
+base:
+  scaling.num_workers: 1
+  train.max_steps: 30
+  train.eval_every_steps: 30
+  checkpoint.every_steps: 30
+space:
+  model.channels: {choice: [8, 16]}
+"""
+
+
+@pytest.mark.slow
+def test_sweep_over_a_task_field_runs_both_trials(tmp_path):
+    project = copy_project(tmp_path / "signal_project")
+    (project / "sweep.yaml").write_text(SWEEP)
+    r = run_cli(["-m", "stride.tune.main", "--config", "sweep.yaml"], cwd=project, timeout=400)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads((project / "runs" / "signal_sweep" / "sweep_summary.json").read_text())
+    assert s["status"] == "completed" and s["metric"] == "val_accuracy" and len(s["trials"]) == 2
+    assert sorted(t["params"]["model.channels"] for t in s["trials"]) == [8, 16]
+    bytes_by_channels = {}
+    for t in s["trials"]:
+        assert t["status"] == "completed" and t["steps"] == 30, t
+        own = summary(Path(t["run_dir"]))
+        assert own["status"] == "completed" and own["task"] == TASK
+        assert own["config"]["model"]["channels"] == t["params"]["model.channels"]
+        assert own["val_accuracy"] == pytest.approx(t["metric"])
+        bytes_by_channels[t["params"]["model.channels"]] = own["param_bytes_per_worker"][0]
+    assert bytes_by_channels[16] == PARAM_BYTES and bytes_by_channels[8] < bytes_by_channels[16]  # really different
+    best = max(s["trials"], key=lambda t: t["metric"])
+    assert s["best_metric"] == best["metric"] and s["best_config"] == best["params"]
+
+
+# ---- 9. `ray job submit --working-dir .` of the user's folder to a token-auth head ------------------------------
+
+@pytest.fixture(scope="module")
+def head(head_factory):  # noqa: F811 - a token-auth head from ray_cluster.local (2 CPUs), stopped by pid at the end
+    (h,) = head_factory(1)
+    return h
+
+
+@pytest.mark.slow
+def test_ray_job_submit_of_the_project_folder(head, tmp_path):
+    project = copy_project(tmp_path / "signal_project")
+    storage = tmp_path / "job_runs"
+    env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head.token_path))
+    r = subprocess.run([RAY, "job", "submit", "--address", head.dashboard_url, "--working-dir", ".",
+                        "--submission-id", "user-signal", "--",
+                        "python", "-m", "stride", "--config", "signal.yaml", f"run.storage_path={storage}",
+                        "train.max_steps=20", "train.eval_every_steps=10"],
+                       cwd=project, env=env, capture_output=True, text=True, timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "Job 'user-signal' succeeded" in out, out[-4000:]
+    assert "[stride rank 0]" in out and "val_accuracy" in out, out[-3000:]
+    s = summary(storage / "signal")
+    assert s["status"] == "completed" and s["global_step"] == 20 and s["world_size"] == 2 and s["task"] == TASK
+    assert_reports_accuracy(storage / "signal", s)
+    assert s["val_loss"] < s["initial_val_loss"]
+    # What was uploaded is the user's folder: the task module beside its YAML.
+    packages = [p for p in (head.temp_dir / "ray" / "session_latest" / "runtime_resources" / "working_dir_files").iterdir()
+                if (p / "signal_task.py").exists()]
+    assert packages and (packages[0] / "signal.yaml").exists()
+
+
+# ---- 10. SLURM: stride.sbatch submitted from the user's folder --------------------------------------------------
+
+slurm_cluster = slurm_cluster_fixture()  # skips when SLURM/munge are not installed or not root
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_sbatch_from_the_project_folder_trains_the_users_task(slurm_cluster):
+    """sbatch runs the batch script in the submit directory and starts the driver there (SLURM_SUBMIT_DIR): the
+    task module and the relative data paths of signal.yaml are found in the user's folder."""
+    root = Path(tempfile.mkdtemp(prefix="sr-us-", dir="/tmp"))  # short: Ray's sockets live under STRIDE_RAY_TMP
+    try:
+        project = copy_project(root / "p")
+        (root / "r").mkdir()
+        env = dict(slurm_cluster.env, STRIDE_PYTHON=PYTHON, STRIDE_REPO=str(REPO), STRIDE_RAY_TMP=str(root / "r"),
+                   STRIDE_OBJECT_STORE_BYTES="200000000", STRIDE_JOB_DIR=str(root / "job"), PYTHONUNBUFFERED="1")
+        for key in [k for k in env if k.startswith("RAY_")]:
+            del env[key]
+        out_file = root / "job.out"
+        job = slurm_cluster.sbatch(["--job-name=usersignal", f"--output={out_file}", "--nodes=2", "--cpus-per-task=1",
+                                    str(REPO / "ray_cluster" / "slurm" / "stride.sbatch"), "--config", "signal.yaml",
+                                    f"run.storage_path={root / 'runs'}", "scaling.num_workers=auto",
+                                    "tracking.mlflow=false", "train.max_steps=20", "train.eval_every_steps=10"],
+                                   env=env, cwd=project)
+        info = slurm_cluster.wait_job(job, 600)
+        out = out_file.read_text(errors="replace") if out_file.exists() else ""
+        assert info["JobState"] == "COMPLETED", out[-4000:]
+        s = summary(root / "runs" / "signal")
+        assert s["status"] == "completed" and s["global_step"] == 20 and s["world_size"] == 2 and s["task"] == TASK
+        assert_reports_accuracy(root / "runs" / "signal", s)
+        assert "2 node(s)" in out
+    finally:
+        if not os.environ.get("STRIDE_TEST_KEEP"):
+            shutil.rmtree(root, ignore_errors=True)

@@ -15,6 +15,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
+# One two-node SLURM cluster for the whole session (tests/slurm_cluster.py; skips where SLURM cannot start).
+from slurm_cluster import slurm_cluster_fixture  # noqa: E402
+
+slurm_cluster = slurm_cluster_fixture()
+
 # Ray on a 2-core machine: never inherit a cluster address from the developer's shell.
 os.environ.pop("RAY_ADDRESS", None)
 

@@ -1,7 +1,7 @@
 """A real two-node SLURM cluster (n1, n2) on this one machine, for tests of ray_cluster/slurm/stride.sbatch.
 
-    from tests.slurm_cluster import slurm_cluster_fixture
-    slurm_cluster = slurm_cluster_fixture()          # in a test module or conftest.py (session-scoped)
+    from slurm_cluster import slurm_cluster_fixture
+    slurm_cluster = slurm_cluster_fixture()          # once, in tests/conftest.py (session-scoped)
 
     def test_x(slurm_cluster):
         job_id = slurm_cluster.sbatch(["--nodes=2", "script.sbatch", ...])

@@ -22,12 +22,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import PYTHON, REPO, read_jsonl  # noqa: E402
-from slurm_cluster import slurm_cluster_fixture  # noqa: E402
 
 from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
 
 SBATCH = "ray_cluster/slurm/stride.sbatch"
-slurm_cluster = slurm_cluster_fixture()
 slurm = [pytest.mark.slow, pytest.mark.slurm]
 
 

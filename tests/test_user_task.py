@@ -25,7 +25,6 @@ import yaml
 
 from cluster_fixtures import RAY, clean_env, head_factory  # noqa: F401 - head_factory: a fixture used below
 from conftest import PYTHON, REPO, descendants, free_port, kill_pids, read_jsonl, run_cli, wait_for_step
-from slurm_cluster import slurm_cluster_fixture
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -404,9 +403,6 @@ def test_ray_job_submit_of_the_project_folder(head, tmp_path):
 
 
 # ---- 10. SLURM: stride.sbatch submitted from the user's folder --------------------------------------------------
-
-slurm_cluster = slurm_cluster_fixture()  # skips when SLURM/munge are not installed or not root
-
 
 @pytest.mark.slow
 @pytest.mark.slurm

@@ -149,3 +149,54 @@ def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path):
     assert summary["status"] == "completed" and summary["global_step"] == 6
     assert summary["mlflow_run_id"] is None
     assert summary["val_loss"] == summary["val_loss"]  # imputed features give a finite loss, not NaN
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a planted checkpoint would do with an unrestricted unpickler."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(folder: Path, marker: Path) -> Path:
+    """A checkpoint whose state.pt carries a pickle payload and whose meta.json digest is forged to match it."""
+    import torch
+
+    from stride.trainers import checkpointing
+    from stride.trainers.models import MLP
+
+    ckpt = checkpointing.save(folder, {"model": MLP(16, [32], 4).state_dict(), "evil": _Payload(marker)},
+                              {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0})
+    assert checkpointing.verify(ckpt) is None  # the digest matches: verification cannot tell
+    torch.load(ckpt / checkpointing.STATE, weights_only=False)  # what the loaders did before: the payload runs
+    assert marker.exists()
+    marker.unlink()
+    return ckpt
+
+
+def test_a_planted_checkpoint_runs_no_code_when_resumed_or_sampled(tmp_path, tabular_data):
+    marker = tmp_path / "pwned"
+    storage = tmp_path / "runs"
+    ckpt = _plant(storage / "tabular_mlp" / "checkpoint_000010", marker)
+    before = _digest(ckpt)
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={storage}", "model.hidden_sizes=[32]", *TINY], timeout=120)
+    _one_line_usage_error(r, "run.name (tabular_mlp)", "state.pt holds more than tensors", "it was not loaded")
+    assert not marker.exists() and _digest(ckpt) == before
+    # torchrun's launcher and generate.py refuse it the same way.
+    r = run_cli(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
+                 f"data.val_path={tabular_data}/val", f"run.storage_path={storage}", "model.hidden_sizes=[32]",
+                 "tracking.mlflow=false", *TINY], timeout=120)
+    _one_line_usage_error(r, "state.pt holds more than tensors")
+    (storage / "tabular_mlp" / "summary.json").write_text(
+        __import__("json").dumps({"config": {"model": {"name": "mlp", "hidden_sizes": [32]}},
+                                  "facts": {"feature_columns": [f"f{i}" for i in range(16)], "label_column": "label",
+                                            "num_classes": 4}, "checkpoint": str(ckpt)}))
+    r = run_cli(["trainers/generate.py", "--run", str(storage / "tabular_mlp")], timeout=120)
+    assert r.returncode == 2 and "state.pt holds more than tensors" in r.stderr and "Traceback" not in r.stderr
+    assert not marker.exists()

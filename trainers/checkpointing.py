@@ -108,11 +108,28 @@ def verify(folder: Path) -> str | None:
     return None
 
 
+class UnsafeCheckpointError(ValueError):
+    """A state.pt that is not plain tensors and containers: refused, never unpickled (it could run code)."""
+
+
+def load_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A state file, unpickled only as tensors, numbers, strings and containers (torch's weights_only): whoever can
+    write the run folder (a shared filesystem, a bucket) must not run code in every process that resumes from it.
+    The digest in meta.json does not help there: who writes state.pt writes meta.json too."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        what = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+        raise UnsafeCheckpointError(f"{path} holds more than tensors ({what}); it was not loaded. Move that "
+                                    f"checkpoint folder away if you did not write it, or use another run.name") from None
+
+
 def load(folder: Path, mmap: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """state.pt and meta.json; `mmap`: tensors map the file and are read only when touched (FSDP's other ranks)."""
     folder = Path(folder)
-    state = torch.load(folder / STATE, map_location="cpu", weights_only=False, mmap=mmap)
-    return state, read_meta(folder)
+    return load_state(folder / STATE, mmap=mmap), read_meta(folder)
 
 
 def shape_mismatch(model_state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:

@@ -173,7 +173,10 @@ def check_resume(cfg: Config, run_dir: Path, task) -> None:
         return
     with torch.device("meta"):  # shapes only: no memory for the weights
         model = task.build_model()
-    saved = torch.load(newest / checkpointing.STATE, map_location="cpu", mmap=True, weights_only=False)["model"]
+    try:
+        saved = checkpointing.load_state(newest / checkpointing.STATE, mmap=True)["model"]
+    except checkpointing.UnsafeCheckpointError as e:
+        raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
     if mismatch := checkpointing.shape_mismatch(model.state_dict(), saved):
         raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
                          f"use a new run.name, or the model.* settings it was trained with")

@@ -3,7 +3,9 @@
     python trainers/generate.py --run runs/char_gpt --prompt "def " --tokens 200 [--temperature 0.8] [--seed 0]
 
 Loads the run's final checkpoint (summary.json's `checkpoint`, else the newest complete checkpoint folder)
-with the model settings and data facts recorded in summary.json, through the task's `generate`.
+with the model settings and data facts recorded in summary.json, through the task's `generate`. The facts carry
+what decoding needs (char_gpt: the tokenizer of data from `prepare.py text --tokenizer bpe`, else bytes), so the
+run folder is enough: the data need not be there.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is None:
         print(f"generate: error: --run ({args.run}) has no complete checkpoint; train it first", file=sys.stderr)
         return 2
-    state, _ = checkpointing.load(ckpt)
+    try:
+        state, _ = checkpointing.load(ckpt)
+    except checkpointing.UnsafeCheckpointError as e:
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 2
     model = task.build_model()
     model.load_state_dict(state["model"])
     model.eval()

@@ -124,6 +124,21 @@ def test_elastic_runs_keep_the_global_batch_of_max_workers():
     assert global_micro_batch(fixed, 2) == 96 and global_batch_size(fixed, 2) == 192
 
 
+@pytest.mark.parametrize("workers, batch, fit", [("[2,4]", 10, 12), ("[3,5]", 7, 12), ("[1,30]", 32, 77636318760)])
+def test_an_elastic_batch_that_cannot_split_names_the_smallest_that_can_at_once(workers, batch, fit):
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "trainers/configs/char_gpt.yaml", [f"scaling.num_workers={workers}",
+                                                              f"train.batch_size_per_worker={batch}"])
+    assert time.perf_counter() - t0 < 5  # a linear search up to batch x lcm(1..30) took minutes
+    lo, hi = (int(x) for x in workers.strip("[]").split(","))
+    assert all(fit * hi % w == 0 for w in range(lo, hi + 1))  # the suggestion splits over every worker count
+    assert not any(all(x * hi % w == 0 for w in range(lo, hi + 1)) for x in range(batch, min(fit, batch + 10 ** 5)))
+    assert f"use train.batch_size_per_worker={fit}" in str(e.value)
+
+
 def test_configuration_reference_is_current():
     """docs/configuration.md is generated from the field descriptions: every key of every section and built-in task."""
     from stride.trainers.config import SECTIONS, reference_markdown

@@ -172,8 +172,11 @@ class Config(Section):
         if isinstance(nw, tuple):
             uneven = [w for w in range(nw[0], nw[1] + 1) if b * nw[1] % w]
             if uneven:
-                fit = next(x for x in range(b, b * math.lcm(*range(nw[0], nw[1] + 1)) + 1)
-                           if all(x * nw[1] % w == 0 for w in range(nw[0], nw[1] + 1)))
+                # x * max splits over every count iff lcm(min..max) divides it, i.e. x is a multiple of
+                # step = lcm / gcd(lcm, max): the smallest such x >= b, computed (a search took minutes at [1, 30]).
+                lcm = math.lcm(*range(nw[0], nw[1] + 1))
+                step = lcm // math.gcd(lcm, nw[1])
+                fit = -(-b // step) * step
                 raise ValueError(f"train.batch_size_per_worker ({b}) x max workers ({nw[1]}) = {b * nw[1]} rows per "
                                  f"micro-step cannot be split evenly over {uneven[0]} workers (scaling.num_workers "
                                  f"[{nw[0]}, {nw[1]}]); use train.batch_size_per_worker={fit}")

@@ -35,8 +35,12 @@ class RunSection(Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if not v or "/" in v or "\\" in v or v in (".", ".."):
-            raise ValueError("must be a plain folder name without path separators; use e.g. run.name=my_run")
+        if not v or "/" in v or "\\" in v or v in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("must be a plain folder name without path separators or control characters; "
+                             "use e.g. run.name=my_run")
+        if len(v.encode()) > 200:  # with a suffix or two, still under the filesystems' 255-byte limit on a name
+            raise ValueError(f"is {len(v.encode())} bytes long, over the 200 a folder name can safely take; use a "
+                             f"shorter run.name")
         return v
 
     @field_validator("storage_path")
@@ -68,22 +72,22 @@ class TaskConfig(Section):
 
 class OptimSection(Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer")
-    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate at reference_batch_size")
-    weight_decay: float = Field(0.01, ge=0.0, description="Decoupled weight decay (AdamW) or L2 (SGD)")
+    lr: float = Field(1e-3, allow_inf_nan=False, gt=0.0, description="Peak learning rate at reference_batch_size")
+    weight_decay: float = Field(0.01, allow_inf_nan=False, ge=0.0, description="Decoupled weight decay (AdamW) or L2 (SGD)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
-    momentum: float = Field(0.9, ge=0.0, description="SGD momentum")
+    momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="SGD momentum")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
     reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps before cosine decay")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr")
-    grad_clip_norm: float | None = Field(1.0, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
+    grad_clip_norm: float | None = Field(1.0, allow_inf_nan=False, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
 
 
 class TrainSection(Section):
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (null: use epochs)")
-    epochs: float | None = Field(1, gt=0, description="Stop after this many epochs when max_steps is null")
+    epochs: float | None = Field(1, allow_inf_nan=False, gt=0, description="Stop after this many epochs when max_steps is null")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 on recent GPUs, fp16 on older GPUs, fp32 on CPU")
     eval_every_steps: int | None = Field(200, ge=1, description="Validate every N optimizer steps (and always at the end)")
     log_every_steps: int = Field(20, ge=1, description="Log, report and write metrics.jsonl every N optimizer steps")
@@ -91,8 +95,8 @@ class TrainSection(Section):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
     max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
-    collective_timeout_s: float = Field(600.0, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
-    peak_flops: float | None = Field(None, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
+    collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
+    peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
                                                                  "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2)")
@@ -116,12 +120,12 @@ class ScalingSection(Section):
         2, description="Training workers (auto: one per GPU, or one per node on CPU; [min, max]: elastic, as many as "
                        "the cluster holds, resized from the last checkpoint when that changes)")
     use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
-    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
+    cpus_per_worker: float = Field(1.0, allow_inf_nan=False, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
     preflight: bool = Field(False, description="Before training, check the gang (versions, GEMM, storage, all-reduce) "
                                                "with ray_cluster.doctor's quick checks; stop on a failure")
 
-    resize_check_s: float = Field(60.0, gt=0.0, description="Elastic num_workers: seconds between Ray's checks "
+    resize_check_s: float = Field(60.0, allow_inf_nan=False, gt=0.0, description="Elastic num_workers: seconds between Ray's checks "
                                                              "whether the cluster can hold a different worker count")
 
     @field_validator("num_workers", mode="before")
@@ -267,6 +271,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"--config ({path}) does not exist; pass a YAML file such as trainers/configs/char_gpt.yaml")
     try:
         raw = yaml.safe_load(p.read_text())
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config ({path}) is not a text file (byte {e.start} is not UTF-8); pass a YAML file such "
+                          f"as trainers/configs/char_gpt.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

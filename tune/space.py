@@ -63,6 +63,14 @@ class SweepSection(BaseModel):
             raise ValueError("must be a plain folder name without path separators; use e.g. sweep.name=lr_sweep")
         return v
 
+    @field_validator("storage_path")
+    @classmethod
+    def _a_folder(cls, v: str) -> str:
+        if "://" in v:  # as run.storage_path: a URI would silently become a local folder named "s3:"
+            raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "
+                             "bucket (s3fs, gcsfuse) and use e.g. sweep.storage_path=/mnt/bucket/runs")
+        return v
+
     @field_validator("max_concurrent_trials")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
@@ -336,6 +344,9 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
     unknown = [k for k in raw if k not in ("sweep", "base", "space")]
     if unknown:
         raise ConfigError(f"{origin or 'sweep file'}: unknown top-level key '{unknown[0]}'; the sections are sweep, base, space")
+    if not isinstance(raw.get("sweep") or {}, dict):
+        raise ConfigError(f"sweep must map setting: value (name, base_config, metric, ...), got {raw['sweep']!r}; "
+                          f"write e.g. sweep: {{name: lr_sweep, base_config: trainers/configs/tabular_mlp.yaml}}")
     try:
         sweep = SweepSection.model_validate(raw.get("sweep") or {})
     except ValidationError as e:
@@ -390,6 +401,9 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
         raise ConfigError(f"--config ({path}) does not exist; pass a sweep YAML such as tune/configs/lr_sweep.yaml")
     try:
         raw = yaml.safe_load(p.read_text())
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config ({path}) is not a text file (byte {e.start} is not UTF-8); pass a sweep YAML such "
+                          f"as tune/configs/lr_sweep.yaml") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config ({path}) is not valid YAML: {getattr(e, 'problem', e)}; fix the syntax") from None
     if not isinstance(raw, dict):

@@ -23,7 +23,12 @@ def _auth_env_for_embedded() -> None:
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         return
+    import atexit
+    import shutil
+
     folder = tempfile.mkdtemp(prefix="stride-auth-")
+    # Registered before ray.init's own exit handler, so it runs after Ray has shut down (atexit is last-in first-out).
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     path = Path(folder) / "token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -197,3 +197,21 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
     assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
     ref, cut = losses(tmp_path / "ref"), losses(tmp_path / "cut")
     assert {s: cut[s] for s in (20, 25, 30)} == {s: ref[s] for s in (20, 25, 30)}
+
+
+def test_an_mlflow_password_never_reaches_params_summary_or_the_console(tmp_path, tabular_data, monkeypatch, capsys):
+    from stride.trainers import tracking
+
+    seen = {}
+
+    def start(self, run_name, run_id, params, parent_run_id=None):
+        seen.update(params)
+        return None
+
+    monkeypatch.setattr(tracking.Tracker, "start", start)
+    uri = "http://alice:s3cr3t@127.0.0.1:9/"
+    assert torchrun_main(_args(tmp_path, tabular_data, 5, "tracking.mlflow=true", f"tracking.mlflow_uri={uri}")) == 0
+    assert seen["tracking"]["mlflow_uri"] == "http://alice:***@127.0.0.1:9/"
+    out = capsys.readouterr()
+    assert "s3cr3t" not in out.out + out.err
+    assert "s3cr3t" not in (tmp_path / "r" / "summary.json").read_text()

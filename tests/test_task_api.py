@@ -3,6 +3,7 @@ and a user's task end to end in one process (torchrun launcher, no Ray)."""
 
 import json
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -149,8 +150,13 @@ def test_a_task_in_a_folder_outside_the_repo_trains_on_two_ray_workers_through_p
         optim: {{lr: 0.02, warmup_steps: 5}}
         scaling: {{num_workers: 2}}
         """))
+    import tempfile
+
+    auth_dirs = set(Path(tempfile.gettempdir()).glob("stride-auth-*"))
     r = run_cli(["trainers/main.py", "--config", str(yaml)], cwd=REPO, env={"PYTHONPATH": str(project)}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    # The embedded Ray's private token folder goes with the run (it was left behind, one per run).
+    assert set(Path(tempfile.gettempdir()).glob("stride-auth-*")) <= auth_dirs
     s = json.loads((project / "runs/line/summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
     assert s["val_loss"] < 0.05 * s["initial_val_loss"] and s["val_abs_err"] < 0.1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -357,6 +358,19 @@ def scaled_lr(cfg: Config, world_size: int) -> float:
     ratio = global_batch_size(cfg, world_size) / cfg.optim.reference_batch_size
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.optim.lr_scaling]
     return cfg.optim.lr * factor
+
+
+def redact(uri: str | None) -> str | None:
+    """A URI without the password of its `user:password@` part: what MLflow params, summary.json and the console
+    show of tracking.mlflow_uri (the workers still get the real one)."""
+    return re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", uri) if uri else uri
+
+
+def public_dict(cfg: Config) -> dict[str, Any]:
+    """The config as written to summary.json and MLflow: secrets redacted."""
+    d = cfg.to_dict()
+    d["tracking"]["mlflow_uri"] = redact(d["tracking"]["mlflow_uri"])
+    return d
 
 
 def to_yaml(cfg: Config) -> str:

@@ -25,7 +25,7 @@ import torch
 from stride.datasets.order import Order, eval_rows
 from stride.datasets.parquet import Columns, DataError, DataSpec
 from stride.trainers import checkpointing, fsdp, telemetry
-from stride.trainers.config import Config, global_batch_size, global_micro_batch
+from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
 from stride.trainers.policies import Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import MetricsFile, Sinks
 from stride.trainers.step import (Precision, StepResult, all_reduce_mean_many, build_optimizer, build_scheduler,
@@ -235,7 +235,7 @@ class Trainer:
                 tracker = Tracker(self.plan.mlflow_uri, self.cfg.tracking.experiment, self.cfg.run.storage_path)
                 # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
                 self.state.mlflow_run_id = tracker.start(self.cfg.run.name, self.state.mlflow_run_id,
-                                                         self.cfg.to_dict(), self.plan.mlflow_parent_run_id)
+                                                         public_dict(self.cfg), self.plan.mlflow_parent_run_id)
             if self.env.progress_bar is not None:
                 bar = self.env.progress_bar(total=self.total_steps, initial=self.state.step, desc=self.cfg.run.name)
         self.tracker = tracker

@@ -33,7 +33,7 @@ from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers.checkpointing import atomic_write_text  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
-                                    to_yaml)
+                                    public_dict, redact, to_yaml)
 from stride.trainers.driver import (EXIT_OK, EXIT_USAGE, check_resume, check_storage, install_signal_handlers,  # noqa: E402
                                     prepare, train_on_ray)
 
@@ -69,8 +69,8 @@ def _resolve(config, overrides: list[str]) -> Config:
 
 def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
     t_start = time.time()
+    task, specs = prepare(cfg)  # check the data before writing anything: a bad path leaves no run folder behind
     run_dir = check_storage(cfg)
-    task, specs = prepare(cfg)
     check_resume(cfg, run_dir, task)
     quiet_ray_env()
     embedded = init_ray()
@@ -79,7 +79,7 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
     code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar)
     if signals and summary.get("status") in ("preempted", "interrupted"):
         code = 128 + signals[-1]
-    summary.update(wall_s=time.time() - t_start, config=cfg.to_dict())
+    summary.update(wall_s=time.time() - t_start, config=public_dict(cfg))
     summary.setdefault("restarts", 0)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     return code, summary, embedded
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> None:
     from stride.trainers.tracking import default_uri
 
-    uri = cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path)
+    uri = redact(cfg.tracking.mlflow_uri) or default_uri(cfg.run.storage_path)
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     val = "".join(f" {k} {fmt(v)}" for k, v in summary.items() if k.startswith("val_") and k != "val_loss" and v is not None)
     print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "

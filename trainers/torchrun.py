@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from stride.datasets.parquet import DataError, read_local, table_to_columns  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
-from stride.trainers.config import ConfigError, load_config  # noqa: E402
+from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
 from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
 from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
@@ -122,7 +122,7 @@ def train(config: str, overrides: list[str]) -> int:
     if rank == 0:
         ckpts = complete_checkpoints(run_dir)
         summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
-                       config=cfg.to_dict(), runtime="torchrun")
+                       config=public_dict(cfg), runtime="torchrun")
         checkpointing.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     if world_size > 1:
         # Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter

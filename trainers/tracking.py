@@ -51,8 +51,10 @@ class Tracker:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never kill training
             self.enabled = False
+            from stride.trainers.config import redact
+
             log.warning("MLflow at %s failed while %s (%s); training continues without MLflow",
-                        self.uri, what, str(e).splitlines()[0][:200])
+                        redact(self.uri), what, str(e).splitlines()[0][:200].replace(self.uri, redact(self.uri)))
             return None
 
     def start(self, run_name: str, run_id: str | None, params: dict[str, Any], parent_run_id: str | None = None) -> str | None:

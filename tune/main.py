@@ -38,7 +38,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 from stride.datasets.parquet import DataError  # noqa: E402
-from stride.trainers.config import Config, ConfigError, build_config  # noqa: E402
+from stride.trainers.config import Config, ConfigError, build_config, redact  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 
 # torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
@@ -546,7 +546,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
         shown = " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in best["params"].items())
         print(f"stride: best {sweep.sweep.metric} {best['metric']:.4g} (trial {best['trial_id']}): {shown}")
     print(f"stride: summary     {sweep_dir / SUMMARY}")
-    print(f"stride: mlflow      parent run {parent_run_id} in {uri}")
+    print(f"stride: mlflow      parent run {parent_run_id} in {redact(uri)}")
     if not complete:
         print("stride: interrupted; run the same command again to resume the sweep", file=sys.stderr)
     return exit_code(trials, complete, signals)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml
+from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact
 from stride.trainers.tasks import task_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ class Sweep:
     def to_params(self) -> dict[str, Any]:
         """Flat sweep description for the MLflow parent run."""
         out = {f"sweep.{k}": v for k, v in self.sweep.model_dump(mode="json").items()}
-        out.update({f"base.{k}": v for k, v in self.base.items()})
+        out.update({f"base.{k}": redact(v) if k == "tracking.mlflow_uri" else v for k, v in self.base.items()})
         out.update({f"space.{d.key}": d.describe() for d in self.dims})
         return out
 

@@ -19,7 +19,7 @@ from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from stride.trainers.checkpointing import atomic_write_text
-from stride.trainers.config import Config, build_config, global_micro_batch
+from stride.trainers.config import Config, build_config, global_micro_batch, public_dict
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"
@@ -130,7 +130,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, datase
 
 
 def write_trial_summary(cfg: Config, summary: dict[str, Any], params: dict[str, Any], t0: float) -> None:
-    summary.update(params=params, wall_s=time.time() - t0, config=cfg.to_dict())
+    summary.update(params=params, wall_s=time.time() - t0, config=public_dict(cfg))
     atomic_write_text(cfg.run_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
 
 

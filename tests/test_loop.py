@@ -215,3 +215,21 @@ def test_an_mlflow_password_never_reaches_params_summary_or_the_console(tmp_path
     out = capsys.readouterr()
     assert "s3cr3t" not in out.out + out.err
     assert "s3cr3t" not in (tmp_path / "r" / "summary.json").read_text()
+
+
+def test_a_torn_metrics_line_does_not_block_resume_and_a_fresh_start_keeps_history(tmp_path, tabular_data, capsys):
+    assert torchrun_main(_args(tmp_path, tabular_data, 20)) == 0
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 21, "train_lo')  # a kill in the middle of a write
+    capsys.readouterr()
+    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0  # was: JSONDecodeError on every resume
+    assert "dropped 1 unreadable line" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(metrics) if "train_loss" in r] == [5, 10, 15, 20, 25, 30]
+    history = metrics.read_text()
+    for ckpt in complete_checkpoints(tmp_path / "r"):  # no checkpoint left to continue from: a fresh start
+        __import__("shutil").rmtree(ckpt)
+    assert torchrun_main(_args(tmp_path, tabular_data, 10)) == 0
+    kept = [p for p in metrics.parent.glob("metrics.jsonl.*")]
+    assert len(kept) == 1 and kept[0].read_text() == history  # the earlier run's metrics are kept, not truncated
+    assert [r["step"] for r in read_jsonl(metrics) if "train_loss" in r] == [5, 10]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,16 +21,31 @@ TRAIN_FIELDS = ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_pe
 
 
 class MetricsFile:
-    """metrics.jsonl, written by rank 0. On resume, lines past the checkpoint's step are dropped so the
-    file continues exactly from the checkpointed step."""
+    """metrics.jsonl, written by rank 0. On resume, lines past the checkpoint's step are dropped so the file continues
+    exactly from the checkpointed step; a torn last line (a kill mid-write) is dropped with a warning. A fresh start
+    over an earlier run's file (no checkpoint of it verified) keeps that history beside it, never deletes it."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
+            if path.exists() and path.stat().st_size:
+                kept = path.with_name(f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}")
+                os.replace(path, kept)
+                log.warning("%s holds an earlier run that no checkpoint continues: kept as %s", path, kept.name)
             checkpointing.atomic_write_text(path, "")
         elif path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            keep, torn = [], 0
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    torn += line.strip() != ""
+                    continue
+                if record["step"] <= resume_step:
+                    keep.append(line)
+            if torn:
+                log.warning("%s: dropped %d unreadable line(s) (a write cut off by a kill)", path, torn)
             checkpointing.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:

@@ -233,3 +233,20 @@ def test_a_torn_metrics_line_does_not_block_resume_and_a_fresh_start_keeps_histo
     kept = [p for p in metrics.parent.glob("metrics.jsonl.*")]
     assert len(kept) == 1 and kept[0].read_text() == history  # the earlier run's metrics are kept, not truncated
     assert [r["step"] for r in read_jsonl(metrics) if "train_loss" in r] == [5, 10]
+
+
+def test_rerunning_a_finished_run_keeps_its_results_and_a_failed_rerun_never_replaces_them(tmp_path, tabular_data):
+    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
+    summary = tmp_path / "r" / "summary.json"
+    done = json.loads(summary.read_text())
+    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0  # the same command again: nothing left to train
+    again = json.loads(summary.read_text())
+    for key in ("status", "global_step", "train_loss", "val_loss", "val_accuracy", "restarts"):
+        assert again[key] == done[key], key  # was: train_loss/val_loss/val_accuracy null and restarts 1
+
+    # What the Ray driver writes for a rerun that fails (status failed) goes beside the completed record.
+    from stride.trainers.driver import write_summary
+
+    path = write_summary(tmp_path / "r", {"status": "failed", "error": "the storage is gone"})
+    assert path.name == "summary.failed.json" and json.loads(summary.read_text()) == again
+    assert write_summary(tmp_path / "r", dict(again, global_step=40)) == summary  # a completed one replaces it

@@ -16,6 +16,25 @@ from stride.trainers.config import Config
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    """summary.json; but a rerun that did not complete (failed, stopped) never replaces a completed run's record: its
+    summary goes beside it as summary.<status>.json. Returns the path written."""
+    import json
+
+    from stride.trainers.checkpointing import atomic_write_text
+
+    path = run_dir / "summary.json"
+    if summary.get("status") != "completed":
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if isinstance(earlier, dict) and earlier.get("status") == "completed":
+            path = run_dir / f"summary.{summary.get('status')}.json"
+    atomic_write_text(path, json.dumps(summary, indent=1, default=str) + "\n")
+    return path
+
+
 def prepare(cfg: Config):
     """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.
     Raises ConfigError/DataError (one line, exit 2) before any worker starts."""

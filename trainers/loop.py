@@ -124,6 +124,7 @@ class Trainer:
         self.cfg, self.env, self.plan = cfg, env, plan
         self.rank0 = env.world_rank == 0
         self.run_dir = Path(plan.run_dir)
+        self.checkpoint_metrics: dict[str, Any] = {}  # the figures the resumed checkpoint recorded
         self.task = make_task(cfg, plan.facts)
         self.state = TrainState()
 
@@ -216,7 +217,9 @@ class Trainer:
         s = self.state
         s.step, s.samples_seen = meta["step"], meta["samples_seen"]
         s.micro_step = epoch * self.order.micro_steps_per_epoch + offset // self.global_micro
-        s.restarts = meta.get("restarts", 0) + 1
+        # Rerunning a finished run trains nothing: it is not a restart, and its results are the checkpoint's.
+        s.restarts = meta.get("restarts", 0) + (s.step < self.total_steps)
+        self.checkpoint_metrics = meta.get("metrics") or {}
         s.mlflow_run_id = meta.get("mlflow_run_id")
         s.initial_val_loss = meta.get("initial_val_loss")
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, s.step, epoch, offset,
@@ -364,7 +367,9 @@ class Trainer:
         self.model.train()
         clock, profiler = telemetry.StepClock(), telemetry.Profiler(cfg.train.profile_steps, self.run_dir, env)
         train_start, start_step, since = time.perf_counter(), s.step, (time.perf_counter(), s.samples_seen)
-        last_train, last_val, status = {}, {}, "completed"
+        # Until this run logs and evaluates, its latest figures are the checkpoint's (a finished run rerun keeps them).
+        last_train = {k: v for k, v in self.checkpoint_metrics.items() if k == "train_loss"}
+        last_val, status = {k: v for k, v in self.checkpoint_metrics.items() if k.startswith("val_")}, "completed"
         while s.step < self.total_steps:
             profiler.before_step(s.step)
             reseed(cfg.run.seed, env.world_rank, s.step)  # dropout and augmentation: functions of the step

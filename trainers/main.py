@@ -18,7 +18,6 @@ Results: <run.storage_path>/<run.name>/{summary.json, metrics.jsonl, checkpoint_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,11 +30,10 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
-from stride.trainers.checkpointing import atomic_write_text  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
                                     public_dict, redact, to_yaml)
 from stride.trainers.driver import (EXIT_OK, EXIT_USAGE, check_resume, check_storage, install_signal_handlers,  # noqa: E402
-                                    prepare, train_on_ray)
+                                    prepare, train_on_ray, write_summary)
 
 
 def parse_args(argv: list[str] | None):
@@ -81,7 +79,7 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
         code = 128 + signals[-1]
     summary.update(wall_s=time.time() - t_start, config=public_dict(cfg))
     summary.setdefault("restarts", 0)
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    summary["summary_path"] = str(write_summary(run_dir, summary))
     return code, summary, embedded
 
 
@@ -112,7 +110,7 @@ def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> N
           f"val_loss {fmt(summary.get('val_loss'))} (untrained {fmt(summary.get('initial_val_loss'))}){val}")
     if summary.get("error"):
         print(f"stride: error: {summary['error']}", file=sys.stderr)
-    print(f"stride: summary     {run_dir / 'summary.json'}")
+    print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
     print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
     print(f"stride: checkpoint  {summary.get('checkpoint')}")
     if cfg.tracking.mlflow:

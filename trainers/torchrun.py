@@ -8,7 +8,6 @@ checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -27,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from stride.datasets.parquet import DataError, read_local, table_to_columns  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
-from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare  # noqa: E402
+from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
 from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
 
@@ -123,7 +122,7 @@ def train(config: str, overrides: list[str]) -> int:
         ckpts = complete_checkpoints(run_dir)
         summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
                        config=public_dict(cfg), runtime="torchrun")
-        checkpointing.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+        write_summary(run_dir, summary)
     if world_size > 1:
         # Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter
         # finalization, gloo's work threads could be torn down unjoined ("terminate called without an active

@@ -1,28 +1,79 @@
-"""The order in which training samples are seen: a function of (seed, epoch) only.
+"""The order in which training samples are seen: a function of (seed, epoch, the split's row groups) only.
 
-Every epoch is a seeded permutation of the rows (sorted by sample_id). It is cut into global micro-batches
-of `world_size * batch_size_per_worker` rows; rank r takes the r-th slice of each. The global order does not
-depend on the world size, so a run resumed with a different number of workers (same global batch) continues
-the same sequence. The tail of each epoch that does not fill a global micro-batch is dropped, so every rank
-runs the same number of steps: at most `world_size * batch_size_per_worker - 1` rows per epoch.
+An epoch is built in two seeded steps, so that it can be read as a stream:
+1. the split's blocks (Parquet row groups, in file order) are permuted, and laid end to end as one sequence;
+2. the sequence is cut into windows of `window_rows` positions, and the rows inside each window are permuted.
+Position p of the epoch holds one row; global micro-batch i is positions [i*G, (i+1)*G) (G = the global
+micro-batch); rank r of W takes its slice [r*G/W, (r+1)*G/W) of every global micro-batch. Nothing here depends on
+W, so a run resumed at another world size (same G) continues the same sequence. A reader needs one window (plus the
+row groups it overlaps) at a time, and a resume at position p starts reading at window p // window_rows.
+
+The tail of each epoch that does not fill a global micro-batch is dropped, so every rank runs the same number of
+steps: at most G - 1 rows per epoch. The window trades memory for mixing: rows from blocks further apart than a
+window never meet in one batch, so a split sorted by label needs a window spanning many blocks (docs/data.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
-def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, 0x5772]).permutation(num_rows)
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([*key])
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's sequence: which block slices make up each window, and the permutation inside it."""
+
+    seed: int
+    epoch: int
+    window_rows: int
+    blocks: np.ndarray  # block ids in sequence order
+    starts: np.ndarray  # starts[j]: sequence position where blocks[j] begins; starts[-1] = number of rows
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def num_windows(self) -> int:
+        return -(-self.num_rows // self.window_rows)
+
+    def window_span(self, k: int) -> tuple[int, int]:
+        lo = k * self.window_rows
+        return lo, min(lo + self.window_rows, self.num_rows)
+
+    def window_pieces(self, k: int) -> list[tuple[int, int, int]]:
+        """(block id, first row, end row) of every block slice inside window k, in sequence order."""
+        lo, hi = self.window_span(k)
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        pieces = []
+        for j in range(first, len(self.blocks)):
+            b_lo, b_hi = int(self.starts[j]), int(self.starts[j + 1])
+            if b_lo >= hi:
+                break
+            pieces.append((int(self.blocks[j]), max(lo, b_lo) - b_lo, min(hi, b_hi) - b_lo))
+        return pieces
+
+    def window_permutation(self, k: int) -> np.ndarray:
+        lo, hi = self.window_span(k)
+        return _rng(self.seed, self.epoch, k, 0x5eed).permutation(hi - lo)
 
 
 @dataclass(frozen=True)
 class Order:
-    num_rows: int
+    block_rows: tuple[int, ...]  # rows of each block (row group), in file order
     seed: int
-    global_micro_batch: int  # world_size * batch_size_per_worker
+    global_micro_batch: int  # batch_size_per_worker x workers (elastic runs: x the most workers)
+    window_rows: int
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.block_rows)
 
     @property
     def micro_steps_per_epoch(self) -> int:
@@ -36,22 +87,44 @@ class Order:
         """Global micro-step counter -> (epoch, micro-step within the epoch)."""
         return divmod(micro_step, self.micro_steps_per_epoch)
 
+    def epoch(self, epoch: int) -> EpochPlan:
+        if epoch not in self._cache:
+            self._cache.clear()  # one epoch at a time: a plan holds O(blocks) arrays
+            blocks = _rng(self.seed, epoch, 0xB10C).permutation(len(self.block_rows))
+            starts = np.concatenate([[0], np.cumsum(np.asarray(self.block_rows, dtype=np.int64)[blocks])])
+            self._cache[epoch] = EpochPlan(self.seed, epoch, self.window_rows, blocks, starts)
+        return self._cache[epoch]
+
+    def rank_positions(self, rank: int, world_size: int, lo: int, hi: int) -> np.ndarray:
+        """The epoch positions in [lo, hi) that `rank` trains on, in order (the dropped tail excluded)."""
+        per = self.global_micro_batch // world_size
+        hi = min(hi, self.micro_steps_per_epoch * self.global_micro_batch)
+        p = np.arange(lo, max(lo, hi), dtype=np.int64)
+        return p[(p % self.global_micro_batch) // per == rank]
+
+    # ---- a reference for tests and tools: whole epochs in memory (O(rows)), never used by the reader ----
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """Row index (into the split in file order) at every position of `epoch`."""
+        plan = self.epoch(epoch)
+        if ("rows", epoch) in self._cache:
+            return self._cache[("rows", epoch)]
+        base = np.concatenate([[0], np.cumsum(self.block_rows)])
+        seq = np.concatenate([np.arange(base[b], base[b + 1]) for b in plan.blocks]) if len(plan.blocks) else np.zeros(0, int)
+        for k in range(plan.num_windows):
+            lo, hi = plan.window_span(k)
+            seq[lo:hi] = seq[lo:hi][plan.window_permutation(k)]
+        self._cache[("rows", epoch)] = seq
+        return seq
+
     def rows(self, micro_step: int, world_rank: int, world_size: int) -> np.ndarray:
-        """Row indices (into the sample_id-sorted split) that `world_rank` trains on at `micro_step`."""
+        """Row indices (file order) that `world_rank` trains on at `micro_step`."""
         epoch, i = self.position(micro_step)
-        perm = self._perm(epoch)
-        per_worker = self.global_micro_batch // world_size
-        start = i * self.global_micro_batch + world_rank * per_worker
-        return perm[start:start + per_worker]
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        # One permutation per epoch, cached: recomputing it per step would cost O(rows) each time.
-        if getattr(self, "_cached_epoch", None) != epoch:
-            object.__setattr__(self, "_cached_perm", epoch_permutation(self.num_rows, self.seed, epoch))
-            object.__setattr__(self, "_cached_epoch", epoch)
-        return self._cached_perm
+        per = self.global_micro_batch // world_size
+        start = i * self.global_micro_batch + world_rank * per
+        return self.epoch_rows(epoch)[start:start + per]
 
 
-def eval_rows(num_rows: int, world_rank: int, world_size: int) -> np.ndarray:
-    """Validation covers every row exactly once across ranks (uneven shards are fine: no collective per batch)."""
-    return np.arange(world_rank, num_rows, world_size)
+def eval_blocks(num_blocks: int, world_rank: int, world_size: int) -> range:
+    """Validation covers every block exactly once across ranks (uneven shares are fine: no collective per batch)."""
+    return range(world_rank, num_blocks, world_size)

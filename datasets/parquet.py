@@ -1,10 +1,10 @@
 """Parquet inputs: find the shards, check them against the config, and turn Arrow tables into arrays.
 
 The driver calls `inspect()` once (Parquet footers, plus whatever the task's own `inspect` reads) so that a
-wrong path, a missing column or a corrupted shard is a one-line usage error before any worker starts. Workers
-receive the rows from Ray Data (`ray.train.get_dataset_shard`) as Arrow batches, or read them with pyarrow under
-torchrun, and both paths end in `table_to_columns()`, so the two runtimes see identical arrays. Nothing here
-knows a model: the task names its columns and turns rows into tensors (`Task.transform`).
+wrong path, a missing column or a corrupted shard is a one-line usage error before any worker starts. The footers
+also give the split's blocks (row groups), from which datasets/order.py builds the order and datasets/stream.py
+streams the rows to each worker. Nothing here knows a model: the task names its columns and turns rows into
+tensors (`Task.transform`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What a worker reads of one split: the files, the columns (the task's, plus sample_id when present)."""
+    """What a worker reads of one split: the files and their blocks, the columns (the task's, plus sample_id when
+    present)."""
 
     columns: tuple[str, ...]
     has_sample_id: bool = True
     num_rows: int = 0
     files: tuple[str, ...] = field(default=(), repr=False)
+    # (file index, row group, rows) of every row group, in file order: the units the order permutes and reads.
+    blocks: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    split: str = "train"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class DataSplit:
     files: tuple[str, ...]
     schema: pa.Schema
     num_rows: int
+    blocks: tuple[tuple[int, int, int], ...] = ()
 
     def read(self, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
         """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order."""
@@ -99,10 +104,11 @@ def _open(f: str):
     return f
 
 
-def read_schema(files: list[str], key: str) -> tuple[pa.Schema, int]:
-    """The common schema and the row count, from every file's footer; a corrupted file is named."""
-    schema, rows = None, 0
-    for f in files:
+def read_schema(files: list[str], key: str) -> tuple[pa.Schema, tuple[tuple[int, int, int], ...]]:
+    """The common schema and the blocks (file index, row group, rows), from every file's footer; a corrupted file
+    is named."""
+    schema, blocks = None, []
+    for i, f in enumerate(files):
         try:
             meta = pq.read_metadata(_open(f))
         except (pa.ArrowInvalid, OSError) as e:
@@ -113,18 +119,19 @@ def read_schema(files: list[str], key: str) -> tuple[pa.Schema, int]:
             schema = s
         elif not s.equals(schema, check_metadata=False):
             raise DataError(f"{key}: {f} has columns {s.names}, unlike {files[0]} ({schema.names}); give every shard the same schema")
-        rows += meta.num_rows
-    if rows == 0:
+        blocks += [(i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+                   if meta.row_group(g).num_rows]
+    if not blocks:
         raise DataError(f"{key}: the Parquet files hold no rows; point it at a non-empty data set")
-    return schema, rows
+    return schema, tuple(blocks)
 
 
 def open_split(data_cfg, split: str) -> DataSplit:
     """`split` ("train" or "val") of the data section: its files, checked to be readable Parquet with one schema."""
     key = f"data.{split}_path"
     files = resolve_files(getattr(data_cfg, f"{split}_path"), key)
-    schema, rows = read_schema(files, key)
-    return DataSplit(split, key, tuple(files), schema, rows)
+    schema, blocks = read_schema(files, key)
+    return DataSplit(split, key, tuple(files), schema, sum(n for _, _, n in blocks), blocks)
 
 
 def inspect(cfg, task) -> dict[str, DataSpec]:
@@ -142,17 +149,14 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
             raise DataError(f"{split.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
                             f"(columns: {split.schema.names}); point {split.key} at data with it")
         has_id = SAMPLE_ID in split.schema.names
-        specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.files)
+        specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.files,
+                               split.blocks, name)
     return specs
 
 
 def read_files(files, columns: list[str] | None = None) -> pa.Table:
-    """pyarrow reads the shards in file order (the driver, the torchrun path and tests)."""
+    """pyarrow reads the shards in file order (a task's inspect, tests)."""
     return pa.concat_tables(pq.read_table(_open(f), columns=columns) for f in files)
-
-
-def read_local(spec: DataSpec) -> pa.Table:
-    return read_files(spec.files, list(spec.columns))
 
 
 def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -171,8 +175,8 @@ def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 @dataclass
 class Columns:
-    """One split in memory: the task's columns as numpy arrays, rows sorted by sample_id so the order is
-    independent of how rows arrived."""
+    """Rows of a split as numpy arrays (the task's columns) and their sample ids (the sample_id column, or the row's
+    index in file order)."""
 
     data: dict[str, np.ndarray]
     sample_id: np.ndarray  # (n,) int64
@@ -182,18 +186,3 @@ class Columns:
 
     def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {name: col[index] for name, col in self.data.items()}
-
-
-def table_to_columns(table: pa.Table, spec: DataSpec) -> Columns:
-    n = table.num_rows
-    if spec.has_sample_id:
-        ids = table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False)
-    else:
-        # No sample_id: rows arrive in file order (read_local, or Ray Data with preserve_order), so the
-        # position is a stable id.
-        ids = np.arange(n, dtype=np.int64)
-    order = np.argsort(ids, kind="stable")
-    if spec.has_sample_id and len(ids) > 1 and np.any(np.diff(ids[order]) == 0):
-        raise DataError(f"{SAMPLE_ID} has duplicate values; make it unique per row or drop the column")
-    data = {c: column_to_numpy(table.column(c))[order] for c in spec.columns if c != SAMPLE_ID}
-    return Columns(data, ids[order])

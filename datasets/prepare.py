@@ -64,11 +64,16 @@ def split_of(name: str, val_fraction: float) -> str:
     return "val" if unit_hash(name) < val_fraction else "train"
 
 
+ROW_GROUP_ROWS = 4096
+
+
 def write_shards(table: pa.Table, out: Path, num_shards: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     bounds = np.linspace(0, table.num_rows, num_shards + 1).astype(int)
     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        pq.write_table(table.slice(lo, hi - lo), out / f"part-{i:04d}.parquet")
+        # Row groups are the blocks the training order permutes and a worker reads at a time (datasets/order.py):
+        # many small ones mix better and keep a worker's memory to its shuffle window.
+        pq.write_table(table.slice(lo, hi - lo), out / f"part-{i:04d}.parquet", row_group_size=ROW_GROUP_ROWS)
 
 
 def build_pystdlib(out: Path, seq_len: int, val_fraction: float, shards: int, root: Path | None = None) -> dict:

@@ -87,8 +87,10 @@ def test_job_grows_from_two_to_three_workers_and_keeps_the_global_sample_order(h
 
     # Every micro-step, whoever ran it and however often (steps since a checkpoint are redone after a restart),
     # trained on exactly the rows the global order gives it: each row once per epoch, across both world sizes.
-    sample_ids = np.sort(pq.ParquetDataset(data / "train").read(columns=["sample_id"]).column(0).to_numpy())
-    order = Order(len(sample_ids), 0, GLOBAL_MICRO_BATCH)  # run.seed 0
+    files = sorted((data / "train").glob("*.parquet"))  # the split in file order, its row groups the blocks
+    sample_ids = np.concatenate([pq.read_table(f, columns=["sample_id"]).column(0).to_numpy() for f in files])
+    blocks = tuple(m.row_group(g).num_rows for m in map(pq.read_metadata, files) for g in range(m.num_row_groups))
+    order = Order(blocks, 0, GLOBAL_MICRO_BATCH, 65536)  # run.seed 0, the default data.shuffle_window_rows
     steps = sorted({r["micro_step"] for r in records})
     assert steps == list(range(steps[-1] + 1))  # no micro-step skipped
     assert steps[-1] >= order.micro_steps_per_epoch  # the check below covers a whole epoch at least

@@ -3,12 +3,10 @@
 import copy
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import REPO
-from stride.datasets.order import Order, eval_rows
 from stride.trainers.config import load_config
 from stride.trainers.models import MLP, CharGPT
 from stride.trainers.step import Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step
@@ -113,35 +111,6 @@ def test_fp16_scaler_skips_non_finite_steps():
 def test_auto_precision_is_fp32_on_cpu():
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_each_row_once_per_epoch_minus_documented_drop(world_size):
-    rows, b = 1003, 8
-    order = Order(rows, seed=5, global_micro_batch=b * world_size)
-    seen = np.concatenate([order.rows(i, r, world_size) for i in range(order.micro_steps_per_epoch)
-                           for r in range(world_size)])
-    assert len(seen) == len(set(seen.tolist()))  # nothing twice
-    assert rows - len(seen) == order.rows_dropped_per_epoch < world_size * b  # documented drop
-    # The next epoch is a different permutation of the same rows.
-    nxt = np.concatenate([order.rows(order.micro_steps_per_epoch + i, r, world_size)
-                          for i in range(order.micro_steps_per_epoch) for r in range(world_size)])
-    assert not np.array_equal(seen, nxt)
-
-
-def test_order_is_a_function_of_seed_and_epoch_and_independent_of_world_size():
-    one = Order(1000, seed=3, global_micro_batch=64)
-    two = Order(1000, seed=3, global_micro_batch=64)
-    # 1 worker x 64 rows sees exactly the rows 2 workers x 32 see, in the same order.
-    for step in (0, 5, 15, 16, 40):
-        joined = np.concatenate([two.rows(step, 0, 2), two.rows(step, 1, 2)])
-        assert np.array_equal(one.rows(step, 0, 1), joined)
-    assert not np.array_equal(Order(1000, 4, 64).rows(0, 0, 1), one.rows(0, 0, 1))
-
-
-def test_eval_rows_cover_the_split_once():
-    parts = [eval_rows(101, r, 3) for r in range(3)]
-    assert sorted(np.concatenate(parts).tolist()) == list(range(101))
 
 
 def test_fp32_non_finite_gradients_are_never_applied():

@@ -58,6 +58,8 @@ class RunSection(Section):
 class DataSection(Section):
     train_path: str = Field("data/pystdlib/train", description="Parquet folder, file or glob of the training split")
     val_path: str | None = Field("data/pystdlib/val", description="Parquet folder, file or glob of the validation split (null: no validation)")
+    shuffle_window_rows: int = Field(65536, ge=1, description="Rows shuffled together after the row groups are permuted: more mixes better (a split sorted by label needs a window spanning many row groups), each worker holds about this many rows in memory (docs/data.md)")
+    read_ahead_windows: int = Field(2, ge=1, description="Windows of its own rows each worker reads ahead of training, in a background thread")
     label_column: str = Field("label", description="Tabular tasks (mlp): the integer class column")
     feature_columns: list[str] = Field(default_factory=list, description="Tabular tasks (mlp): input columns (empty: every numeric column but label and sample_id)")
     standardize: bool = Field(False, description="Tabular tasks (mlp): scale features by mean/std of the training split")

@@ -1,5 +1,5 @@
 """The driver's work between a resolved config and a finished run, shared by `python -m stride` (trainers/main.py)
-and sweeps (tune/): the task and its data checks, the Ray Data datasets, the TorchTrainer, resume checks, signals.
+and sweeps (tune/): the task and its data checks, the TorchTrainer, resume checks, signals.
 """
 
 from __future__ import annotations
@@ -72,51 +72,11 @@ def check_multinode_paths(cfg: Config, nodes: int) -> None:
                              f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
 
 
-# Local splits up to this size are read by pyarrow in the driver; bigger ones (and remote URIs) by Ray Data's
-# parallel read tasks. Every worker holds the whole split in memory either way (datasets/order.py).
-DRIVER_READ_MAX_BYTES = 2 << 30
-BLOCK_ROWS_TARGET_BYTES = 64 << 20
-
-
-def read_datasets(specs: dict) -> dict:
-    """Put each split's Parquet shards into the object store *before* any worker gang reserves CPUs: the reads
-    then never starve behind the gang (a Parquet read waiting forever for a CPU), and the blocks are read once,
-    not once per worker. Workers stream the blocks from the object store via get_dataset_shard.
-
-    Local files are read with pyarrow right here and handed to `ray.data.from_arrow` (in ~64 MB blocks): no Ray
-    Data read tasks, whose first run in a fresh cluster starts worker processes (about 9 s of a short job on
-    2 cores). Remote URIs and local splits over 2 GiB go through `ray.data.read_parquet`."""
-    import ray.data
-
-    from stride.datasets.parquet import read_local
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    t0 = time.perf_counter()
-    datasets, how = {}, set()
-    for split, spec in specs.items():
-        local = all("://" not in f for f in spec.files)
-        if local and sum(os.path.getsize(f) for f in spec.files) <= DRIVER_READ_MAX_BYTES:
-            table = read_local(spec)
-            rows = max(1, BLOCK_ROWS_TARGET_BYTES * table.num_rows // max(table.nbytes, 1))
-            datasets[split] = ray.data.from_arrow([table.slice(i, rows) for i in range(0, table.num_rows, rows)]
-                                                  or [table])
-            how.add("pyarrow")
-        else:
-            datasets[split] = ray.data.read_parquet(list(spec.files)).select_columns(list(spec.columns)).materialize()
-            how.add("Ray Data")
-    print(f"stride: read {', '.join(f'{k} {v.num_rows} rows' for k, v in specs.items())} with "
-          f"{' and '.join(sorted(how))} in {time.perf_counter() - t0:.1f}s", flush=True)
-    return datasets
-
-
-def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, datasets: dict, *, progress_bar: bool = False,
+def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progress_bar: bool = False,
                   callbacks=(), **plan_extra):
     """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, plan, gang):
     gang = (num_workers, use_gpu, the cluster's resources)."""
-    import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from stride.trainers.loop import plan_run
@@ -140,10 +100,8 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, datasets
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
                              callbacks=list(callbacks)),
-        datasets=datasets,
-        # Each worker streams the whole split once into memory; the sample order comes from datasets/order.py.
-        dataset_config=DataConfig(datasets_to_split=[],
-                                  execution_options=ray.data.ExecutionOptions(preserve_order=True)),
+        # No Ray datasets: each worker streams its rows of the split's row groups itself (datasets/stream.py), in
+        # the order of datasets/order.py, which Ray Data's streaming_split cannot reproduce.
     )
     return trainer, plan, (num_workers, use_gpu, resources)
 
@@ -155,8 +113,7 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     num_workers, use_gpu, _ = resolve_scaling(cfg)  # fail on impossible resources before reading any data
     if cfg.scaling.preflight:
         preflight(cfg, num_workers, use_gpu)
-    trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, read_datasets(specs),
-                                                                progress_bar=progress_bar)
+    trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, progress_bar=progress_bar)
     workers = "{}-{}".format(*elastic(cfg)) if elastic(cfg) else num_workers
     print(f"stride: training {cfg.run.name} on {workers} {'GPU' if use_gpu else 'CPU'} "
           f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)

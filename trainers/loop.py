@@ -22,8 +22,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from stride.datasets.order import Order, eval_rows
-from stride.datasets.parquet import Columns, DataError, DataSpec
+from stride.datasets.order import Order
+from stride.datasets.parquet import DataError, DataSpec
+from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 from stride.trainers import checkpointing, fsdp, telemetry
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
 from stride.trainers.policies import Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
@@ -44,7 +45,6 @@ class WorkerEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    load_split: Callable[[str, DataSpec], Columns]
     wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
     latest_checkpoint: Callable[[], Path | None]
     # report(metrics, folder, write): every rank calls it the same number of times. On a checkpoint step rank 0
@@ -139,22 +139,20 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         if env.device.type == "cpu":
             torch.set_num_threads(t.num_threads or max(1, int(self.plan.cpus_per_worker)))
-        t0 = time.perf_counter()
-        # Every worker holds the split in memory; the order is a function of (seed, epoch) only.
-        self.train = env.load_split("train", self.plan.train)
-        self.val = env.load_split("val", self.plan.val) if self.plan.val is not None else None
-        W = env.world_size
+        # The order is a function of (seed, epoch, the split's row groups) only; the rows stream in (fit).
+        train, val, W = self.plan.train, self.plan.val, env.world_size
         self.global_micro = global_micro_batch(cfg, W)  # B x W; elastic runs: B x max workers, whatever W is now
         self.rows_per_worker = self.global_micro // W
-        self.order = Order(len(self.train), cfg.run.seed, self.global_micro)
+        self.order = Order(tuple(n for _, _, n in train.blocks), cfg.run.seed, self.global_micro,
+                           cfg.data.shuffle_window_rows)
         if self.order.micro_steps_per_epoch == 0:
             raise DataError(f"train.batch_size_per_worker ({t.batch_size_per_worker}) x {self.global_micro // t.batch_size_per_worker} "
-                            f"workers exceeds the {len(self.train)} training rows; use a smaller train.batch_size_per_worker")
+                            f"workers exceeds the {train.num_rows} training rows; use a smaller train.batch_size_per_worker")
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * self.order.micro_steps_per_epoch / t.grad_accum_steps))
-        log.info("data: %d train rows, %s val rows, loaded in %.1fs; global batch %d = %d per worker x %d workers x %d "
-                 "accumulation; %d rows dropped per epoch", len(self.train), len(self.val) if self.val else 0,
-                 time.perf_counter() - t0, global_batch_size(cfg, W), self.rows_per_worker, W, t.grad_accum_steps,
-                 self.order.rows_dropped_per_epoch)
+        log.info("data: %d train rows in %d row groups, %s val rows; shuffle window %d rows; global batch %d = %d per "
+                 "worker x %d workers x %d accumulation; %d rows dropped per epoch", train.num_rows, len(train.blocks),
+                 val.num_rows if val else 0, cfg.data.shuffle_window_rows, global_batch_size(cfg, W),
+                 self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)
 
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = self.task.build_model().to(env.device)
@@ -246,16 +244,23 @@ class Trainer:
 
     # ---- one optimizer step ----
 
-    def micro_batches(self, sample_log) -> list[dict[str, torch.Tensor]]:
+    def open_stream(self) -> TrainStream:
+        """This rank's rows from the restored position on: a resume reads from the window it falls in, never
+        through the data before it."""
+        return TrainStream(self.plan.train, self.order, self.env.world_rank, self.env.world_size,
+                           self.state.micro_step, self.cfg.data.read_ahead_windows,
+                           end_micro_step=self.total_steps * self.cfg.train.grad_accum_steps)
+
+    def micro_batches(self, stream: TrainStream, sample_log) -> list[dict[str, torch.Tensor]]:
         self.task.training = True
         batches = []
         for _ in range(self.cfg.train.grad_accum_steps):
-            rows = self.order.rows(self.state.micro_step, self.env.world_rank, self.env.world_size)
+            rows = stream.next()
             if sample_log is not None:
                 sample_log.write(json.dumps({"step": self.state.step, "micro_step": self.state.micro_step,
                                              "rank": self.env.world_rank, "world_size": self.env.world_size,
-                                             "sample_ids": self.train.sample_id[rows].tolist()}) + "\n")
-            batches.append(to_device(self.task.transform(self.train.rows(rows)), self.env.device, self.cfg.model.name))
+                                             "sample_ids": rows.sample_id.tolist()}) + "\n")
+            batches.append(to_device(self.task.transform(rows.data), self.env.device, self.cfg.model.name))
             self.state.micro_step += 1
         return batches
 
@@ -276,7 +281,7 @@ class Trainer:
     # ---- evaluate: every validation row once across ranks ----
 
     def evaluate(self) -> dict[str, float]:
-        if self.val is None:
+        if self.plan.val is None:
             return {}
         self.task.training = False
         out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device)
@@ -285,19 +290,22 @@ class Trainer:
         return out
 
     def _eval_batches(self):
-        W, rank = self.env.world_size, self.env.world_rank
-        rows = eval_rows(len(self.val), rank, W)
+        W, rank, spec = self.env.world_size, self.env.world_rank, self.plan.val
         eb = max(self.cfg.train.batch_size_per_worker, 64)
-        for i in range(0, len(rows), eb):
-            yield self._val_batch(rows[i:i + eb]), len(rows[i:i + eb])
-        # Every rank runs as many forwards as rank 0 (the most rows): FSDP all-gathers in each, and every rank must
-        # know the task's metric names for the all-reduce. The padding batches count for nothing.
-        most = math.ceil(len(eval_rows(len(self.val), 0, W)) / eb)
-        for _ in range(max(most - math.ceil(len(rows) / eb), 0 if len(rows) else 1)):
-            yield self._val_batch(np.arange(1)), 0
+        first = None
+        for rows in eval_stream(spec, rank, W, eb):
+            first = first or rows
+            yield self._val_batch(rows.data), len(rows)
+        # Every rank runs as many forwards as the rank with the most batches: FSDP all-gathers in each, and every
+        # rank must know the task's metric names for the all-reduce. The padding batches count for nothing.
+        counts = eval_batch_counts(spec, W, eb)
+        for _ in range(max(counts) - counts[rank]):
+            if first is None:  # a rank with no block of its own pads with one row of the first block
+                first = next(eval_stream(spec, 0, 1, 1))
+            yield self._val_batch({k: v[:1] for k, v in first.data.items()}), 0
 
-    def _val_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        return to_device(self.task.transform(self.val.rows(rows)), self.env.device, self.cfg.model.name)
+    def _val_batch(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return to_device(self.task.transform(rows), self.env.device, self.cfg.model.name)
 
     # ---- checkpoint: staged on the CPU now, written by the runtime (possibly in the background) ----
 
@@ -353,15 +361,22 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         self.setup()
         self.restore()
+        stream = self.open_stream()
+        try:
+            return self.train_loop(stream)
+        finally:
+            stream.close()
+
+    def train_loop(self, stream: TrainStream) -> dict[str, Any]:
         sinks = self.open_sinks()
         cfg, env, s = self.cfg, self.env, self.state
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
         stop = StopRequest(self.run_dir, env.device, env.world_size)
         stop.install()
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,
-                          cfg.checkpoint.every_steps, self.val is not None)
+                          cfg.checkpoint.every_steps, self.plan.val is not None)
         nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps)
-        if s.initial_val_loss is None and self.val is not None:
+        if s.initial_val_loss is None and self.plan.val is not None:
             s.initial_val_loss = self.evaluate()["val_loss"]
             log.info("untrained val_loss %.4f", s.initial_val_loss)
         self.model.train()
@@ -374,7 +389,7 @@ class Trainer:
             profiler.before_step(s.step)
             reseed(cfg.run.seed, env.world_rank, s.step)  # dropout and augmentation: functions of the step
             t_data = time.perf_counter()
-            batches = self.micro_batches(sample_log)
+            batches = self.micro_batches(stream, sample_log)
             clock.data_wait += time.perf_counter() - t_data
             result = self.step(batches)
             if (warning := nonfinite.observe(s.step, result.finite, result.loss, result.grad_norm)) and self.rank0 \
@@ -425,6 +440,7 @@ class Trainer:
         if sample_log is not None:
             sample_log.close()
         summary = self.summary(status, stop, time.perf_counter() - train_start, start_step, last_train, last_val)
+        summary["train_rows_read"] = stream.rows_read  # this rank's: a resume reads from its window on
         if self.tracker is not None:
             self.tracker.finish()
         return summary if self.rank0 else {"status": status, "stop_signal": summary["stop_signal"]}

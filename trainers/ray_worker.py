@@ -1,5 +1,5 @@
-"""The Ray Train edge: what Ray Train runs on each worker. It builds the Ray `WorkerEnv` (rank, device, data
-from Ray Data, checkpoints through Ray's storage, Prometheus gauges), then runs the plain-PyTorch `Trainer`."""
+"""The Ray Train edge: what Ray Train runs on each worker. It builds the Ray `WorkerEnv` (rank, device,
+checkpoints through Ray's storage, Prometheus gauges), then runs the plain-PyTorch `Trainer`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stride.datasets.parquet import Columns, DataError, DataSpec, table_to_columns
 from stride.trainers import checkpointing, telemetry
 from stride.trainers.config import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, log, run
@@ -27,15 +26,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     ctx = ray.train.get_context()
     cfg = from_dict(config["cfg"])
     plan: RunPlan = config["plan"]
-
-    def load_split(name: str, spec: DataSpec) -> Columns:
-        import pyarrow as pa
-
-        shard = ray.train.get_dataset_shard(name)
-        batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
-        if not batches:
-            raise DataError(f"data.{name}_path produced no rows through Ray Data")
-        return table_to_columns(pa.concat_tables(batches), spec)
 
     def latest_checkpoint() -> Path | None:
         # Not ray.train.get_checkpoint(): Ray's pointer misses a checkpoint written but never registered (driver
@@ -70,7 +60,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     env = WorkerEnv(
         world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-        device=ray.train.torch.get_device(), load_split=load_split,
+        device=ray.train.torch.get_device(),
         wrap_model=lambda m: ray.train.torch.prepare_model(m) if ctx.get_world_size() > 1 else m,
         latest_checkpoint=latest_checkpoint, report=report,
         progress_bar=progress_bar if plan.progress_bar else None,

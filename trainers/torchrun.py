@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 trainers/torchrun.py --config trainers/configs/char_gpt.yaml [section.field=value ...]
 
-Used for A/B benchmarks against Ray Train and on machines without Ray. Data are read with pyarrow;
+Used for A/B benchmarks against Ray Train and on machines without Ray. Data stream as under Ray (datasets/stream.py);
 checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run name resumes.
 """
 
@@ -23,7 +23,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stride.datasets.parquet import DataError, read_local, table_to_columns  # noqa: E402
+from stride.datasets.parquet import DataError  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
 from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
@@ -112,10 +112,8 @@ def train(config: str, overrides: list[str]) -> int:
 
         return tqdm(**kwargs)
 
-    env = WorkerEnv(rank, world_size, local_rank, device,
-                    load_split=lambda name, spec: table_to_columns(read_local(spec), spec),
-                    wrap_model=wrap_model, latest_checkpoint=latest_checkpoint, report=report,
-                    progress_bar=progress_bar if sys.stdout.isatty() else None)
+    env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=wrap_model, latest_checkpoint=latest_checkpoint,
+                    report=report, progress_bar=progress_bar if sys.stdout.isatty() else None)
     t0 = time.time()
     summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty()))
     if rank == 0:

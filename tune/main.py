@@ -484,14 +484,13 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
     from ray import tune
 
     from stride.trainers.checkpointing import atomic_write_text
-    from stride.trainers.driver import read_datasets
     from stride.trainers.tracking import default_uri
     from stride.tune.trial import run_trial
 
     import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that
 
     # Schema migrations, study creation and per-dataset INFO lines are noise next to one line per trial result.
-    quiet = {"mlflow": logging.WARNING, "alembic": logging.WARNING, "ray.data": logging.ERROR}
+    quiet = {"mlflow": logging.WARNING, "alembic": logging.WARNING}
     if sweep.sweep.search == "optuna":
         import optuna
 
@@ -510,9 +509,8 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
           f"({num_workers} {'GPU' if use_gpu else 'CPU'} worker(s) each), search {sweep.sweep.search}, "
           f"scheduler {sweep.sweep.scheduler}, {sweep.sweep.mode} {sweep.sweep.metric}"
           + (" - resuming" if restore else ""), flush=True)
-    datasets = read_datasets(specs)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=sweep, specs=specs, facts=facts, datasets=datasets, mlflow_uri=uri,
+        tune.with_parameters(run_trial, sweep=sweep, specs=specs, facts=facts, mlflow_uri=uri,
                              parent_run_id=parent_run_id),
         TRIAL_RESOURCES)
     logging.getLogger("ray.tune").setLevel(logging.ERROR)  # Stride prints the trials; Tune's tables are off

@@ -92,7 +92,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, datasets: dict, mlflow_uri: str,
+def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow_uri: str,
               parent_run_id: str | None) -> None:
     from ray import tune
     import ray.train
@@ -112,7 +112,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, datase
     repaired = repair_snapshot(cfg.run_dir)
     if repaired:
         print(f"stride: trial {trial_id}: {repaired}", flush=True)
-    trainer, _, _ = build_trainer(cfg, specs, facts, datasets, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
+    trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
                                   mlflow_parent_run_id=parent_run_id,
                                   report_log_steps=True)  # Tune's schedulers read train_* figures too
     t0 = time.time()

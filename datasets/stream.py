@@ -1,0 +1,209 @@
+"""Streaming a split to one rank: row groups read on demand, in the order of datasets/order.py.
+
+A worker holds the window it is cutting (the row groups that overlap it) plus `read_ahead` windows of its own rows
+already taken from earlier windows, however large the split. A background thread reads ahead while the loop trains
+(pyarrow reads and numpy gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
+way, with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
+
+Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This
+is what makes the order independent of the world size (rank r takes its slice of every global micro-batch); on local
+or shared disks the page cache absorbs it, on an object store it is W x the egress (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from stride.datasets.order import Order, eval_blocks
+from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec, column_to_numpy
+
+
+class BlockReader:
+    """Reads one split's blocks (row groups) with the columns the task needs; counts the rows it read."""
+
+    OPEN_FILES = 16  # footers kept open: an object store pays a request per open
+
+    def __init__(self, spec: DataSpec):
+        self.spec = spec
+        self.columns = [c for c in spec.columns if c != SAMPLE_ID or spec.has_sample_id]
+        self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
+        self.rows_read = 0
+        self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._last: tuple[int, pa.Table, np.ndarray] | None = None  # a block two windows share is read once
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.spec.blocks)
+
+    def read(self, block: int) -> tuple[pa.Table, np.ndarray]:
+        """The block's rows and their sample ids (the sample_id column, or the row's index in file order)."""
+        if self._last is not None and self._last[0] == block:
+            return self._last[1], self._last[2]
+        f, rg, n = self.spec.blocks[block]
+        path = self.spec.files[f]
+        try:
+            table = self._file(f).read_row_group(rg, columns=self.columns)
+        except (OSError, pa.ArrowException) as e:
+            self._files.pop(f, None)
+            raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row group {rg}: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); it changed or disappeared "
+                            f"after the run started: restore it, or start a new run.name without it") from None
+        if table.num_rows != n:
+            raise DataError(f"data.{self.spec.split}_path: {path} row group {rg} holds {table.num_rows} rows, not the "
+                            f"{n} it held when the run started; restore the file or start a new run.name")
+        ids = (table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False) if self.spec.has_sample_id
+               else np.arange(self.base[block], self.base[block] + n, dtype=np.int64))
+        self.rows_read += n
+        self._last = (block, table, ids)
+        return table, ids
+
+    def _file(self, f: int) -> pq.ParquetFile:
+        if f not in self._files:
+            path = self.spec.files[f]
+            if "://" in path:
+                fs, p = pafs.FileSystem.from_uri(path)
+                source = fs.open_input_file(p)
+            else:
+                source = path
+            self._files[f] = pq.ParquetFile(source)
+            while len(self._files) > self.OPEN_FILES:
+                self._files.popitem(last=False)
+        self._files.move_to_end(f)
+        return self._files[f]
+
+
+def to_columns(table: pa.Table, ids: np.ndarray, columns: tuple[str, ...]) -> Columns:
+    return Columns({c: column_to_numpy(table.column(c)) for c in columns if c != SAMPLE_ID}, ids)
+
+
+def concat_columns(parts: list[Columns]) -> Columns:
+    if len(parts) == 1:
+        return parts[0]
+    return Columns({k: np.concatenate([p.data[k] for p in parts]) for k in parts[0].data},
+                   np.concatenate([p.sample_id for p in parts]))
+
+
+def slice_columns(c: Columns, lo: int, hi: int) -> Columns:
+    return Columns({k: v[lo:hi] for k, v in c.data.items()}, c.sample_id[lo:hi])
+
+
+def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int, world_size: int,
+                from_position: int = 0) -> Columns | None:
+    """The rows `rank` trains on from window k of `epoch` (positions >= from_position), in order; None if none."""
+    plan = order.epoch(epoch)
+    lo, hi = plan.window_span(k)
+    positions = order.rank_positions(rank, world_size, max(lo, from_position), hi)
+    if not len(positions):
+        return None
+    tables, ids = [], []
+    for block, first, end in plan.window_pieces(k):
+        table, block_ids = reader.read(block)
+        tables.append(table.slice(first, end - first))
+        ids.append(block_ids[first:end])
+    local = plan.window_permutation(k)[positions - lo]
+    window = pa.concat_tables(tables)
+    return to_columns(window.take(pa.array(local)), np.concatenate(ids)[local], reader.spec.columns)
+
+
+_END = object()
+
+
+class TrainStream:
+    """This rank's micro-batches from `micro_step` up to `end_micro_step` (the run's last; None: no end), across
+    epochs, read ahead by a background thread."""
+
+    def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
+                 end_micro_step: int | None = None):
+        self.reader = BlockReader(spec)
+        self.order, self.rank, self.world_size = order, rank, world_size
+        self.per_worker = order.global_micro_batch // world_size
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, read_ahead))
+        self._stop = threading.Event()
+        self._pending: list[Columns] = []
+        self._pending_rows = 0
+        # Started by the first next(): a finished run rerun trains nothing and reads nothing.
+        self._thread = threading.Thread(target=self._produce, args=(micro_step, end_micro_step), name="stride-data",
+                                        daemon=True)
+
+    @property
+    def rows_read(self) -> int:
+        return self.reader.rows_read
+
+    def next(self) -> Columns:
+        """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
+        if self._thread.ident is None:
+            self._thread.start()
+        while self._pending_rows < self.per_worker:
+            item = self._queue.get()
+            if item is _END:
+                raise IndexError("TrainStream: read past end_micro_step")
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            self._pending.append(item)
+            self._pending_rows += len(item)
+        rows = concat_columns(self._pending)
+        batch, rest = slice_columns(rows, 0, self.per_worker), slice_columns(rows, self.per_worker, len(rows))
+        self._pending, self._pending_rows = ([rest] if len(rest) else []), len(rest)
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.ident is not None and self._thread.is_alive():
+            try:  # unblock a producer waiting on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+
+    def _produce(self, micro_step: int, end_micro_step: int | None) -> None:
+        order, G = self.order, self.order.global_micro_batch
+        epoch, i = order.position(micro_step)
+        start = i * G
+        # Past the run's last micro-step nothing is read (a run ending mid-epoch reads no further windows).
+        last_epoch, last_pos = order.position(end_micro_step - 1) if end_micro_step else (None, None)
+        try:
+            while not self._stop.is_set() and (last_epoch is None or epoch <= last_epoch):
+                plan = order.epoch(epoch)
+                end_window = plan.num_windows if epoch != last_epoch else (last_pos * G + G - 1) // order.window_rows + 1
+                for k in range(start // order.window_rows, end_window):
+                    rows = rank_window(self.reader, order, epoch, k, self.rank, self.world_size, start)
+                    if rows is not None and not self._put(rows):
+                        return
+                epoch, start = epoch + 1, 0
+            self._put(_END)
+        except BaseException as e:  # delivered to the loop, which raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
+    """How many validation batches each rank runs (ranks pad to the most: FSDP all-gathers in every forward)."""
+    return [sum(-(-spec.blocks[b][2] // batch) for b in eval_blocks(len(spec.blocks), r, world_size))
+            for r in range(world_size)]
+
+
+def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[Columns]:
+    """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
+    reader = BlockReader(spec)
+    for b in eval_blocks(reader.num_blocks, rank, world_size):
+        table, ids = reader.read(b)
+        columns = to_columns(table, ids, spec.columns)
+        for lo in range(0, len(columns), batch):
+            yield slice_columns(columns, lo, lo + batch)

@@ -1,6 +1,6 @@
 """Evidence behind the figures of `make bench`: where Stride's extra time goes. Not part of `make bench`.
 
-    python benchmarks/evidence.py [--only costs,costs_big,ingest,read,driver,cluster,stacks] [--out benchmarks/results]
+    python benchmarks/evidence.py [--only costs,costs_big,ingest,driver,cluster,stacks] [--out benchmarks/results]
 
 * costs  (one embedded Ray, a 2-worker TorchTrainer with the default job's model, DDP and AdamW state): seconds per
   call of what the loop does on a log step and on a checkpoint, each repeated and interleaved:
@@ -12,11 +12,8 @@
   make bench, longer), sampled during steady-state training; the share of samples by activity.
   Also the cores used by every process of the job's tree (Ray's daemons and actors included) and by the whole
   machine; with --stride-env KEY=VALUE a third, variant Stride run.
-* ingest (cProfile): one pass of Stride's worker-side path (get_dataset_shard -> iter_batches -> concat ->
-  table_to_columns) over the tabular ingest set, top functions by cumulative time.
-* read: the driver's read (stride.trainers.driver.read_datasets: pyarrow + ray.data.from_arrow for local splits up
-  to 2 GiB, else Ray Data read_parquet + materialize) vs pyarrow in the driver + ray.data.from_arrow, for the
-  default job's data and the tabular set.
+* ingest (cProfile): one epoch of the loop's stream (datasets/stream.py TrainStream) over a generated tabular set,
+  top functions by cumulative time.
 * driver (py-spy, idle included): a whole `python trainers/main.py` run, the driver's wall time by phase.
 * cluster: the make-bench job on an already running local head (stride.ray_cluster.local) vs embedded Ray vs
   torchrun.
@@ -345,71 +342,40 @@ def sample_stacks(runtime: str, tmp: Path, steps: int, duration_s: int, extra_en
 
 # ------------------------------------------------------------------ ingest
 
-def ingest_profile_loop(config: dict) -> dict:
+def run_ingest(tmp: Path, rows: int) -> dict:
+    """cProfile of one epoch of the loop's stream (datasets/stream.py) over a generated tabular set, one worker."""
     import cProfile
     import io
     import pstats
 
-    import pyarrow as pa
-    import ray.train
+    from stride.datasets.order import Order
+    from stride.datasets.stream import TrainStream
+    from stride.trainers.config import load_config
+    from stride.trainers.driver import prepare
 
-    from stride.datasets.parquet import table_to_columns
-
-    spec = config["spec"]
-
-    def stride_path():  # == trainers/ray_worker.py train_loop_per_worker.load_split
-        shard = ray.train.get_dataset_shard("train")
-        batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)]
-        return table_to_columns(pa.concat_tables(batches), spec), len(batches)
-
-    stride_path()  # warm
+    data = tmp / "ingest_tabular"
+    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32",
+                    "--classes", "4", "--seed", "0"], cwd=REPO, check=True, capture_output=True)
+    cfg = load_config(REPO / "trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}", "data.val_path=null"])
+    spec = prepare(cfg)[1]["train"]
+    order = Order(tuple(n for _, _, n in spec.blocks), 0, cfg.train.batch_size_per_worker, cfg.data.shuffle_window_rows)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    _, n_batches = stride_path()
+    stream = TrainStream(spec, order, 0, 1, 0, cfg.data.read_ahead_windows, end_micro_step=order.micro_steps_per_epoch)
+    n = sum(len(stream.next()) for _ in range(order.micro_steps_per_epoch))
+    stream.close()
     prof.disable()
     wall = time.perf_counter() - t0
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-    return {"wall_s": wall, "batches": n_batches, "rows": spec.num_rows, "cprofile_top25_cumulative": buf.getvalue()}
-
-
-def run_ingest(tmp: Path, rows: int) -> dict:
-    import ray.data
-    from ray.train import DataConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from stride.ray_cluster.connect import init_ray, quiet_ray_env
-    from stride.trainers.config import load_config
-    from stride.trainers.driver import prepare, read_datasets
-
-    data = tmp / "tabular"
-    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
-                   cwd=REPO, check=True, capture_output=True)
-    cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}"])
-    spec = prepare(cfg)[1]["train"]  # the mlp task's checks and the columns it reads, as the driver does
-    _by_value()
-    quiet_ray_env()
-    init_ray(log_to_driver=False)
-    ds = read_datasets({"train": spec})
-    trainer = TorchTrainer(ingest_profile_loop, train_loop_config={"spec": spec},
-                           scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1.0}),
-                           run_config=RunConfig(name="ingest_prof", storage_path=str(tmp / "ingest")),
-                           datasets=ds, dataset_config=DataConfig(datasets_to_split=[],
-                                                                  execution_options=ray.data.ExecutionOptions(preserve_order=True)))
-    out = trainer.fit().return_value
-    out["blocks_in_object_store"] = ds["train"].num_blocks()
-    import ray
-
-    ray.shutdown()
-    return out
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+    return {"rows": n, "batches": order.micro_steps_per_epoch, "wall_s": wall, "cprofile_top25_cumulative": text.getvalue()}
 
 
 # ------------------------------------------------------------------ driver (startup and shutdown)
 
 DRIVER_PHASES = [  # first match wins, against the main thread's stack (outermost first)
     ("ray.init (embedded cluster start)", re.compile(r"init_ray \(")),
-    ("driver's Ray Data read", re.compile(r"read_datasets \(")),
     # train_on_ray (trainers/driver.py) is what trainers/main.py's fit was: build the trainer, fit, the summary
     ("trainer.fit (controller, worker group, training)", re.compile(r"\bfit \(ray/train|fit \(trainers/main.py|train_on_ray \(")),
     ("building the trainer", re.compile(r"build_trainer \(")),
@@ -455,44 +421,6 @@ def run_driver(tmp: Path, steps: int = 20) -> dict:
     return {"wall_s": wall, "seconds_by_phase": {k: round(v / 50, 2) for k, v in counts.most_common()},
             "main_thread_samples": total}
 
-
-def run_read(tmp: Path, rows: int) -> dict:
-    """The driver's read of the default job's data and of a tabular set: stride.trainers.driver.read_datasets vs
-    pyarrow in the driver + ray.data.from_arrow (same blocks in the object store)."""
-    import pyarrow.parquet as pq
-    import ray
-    import ray.data
-
-    from stride.datasets.parquet import read_local
-    from stride.ray_cluster.connect import init_ray, quiet_ray_env
-    from stride.trainers.config import load_config
-    from stride.trainers.driver import prepare, read_datasets
-
-    data = tmp / "tabular_read"
-    subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(rows), "--features", "32"],
-                   cwd=REPO, check=True, capture_output=True)
-    sets = {"pystdlib": load_config(CONFIG, []),
-            "tabular": load_config("trainers/configs/tabular_mlp.yaml", [f"data.train_path={data / 'train'}",
-                                                                        f"data.val_path={data / 'val'}"])}
-    quiet_ray_env()
-    init_ray(log_to_driver=False)
-    out = {}
-    for name, cfg in sets.items():
-        spec = prepare(cfg)[1]["train"]
-        t = collections.defaultdict(list)
-        for _ in range(3):
-            t0 = time.perf_counter()
-            read_datasets({"train": spec})
-            t["ray_data_read_parquet_s"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            ray.data.from_arrow(read_local(spec)).materialize()
-            t["pyarrow_then_from_arrow_s"].append(time.perf_counter() - t0)
-        out[name] = {"rows": spec.num_rows, **{k: statistics.median(v) for k, v in t.items()}, "samples": dict(t)}
-    ray.shutdown()
-    return out
-
-
-# ------------------------------------------------------------------ cluster (a job on a running head)
 
 def run_cluster(tmp: Path, reps: int = 2) -> dict:
     """The make-bench job (quick) on an already running local head (stride.ray_cluster.local, token auth) vs embedded
@@ -548,16 +476,12 @@ def summary(result: dict) -> str:
             out.append(f"{part} (ms, median [min..max]):")
             out += [f"  {k:32s} {v['median'] * 1e3:9.2f} [{v['min'] * 1e3:.2f}..{v['max'] * 1e3:.2f}] n={v['n']}"
                     for k, v in result[part].items()]
-    if "read" in result:
-        out.append("driver read (s): " + "; ".join(
-            f"{k} {v['rows']} rows: read_parquet {v['ray_data_read_parquet_s']:.2f}, pyarrow+from_arrow "
-            f"{v['pyarrow_then_from_arrow_s']:.2f}" for k, v in result["read"].items()))
     if "driver" in result:
         out.append(f"driver wall {result['driver']['wall_s']:.1f}s by phase: " + ", ".join(
             f"{k} {v:.1f}" for k, v in result["driver"]["seconds_by_phase"].items()))
     if "ingest" in result:
         i = result["ingest"]
-        out.append(f"ingest: one worker-side pass {i['wall_s']:.3f}s for {i['rows']} rows in {i['batches']} batch(es)")
+        out.append(f"ingest: one epoch of the stream {i['wall_s']:.3f}s for {i['rows']} rows in {i['batches']} batch(es)")
         out.append(i["cprofile_top25_cumulative"])
     if "cluster" in result:
         for kind in ("torchrun", "stride_on_running_head", "stride_embedded"):
@@ -575,7 +499,7 @@ def summary(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="costs,costs_big,ingest,read,driver,cluster,stacks")
+    ap.add_argument("--only", default="costs,costs_big,ingest,driver,cluster,stacks")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--steps", type=int, default=200, help="steps of the sampled runs (stacks)")
     ap.add_argument("--duration", type=int, default=20, help="py-spy seconds per runtime (stacks)")
@@ -590,7 +514,7 @@ def main() -> int:
                     "loadavg_start": os.getloadavg()}
     try:
         # Each part in its own process, so that every embedded Ray starts and ends cleanly.
-        for part in ("costs", "costs_big", "ingest", "read", "driver", "cluster", "stacks"):
+        for part in ("costs", "costs_big", "ingest", "driver", "cluster", "stacks"):
             if part not in only:
                 continue
             if part == "stacks":
@@ -602,7 +526,7 @@ def main() -> int:
             else:
                 out = tmp / f"{part}.json"
                 code = (f"import json,sys; sys.argv=['x']; import evidence as p; from pathlib import Path; "
-                        f"r = p.run_{part}(Path({str(tmp)!r})" + (f", {args.ingest_rows})" if part in ("ingest", "read") else ")")
+                        f"r = p.run_{part}(Path({str(tmp)!r})" + (f", {args.ingest_rows})" if part == "ingest" else ")")
                         + f"; Path({str(out)!r}).write_text(json.dumps(r, default=str))")
                 env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'benchmarks'}")
                 env.pop("RAY_ADDRESS", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -96,11 +96,12 @@ def slice_columns(c: Columns, lo: int, hi: int) -> Columns:
 
 
 def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int, world_size: int,
-                from_position: int = 0) -> Columns | None:
-    """The rows `rank` trains on from window k of `epoch` (positions >= from_position), in order; None if none."""
+                from_position: int = 0, to_position: int | None = None) -> Columns | None:
+    """The rows `rank` trains on from window k of `epoch` (positions in [from_position, to_position)), in order;
+    None if none."""
     plan = order.epoch(epoch)
     lo, hi = plan.window_span(k)
-    positions = order.rank_positions(rank, world_size, max(lo, from_position), hi)
+    positions = order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
     if not len(positions):
         return None
     tables, ids = [], []
@@ -116,19 +117,31 @@ def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int
 _END = object()
 
 
+def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Columns:
+    """The rows `rank` trains on in micro-steps [micro_step, micro_step + n) of one epoch, read from the windows
+    they fall in."""
+    epoch, i = order.position(micro_step)
+    G, S = order.global_micro_batch, order.window_rows
+    lo, hi = i * G, (i + n) * G
+    parts = [rank_window(reader, order, epoch, k, rank, world_size, lo, hi) for k in range(lo // S, (hi - 1) // S + 1)]
+    return concat_columns([p for p in parts if p is not None])
+
+
 class TrainStream:
     """This rank's micro-batches from `micro_step` up to `end_micro_step` (the run's last; None: no end), across
-    epochs, read ahead by a background thread."""
+    epochs, read ahead by a background thread. `next_batch` applies `transform(rows, micro_step)` in the caller's
+    thread (the task's transform may draw from the global random streams, which belong to the training thread)."""
 
     def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
-                 end_micro_step: int | None = None):
+                 end_micro_step: int | None = None, transform: Callable[[Columns, int], dict] | None = None):
         self.reader = BlockReader(spec)
         self.order, self.rank, self.world_size = order, rank, world_size
         self.per_worker = order.global_micro_batch // world_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, read_ahead))
         self._stop = threading.Event()
-        self._pending: list[Columns] = []
-        self._pending_rows = 0
+        self.transform = transform
+        self._current: Columns | None = None  # the rows taken from the queue, consumed from _offset on
+        self._offset = 0
         # Started by the first next(): a finished run rerun trains nothing and reads nothing.
         self._thread = threading.Thread(target=self._produce, args=(micro_step, end_micro_step), name="stride-data",
                                         daemon=True)
@@ -137,23 +150,32 @@ class TrainStream:
     def rows_read(self) -> int:
         return self.reader.rows_read
 
+    def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(sample ids, the task's arrays) of the next micro-batch, which is micro-step `micro_step`."""
+        rows = self.next()
+        return rows.sample_id, self.transform(rows, micro_step)
+
     def next(self) -> Columns:
         """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
         if self._thread.ident is None:
             self._thread.start()
-        while self._pending_rows < self.per_worker:
+        current, offset, n = self._current, self._offset, self.per_worker
+        if current is not None and len(current) - offset >= n:  # the common case: a view into the current window
+            self._offset += n
+            return slice_columns(current, offset, offset + n)
+        parts = [slice_columns(current, offset, len(current))] if current is not None and offset < len(current) else []
+        have = sum(len(p) for p in parts)
+        while have < n:
             item = self._queue.get()
             if item is _END:
                 raise IndexError("TrainStream: read past end_micro_step")
             if isinstance(item, BaseException):
                 self.close()
                 raise item
-            self._pending.append(item)
-            self._pending_rows += len(item)
-        rows = concat_columns(self._pending)
-        batch, rest = slice_columns(rows, 0, self.per_worker), slice_columns(rows, self.per_worker, len(rows))
-        self._pending, self._pending_rows = ([rest] if len(rest) else []), len(rest)
-        return batch
+            parts.append(item)
+            have += len(item)
+        self._current, self._offset = concat_columns(parts), n
+        return slice_columns(self._current, 0, n)
 
     def close(self) -> None:
         self._stop.set()

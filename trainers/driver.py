@@ -72,6 +72,22 @@ def check_multinode_paths(cfg: Config, nodes: int) -> None:
                              f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
 
 
+def choose_pipeline(cfg: Config, num_workers: int, use_gpu: bool, resources: dict) -> tuple[str, float]:
+    """data.pipeline -> ("thread" or "ray_data", CPUs per Ray Data task). Ray Data needs CPUs the gang does not
+    hold, or its tasks wait forever: refuse ray_data without them (exit 2); auto takes it only for GPU workers (CPU
+    workers would share their cores with it for no gain)."""
+    workers = elastic(cfg)[1] if elastic(cfg) else num_workers
+    free = resources["CPU"] - workers * cfg.scaling.cpus_per_worker
+    if cfg.data.pipeline == "thread" or (cfg.data.pipeline == "auto" and (not use_gpu or free < 1)):
+        return "thread", 0.0
+    if free < 0.5:
+        raise UsageError(f"data.pipeline (ray_data) needs CPUs beside the worker gang, but its {workers} x "
+                         f"scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) take {resources['CPU'] - free:g} of "
+                         f"the cluster's {resources['CPU']:g}; lower scaling.cpus_per_worker, add a node, or set "
+                         f"data.pipeline=thread")
+    return "ray_data", min(1.0, free / workers)
+
+
 def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progress_bar: bool = False,
                   callbacks=(), **plan_extra):
     """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, plan, gang):
@@ -84,7 +100,9 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
 
     num_workers, use_gpu, resources = resolve_scaling(cfg)
     check_multinode_paths(cfg, resources["nodes"])
-    plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, **plan_extra)
+    pipeline, data_cpus = choose_pipeline(cfg, num_workers, use_gpu, resources)
+    plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, data_pipeline=pipeline, data_cpus_per_task=data_cpus,
+                    **plan_extra)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "plan": plan},
@@ -116,7 +134,8 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, progress_bar=progress_bar)
     workers = "{}-{}".format(*elastic(cfg)) if elastic(cfg) else num_workers
     print(f"stride: training {cfg.run.name} on {workers} {'GPU' if use_gpu else 'CPU'} "
-          f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
+          f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s); data pipeline "
+          f"{plan.data_pipeline}", flush=True)
     # Ray 2.60's fit() replaces the process's SIGINT handler with one that aborts the run at once, without
     # Stride's checkpoint: keep ours (Ctrl-C = checkpoint at the next step, exit 130; a second Ctrl-C stops now).
     trainer._register_sigint_handler = lambda controller: None

@@ -27,7 +27,7 @@ from stride.datasets.parquet import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 from stride.trainers import checkpointing, fsdp, telemetry
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
-from stride.trainers.policies import Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
+from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import MetricsFile, Sinks
 from stride.trainers.step import (Precision, StepResult, all_reduce_mean_many, build_optimizer, build_scheduler,
                                   evaluate, resolve_precision, train_step)
@@ -56,6 +56,9 @@ class WorkerEnv:
     # record(figures): this rank's figures of a log step to the runtime's metrics system (Ray: Prometheus gauges).
     record_metrics: Callable[[dict[str, Any]], None] | None = None
     checkpoint_write_s: list[float] = field(default_factory=list)
+    # The training rows' pipeline: TrainStream's signature (datasets/stream.py); None: TrainStream (a thread).
+    # The Ray edge passes a Ray Data pipeline when the driver chose data.pipeline=ray_data.
+    stream_factory: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class RunPlan:
     report_log_steps: bool = False  # report every log step to Ray (Tune's schedulers read train_* figures)
     progress_bar: bool = False
     sample_log: str | None = None  # debugging aid: every rank logs the sample_ids it trains on (STRIDE_SAMPLE_LOG)
+    data_pipeline: str = "thread"  # or "ray_data" (the driver's choice for data.pipeline)
+    data_cpus_per_task: float = 1.0  # data.pipeline=ray_data: CPUs of each Ray Data task
 
 
 def plan_run(cfg: Config, specs: dict[str, DataSpec], facts: dict[str, Any], **extra: Any) -> RunPlan:
@@ -115,6 +120,31 @@ def to_device(batch: dict[str, np.ndarray], device: torch.device, task_name: str
                                 f"numeric numpy arrays (decode bytes, pad lists) from transform")
         out[key] = torch.from_numpy(np.ascontiguousarray(value)).to(device, non_blocking=True)
     return out
+
+
+class TrainTransform:
+    """The task's transform of one training micro-batch. Its random streams (augmentation) are reseeded from
+    (seed, rank, step) at a step's first micro-batch and run on through the step's others, called in order: the
+    same rows give the same arrays in the training thread or in a Ray Data task on another node, and 2 micro-batches
+    of 16 draw what one batch of 32 draws. Pickled without its task (a Ray Data task builds its own once)."""
+
+    def __init__(self, cfg: Config, facts: dict[str, Any], rank: int, task: Task | None = None):
+        self.cfg_dict, self.facts, self.rank, self.seed = cfg.to_dict(), facts, rank, cfg.run.seed
+        self.accum = cfg.train.grad_accum_steps
+        self.task = task
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "task": None}
+
+    def __call__(self, rows, micro_step: int) -> dict[str, np.ndarray]:
+        if self.task is None:
+            from stride.trainers.config import from_dict
+
+            self.task = make_task(from_dict(self.cfg_dict), self.facts)
+        self.task.training = True
+        if micro_step % self.accum == 0:
+            reseed(self.seed, self.rank, micro_step // self.accum, TRANSFORM_STREAM)
+        return self.task.transform(rows.data)
 
 
 class Trainer:
@@ -245,22 +275,22 @@ class Trainer:
     # ---- one optimizer step ----
 
     def open_stream(self) -> TrainStream:
-        """This rank's rows from the restored position on: a resume reads from the window it falls in, never
-        through the data before it."""
-        return TrainStream(self.plan.train, self.order, self.env.world_rank, self.env.world_size,
-                           self.state.micro_step, self.cfg.data.read_ahead_windows,
-                           end_micro_step=self.total_steps * self.cfg.train.grad_accum_steps)
+        """This rank's transformed micro-batches from the restored position on: a resume reads from the window it
+        falls in, never through the data before it."""
+        factory = self.env.stream_factory or TrainStream
+        return factory(self.plan.train, self.order, self.env.world_rank, self.env.world_size, self.state.micro_step,
+                       self.cfg.data.read_ahead_windows, end_micro_step=self.total_steps * self.cfg.train.grad_accum_steps,
+                       transform=TrainTransform(self.cfg, self.plan.facts, self.env.world_rank, self.task))
 
     def micro_batches(self, stream: TrainStream, sample_log) -> list[dict[str, torch.Tensor]]:
-        self.task.training = True
         batches = []
         for _ in range(self.cfg.train.grad_accum_steps):
-            rows = stream.next()
+            ids, arrays = stream.next_batch(self.state.micro_step)
             if sample_log is not None:
                 sample_log.write(json.dumps({"step": self.state.step, "micro_step": self.state.micro_step,
                                              "rank": self.env.world_rank, "world_size": self.env.world_size,
-                                             "sample_ids": rows.sample_id.tolist()}) + "\n")
-            batches.append(to_device(self.task.transform(rows.data), self.env.device, self.cfg.model.name))
+                                             "sample_ids": ids.tolist()}) + "\n")
+            batches.append(to_device(arrays, self.env.device, self.cfg.model.name))
             self.state.micro_step += 1
         return batches
 
@@ -387,10 +417,10 @@ class Trainer:
         last_val, status = {k: v for k, v in self.checkpoint_metrics.items() if k.startswith("val_")}, "completed"
         while s.step < self.total_steps:
             profiler.before_step(s.step)
-            reseed(cfg.run.seed, env.world_rank, s.step)  # dropout and augmentation: functions of the step
             t_data = time.perf_counter()
-            batches = self.micro_batches(stream, sample_log)
+            batches = self.micro_batches(stream, sample_log)  # augmentation: a function of the micro-step
             clock.data_wait += time.perf_counter() - t_data
+            reseed(cfg.run.seed, env.world_rank, s.step)  # dropout: a function of the step
             result = self.step(batches)
             if (warning := nonfinite.observe(s.step, result.finite, result.loss, result.grad_norm)) and self.rank0 \
                     and not self.scaler.is_enabled():  # fp16: skipped steps are the scaler's normal business

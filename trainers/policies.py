@@ -73,14 +73,18 @@ class NonFinitePolicy:
         return f"{what}: step skipped ({self.in_a_row} in a row, limit train.max_nonfinite_steps={self.limit})"
 
 
-def step_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of `rank`'s random streams (dropout, augmentation) for optimizer step `step`: different per rank
-    and step, the same after any resume. Reseeding costs microseconds and needs no RNG state in checkpoints."""
-    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] >> 1)
+def step_seed(seed: int, rank: int, step: int, *stream: int) -> int:
+    """The seed of `rank`'s random streams for optimizer step `step` (dropout), or for another `stream` of it (the
+    transform of step `step`: TRANSFORM_STREAM): different per rank and step, the same after any resume.
+    Reseeding costs microseconds and needs no RNG state in checkpoints."""
+    return int(np.random.SeedSequence([seed, rank, step, *stream]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def reseed(seed: int, rank: int, step: int) -> None:
-    s = step_seed(seed, rank, step)
+TRANSFORM_STREAM = 1
+
+
+def reseed(seed: int, rank: int, step: int, *stream: int) -> None:
+    s = step_seed(seed, rank, step, *stream)
     torch.manual_seed(s)
     np.random.seed(s % 2**32)
 

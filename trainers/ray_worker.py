@@ -58,6 +58,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
         return tqdm(**kwargs)
 
+    stream_factory = None
+    if plan.data_pipeline == "ray_data":
+        from functools import partial
+
+        from stride.datasets.ray_pipeline import RayDataStream
+
+        stream_factory = partial(RayDataStream, cpus_per_task=plan.data_cpus_per_task,
+                                 timeout_s=cfg.data.pipeline_timeout_s)
+
     env = WorkerEnv(
         world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
         device=ray.train.torch.get_device(),
@@ -66,5 +75,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         progress_bar=progress_bar if plan.progress_bar else None,
         # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
         record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
+        stream_factory=stream_factory,
     )
     return run(cfg, env, plan)

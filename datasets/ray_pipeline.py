@@ -1,0 +1,124 @@
+"""data.pipeline=ray_data: the same rows as datasets/stream.py, read and transformed by Ray Data tasks.
+
+Each worker runs its own streaming Ray Data pipeline over chunks of its micro-steps (about one window each): a
+task reads the windows a chunk falls in, keeps this rank's rows and applies the task's transform to each
+micro-batch (reseeded from the micro-step, so the arrays are those the training thread would make). The tasks run
+on whatever CPUs the cluster has beside the worker gang, on any node; Ray Data's backpressure bounds what is read
+ahead; `preserve_order` keeps the chunks in order, and the consumer checks every micro-step it receives.
+The driver chooses this pipeline only where CPUs are free beside the gang (trainers/driver.py), and a pipeline
+that delivers nothing for `data.pipeline_timeout_s` fails the run with one line instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from stride.datasets.order import Order
+from stride.datasets.parquet import DataSpec
+from stride.datasets.stream import BlockReader, rank_rows, slice_columns
+
+_READERS: dict[int, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
+
+
+def chunks(order: Order, micro_step: int, end_micro_step: int, align: int = 1) -> list[tuple[int, int]]:
+    """(first micro-step, count): about one window each, in whole multiples of `align` micro-steps (an optimizer
+    step's micro-batches are transformed in one task, in order: the task's transform continues the step's random
+    stream from one micro-batch to the next)."""
+    per_chunk = max(align, order.window_rows // order.global_micro_batch // align * align)
+    return [(m, min(per_chunk, end_micro_step - m)) for m in range(micro_step, end_micro_step, per_chunk)]
+
+
+def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, rank: int, world_size: int,
+               transform: Callable[[Any, int], dict]) -> dict[str, np.ndarray]:
+    """One Ray Data task: the transformed micro-batches of one chunk, one output row per micro-step."""
+    first, n = int(batch["first"][0]), int(batch["n"][0])
+    reader = _READERS.setdefault(hash((spec.files, spec.columns)), BlockReader(spec))
+    per = order.global_micro_batch // world_size
+    ids, arrays = np.empty(n, dtype=object), np.empty(n, dtype=object)
+    m = first
+    while m < first + n:  # a chunk may run across an epoch's end: read each epoch's part from its windows
+        count = min(first + n, (order.position(m)[0] + 1) * order.micro_steps_per_epoch) - m
+        rows = rank_rows(reader, order, rank, world_size, m, count)
+        for j in range(count):
+            part = slice_columns(rows, j * per, (j + 1) * per)
+            ids[m - first + j], arrays[m - first + j] = part.sample_id, transform(part, m + j)
+        m += count
+    return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays}
+
+
+class RayDataStream:
+    """TrainStream's interface (next_batch) over a Ray Data pipeline; a thread moves its output into a queue."""
+
+    def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
+                 end_micro_step: int | None = None, transform: Callable[[Any, int], dict] | None = None, *,
+                 cpus_per_task: float = 1.0, timeout_s: float = 300.0):
+        import ray.data
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        end = end_micro_step if end_micro_step is not None else micro_step + order.micro_steps_per_epoch
+        items = [{"first": f, "n": n} for f, n in chunks(order, micro_step, end, getattr(transform, "accum", 1))]
+        self.timeout_s = timeout_s
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, read_ahead) * max(1, items[0]["n"] if items else 1))
+        self._stop = threading.Event()
+        self._ds = None
+        if items:
+            self._ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+                make_chunk, batch_size=1, num_cpus=cpus_per_task, zero_copy_batch=True,
+                fn_kwargs={"spec": spec, "order": order, "rank": rank, "world_size": world_size, "transform": transform})
+        self._thread = threading.Thread(target=self._pump, args=(read_ahead,), name="stride-ray-data", daemon=True)
+
+    rows_read = None  # read in Ray Data tasks, not counted here
+
+    def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        from stride.trainers.policies import TrainingError
+
+        if self._thread.ident is None:
+            self._thread.start()
+        try:
+            item = self._queue.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TrainingError(f"data.pipeline (ray_data) delivered no batch in {self.timeout_s:g}s (data."
+                                f"pipeline_timeout_s): Ray Data is waiting for CPUs the worker gang holds; set "
+                                f"data.pipeline=thread or lower scaling.cpus_per_worker") from None
+        if isinstance(item, BaseException):
+            raise item
+        got, ids, arrays = item
+        if got != micro_step:  # preserve_order is what keeps the order; never train on a batch out of place
+            raise RuntimeError(f"Ray Data delivered micro-step {got} where {micro_step} was due")
+        return ids, arrays
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.ident is not None and self._thread.is_alive():
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+
+    def _pump(self, read_ahead: int) -> None:
+        try:
+            if self._ds is None:
+                return
+            for batch in self._ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=read_ahead):
+                for m, ids, arrays in zip(batch["micro_step"], batch["ids"], batch["arrays"]):
+                    if not self._put((int(m), ids, arrays)):
+                        return
+        except BaseException as e:  # delivered to the loop, which raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False

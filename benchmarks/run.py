@@ -61,11 +61,13 @@ class Mode:
     ingest_passes: int
     timeout_s: int  # per launch
     scale_workers: tuple = (1,)  # (1,): 2-worker throughput from the paired Stride runs; (1, 2): own paired fits
+    stream_rows: tuple = (200_000, 4_000_000)  # small / large set of benchmarks/stream_memory.py (~50 MB / ~1 GB raw)
 
 
 MODES = {
     "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
-                  scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300),
+                  scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
+                  stream_rows=(20_000, 200_000)),
     "quick": Mode(reps=3, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
                   scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=3, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
@@ -79,6 +81,7 @@ GOALS = {  # figure: (operator, threshold)
     "ingest_ratio": (">=", 1.0),
     "data_wait_fraction": ("<", 0.02),
     "ckpt_blocked_fraction": ("<=", 0.2),
+    "memory_growth_ratio": ("<=", 0.35),
 }
 
 WHAT = {
@@ -90,6 +93,8 @@ WHAT = {
     "data_wait_fraction": "share of step time a worker spends building its next batch (Stride, default job)",
     "scaling_2_over_1": "Stride throughput (samples/s), 2 workers / 1 worker at the same per-worker batch",
     "ckpt_blocked_fraction": "training time blocked by a mid-run checkpoint / that checkpoint's total write time (Stride)",
+    "memory_growth_ratio": "(peak PSS of the whole process tree, one epoch on ~1 GB of Parquet - on ~50 MB) / raw "
+                           "bytes of the large set; 2 CPU workers (benchmarks/stream_memory.py)",
 }
 
 
@@ -525,7 +530,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: ingest and scaling (benchmarks/ray_bench.py)", flush=True)
         rb = run_ray_bench(mode, tmp)
         print(f"bench: ray_bench done in {rb['wall_s']:.1f}s", flush=True)
+        print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
+        from benchmarks.stream_memory import measure as stream_memory  # here, not at the top: it imports run.py
+        sm = stream_memory(*mode.stream_rows, tmp / "stream_memory", timeout_s=mode.timeout_s)
         figs = compute(mode, pairs, rb)
+        figs["memory_growth_ratio"] = figure(
+            "memory_growth_ratio", [sm["memory_growth_ratio"]], "ratio", GOALS["memory_growth_ratio"],
+            growth_bytes=sm["growth_bytes"], peak_pss_bytes=sm["peak_pss_bytes"], raw_bytes=sm["raw_bytes"],
+            parquet_bytes=sm["parquet_bytes"], wall_s=sm["wall_s"], lower_bound=sm["lower_bound"])
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -540,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                             "per-step and per-report costs show against real compute, not against an empty loop",
                      "mode": asdict(mode)},
         "figures": figs,
-        "runs": {"pairs": pairs, "ray_bench": rb},
+        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm},
     }
     stamp = started.strftime("%Y-%m-%dT%H%M")
     text = json.dumps(result, indent=1, default=str) + "\n"

@@ -54,8 +54,15 @@ class DataSplit:
     blocks: tuple[tuple[int, int, int], ...] = ()
 
     def read(self, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
-        """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order."""
+        """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order: the whole split in
+        the driver's memory (fine for a label column; use `batches` for statistics over large splits)."""
         return read_files(self.files, None if columns is None else list(columns))
+
+    def batches(self, columns: list[str] | tuple[str, ...] | None = None, rows: int = 65536):
+        """The split's rows as pyarrow Tables of at most `rows` rows, in file order: memory bounded by `rows`."""
+        for f in self.files:
+            for batch in pq.ParquetFile(_open(f)).iter_batches(batch_size=rows, columns=columns and list(columns)):
+                yield pa.Table.from_batches([batch])
 
 
 def resolve_files(path: str, key: str) -> list[str]:

@@ -250,3 +250,39 @@ def test_rerunning_a_finished_run_keeps_its_results_and_a_failed_rerun_never_rep
     path = write_summary(tmp_path / "r", {"status": "failed", "error": "the storage is gone"})
     assert path.name == "summary.failed.json" and json.loads(summary.read_text()) == again
     assert write_summary(tmp_path / "r", dict(again, global_step=40)) == summary  # a completed one replaces it
+
+
+def test_a_resume_at_90_percent_of_an_epoch_reads_about_10_percent_and_ends_bitwise_equal(tmp_path):
+    import shutil
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    for split, files, n in (("train", 5, 10_000), ("val", 1, 1_000)):
+        (tmp_path / split).mkdir()
+        for i in range(files):
+            x = rng.normal(size=(n, 4)).astype(np.float32)
+            cols = {f"f{j}": x[:, j] for j in range(4)} | {"label": (x[:, 0] > 0).astype(np.int64),
+                                                         "sample_id": np.arange(i * n, (i + 1) * n)}
+            pq.write_table(pa.table(cols), tmp_path / split / f"part-{i}.parquet", row_group_size=500)
+    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tmp_path}/train",
+            f"data.val_path={tmp_path}/val", f"run.storage_path={tmp_path}/runs", "run.name=r", "train.epochs=1",
+            "train.max_steps=null", "train.batch_size_per_worker=100", "data.shuffle_window_rows=2000",
+            "model.hidden_sizes=[16]", "train.log_every_steps=50", "train.eval_every_steps=null",
+            "checkpoint.every_steps=450", "checkpoint.keep_last=5", "tracking.mlflow=false"]
+    assert torchrun_main(args) == 0
+    run = tmp_path / "runs" / "r"
+    full = json.loads((run / "summary.json").read_text())
+    assert full["global_step"] == 500 and full["train_rows_read"] == 50_000  # one epoch, each row group once
+
+    # Lose the end of the epoch: the same command resumes at step 450, 90 % into it.
+    shutil.rmtree(run / "checkpoint_00000500")
+    (run / "summary.json").unlink()
+    assert torchrun_main(args) == 0
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["global_step"] == 500 and resumed["restarts"] == 1
+    # It read the last 10 % (5,000 rows) plus at most the window it starts in and a row group on each side of it.
+    assert 5_000 <= resumed["train_rows_read"] <= 5_000 + 2_000 + 2 * 500
+    assert resumed["param_checksums"] == full["param_checksums"] and resumed["train_loss"] == full["train_loss"]

@@ -47,20 +47,21 @@ class MLPTask(Task):
             if missing:
                 raise DataError(f"{split.key}: column {missing[0]!r} is missing (it is in {train.key}); give both "
                                 f"splits the same columns")
-        tables = {s.name: s.read([*feats, d.label_column]) for s in splits}
-        num_classes = self._check_labels(splits, tables)
-        x = _features(tables["train"], feats)
+        # One pass over each split in batches (the driver never holds a split): labels, NaNs, feature statistics.
+        stats = {s.name: _SplitStats(s, feats, d.label_column) for s in splits}
+        num_classes = self._check_labels(splits, stats)
         facts = {"feature_columns": list(feats), "label_column": d.label_column, "num_classes": num_classes}
+        train_stats = stats["train"]
         if d.nan_policy == "error":
             for split in splits:
-                _refuse_nan(split, tables[split.name], feats)
+                stats[split.name].refuse_nan()
         else:
-            facts["fill"] = np.nan_to_num(np.nanmean(x, axis=0)).tolist()
+            facts["fill"] = np.nan_to_num(train_stats.mean).tolist()
         if d.standardize:
             # Constant columns get std 1 so they map to 0, never NaN or inf.
-            std = np.nanstd(x, axis=0)
+            std = np.sqrt(train_stats.var)
             std[~np.isfinite(std) | (std < 1e-12)] = 1.0
-            facts["mean"], facts["std"] = np.nanmean(x, axis=0).tolist(), std.tolist()
+            facts["mean"], facts["std"] = train_stats.mean.tolist(), std.tolist()
         return facts
 
     def _feature_columns(self, train: DataSplit) -> tuple[str, ...]:
@@ -89,17 +90,15 @@ class MLPTask(Task):
             raise DataError(f"{train.key}: no numeric feature columns besides '{d.label_column}'; set data.feature_columns")
         return feats
 
-    def _check_labels(self, splits, tables) -> int:
-        import pyarrow.compute as pc
-
+    def _check_labels(self, splits, stats) -> int:
         label = self.data_config.label_column
         num_classes = self.config.num_classes
         for split in splits:
-            labels = tables[split.name].column(label)
-            if labels.null_count:
-                raise DataError(f"data.label_column ({label}) has {labels.null_count} missing values in {split.key}; "
+            st = stats[split.name]
+            if st.label_nulls:
+                raise DataError(f"data.label_column ({label}) has {st.label_nulls} missing values in {split.key}; "
                                 f"drop those rows")
-            lo, hi = (v.as_py() for v in (pc.min(labels), pc.max(labels)))
+            lo, hi = st.label_min, st.label_max
             num_classes = num_classes or hi + 1
             if lo < 0:
                 raise DataError(f"data.label_column ({label}) has negative labels in {split.key} (min {lo}); labels "
@@ -134,22 +133,59 @@ class MLPTask(Task):
         return {"accuracy": (model(batch["x"]).argmax(-1) == batch["y"]).float()}
 
 
+class _SplitStats:
+    """One pass over a split in batches: the label range and nulls, NaN/missing counts per feature, and the
+    features' mean and variance (NaNs left out), merged batch by batch (Chan et al.)."""
+
+    def __init__(self, split: DataSplit, feats: tuple[str, ...], label: str):
+        import pyarrow.compute as pc
+
+        self.split, self.feats = split, feats
+        k = len(feats)
+        self.count, self.mean, self.m2 = np.zeros(k), np.zeros(k), np.zeros(k)
+        self.missing = np.zeros(k, dtype=np.int64)
+        self.label_nulls, self.label_min, self.label_max = 0, None, None
+        for table in split.batches([*feats, label]):
+            labels = table.column(label)
+            self.label_nulls += labels.null_count
+            lo, hi = (v.as_py() for v in (pc.min(labels), pc.max(labels)))
+            if lo is not None:
+                self.label_min = lo if self.label_min is None else min(self.label_min, lo)
+                self.label_max = hi if self.label_max is None else max(self.label_max, hi)
+            self._add(_features(table, feats))
+        self.label_min = self.label_min or 0
+        self.label_max = self.label_max if self.label_max is not None else -1
+
+    def _add(self, x: np.ndarray) -> None:
+        ok = ~np.isnan(x)
+        self.missing += (~ok).sum(axis=0)
+        n = ok.sum(axis=0).astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(n > 0, np.nansum(x, axis=0) / np.maximum(n, 1), 0.0)
+            m2 = np.nansum((x - mean) ** 2, axis=0)
+            total = self.count + n
+            delta = mean - self.mean
+            self.mean = np.where(total > 0, self.mean + delta * n / np.maximum(total, 1), 0.0)
+            self.m2 = self.m2 + m2 + delta ** 2 * self.count * n / np.maximum(total, 1)
+        self.count = total
+
+    @property
+    def var(self) -> np.ndarray:
+        return np.where(self.count > 0, self.m2 / np.maximum(self.count, 1), np.nan)
+
+    def refuse_nan(self) -> None:
+        """Never train on NaN silently: missing values per feature column are refused before any worker starts."""
+        for name, bad in zip(self.feats, self.missing):
+            if bad:
+                split = self.split
+                where = os.path.basename(split.files[0]) if len(split.files) == 1 else f"{len(split.files)} files"
+                raise DataError(f"{split.key}: feature column '{name}' has {bad} NaN/missing values in {where}; clean "
+                                f"the data or set data.nan_policy=impute (training mean)")
+
+
 def _features(table, feats) -> np.ndarray:
+    """The features as float64 (rows, features), nulls as NaN."""
     x = np.empty((table.num_rows, len(feats)), dtype=np.float64)
     for i, c in enumerate(feats):
         x[:, i] = table.column(c).to_numpy(zero_copy_only=False)
     return x
-
-
-def _refuse_nan(split: DataSplit, table, feats) -> None:
-    """Never train on NaN silently: count missing values per feature column before any worker starts."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    for name in feats:
-        col = table.column(name)
-        bad = col.null_count + ((pc.sum(pc.is_nan(col)).as_py() or 0) if pa.types.is_floating(col.type) else 0)
-        if bad:
-            where = os.path.basename(split.files[0]) if len(split.files) == 1 else f"{len(split.files)} files"
-            raise DataError(f"{split.key}: feature column '{name}' has {bad} NaN/missing values in {where}; clean the "
-                            f"data or set data.nan_policy=impute (training mean)")

@@ -12,14 +12,13 @@ that delivers nothing for `data.pipeline_timeout_s` fails the run with one line 
 from __future__ import annotations
 
 import queue
-import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from stride.datasets.order import Order
 from stride.datasets.parquet import DataSpec
-from stride.datasets.stream import BlockReader, rank_rows, slice_columns
+from stride.datasets.stream import BlockReader, Prefetcher, rank_rows, slice_columns
 
 _READERS: dict[int, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 
@@ -65,60 +64,31 @@ class RayDataStream:
         end = end_micro_step if end_micro_step is not None else micro_step + order.micro_steps_per_epoch
         items = [{"first": f, "n": n} for f, n in chunks(order, micro_step, end, getattr(transform, "accum", 1))]
         self.timeout_s = timeout_s
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, read_ahead) * max(1, items[0]["n"] if items else 1))
-        self._stop = threading.Event()
-        self._ds = None
-        if items:
-            self._ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-                make_chunk, batch_size=1, num_cpus=cpus_per_task, zero_copy_batch=True,
-                fn_kwargs={"spec": spec, "order": order, "rank": rank, "world_size": world_size, "transform": transform})
-        self._thread = threading.Thread(target=self._pump, args=(read_ahead,), name="stride-ray-data", daemon=True)
+        ds = ray.data.from_items(items or [{"first": 0, "n": 0}], override_num_blocks=max(1, len(items))).map_batches(
+            make_chunk, batch_size=1, num_cpus=cpus_per_task, zero_copy_batch=True,
+            fn_kwargs={"spec": spec, "order": order, "rank": rank, "world_size": world_size, "transform": transform})
+        depth = max(1, read_ahead) * max(1, items[0]["n"] if items else 1)
+        self._batches = Prefetcher(lambda: self._produce(ds, read_ahead), depth, "stride-ray-data")
 
     rows_read = None  # read in Ray Data tasks, not counted here
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         from stride.trainers.policies import TrainingError
 
-        if self._thread.ident is None:
-            self._thread.start()
         try:
-            item = self._queue.get(timeout=self.timeout_s)
+            got, ids, arrays = self._batches.get(timeout=self.timeout_s)
         except queue.Empty:
             raise TrainingError(f"data.pipeline (ray_data) delivered no batch in {self.timeout_s:g}s (data."
                                 f"pipeline_timeout_s): Ray Data is waiting for CPUs the worker gang holds; set "
                                 f"data.pipeline=thread or lower scaling.cpus_per_worker") from None
-        if isinstance(item, BaseException):
-            raise item
-        got, ids, arrays = item
         if got != micro_step:  # preserve_order is what keeps the order; never train on a batch out of place
             raise RuntimeError(f"Ray Data delivered micro-step {got} where {micro_step} was due")
         return ids, arrays
 
     def close(self) -> None:
-        self._stop.set()
-        while self._thread.ident is not None and self._thread.is_alive():
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.05)
+        self._batches.close()
 
-    def _pump(self, read_ahead: int) -> None:
-        try:
-            if self._ds is None:
-                return
-            for batch in self._ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=read_ahead):
-                for m, ids, arrays in zip(batch["micro_step"], batch["ids"], batch["arrays"]):
-                    if not self._put((int(m), ids, arrays)):
-                        return
-        except BaseException as e:  # delivered to the loop, which raises it
-            self._put(e)
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    @staticmethod
+    def _produce(ds, read_ahead: int):
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=read_ahead):
+            yield from zip((int(m) for m in batch["micro_step"]), batch["ids"], batch["arrays"])

@@ -114,9 +114,6 @@ def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int
     return to_columns(window.take(pa.array(local)), np.concatenate(ids)[local], reader.spec.columns)
 
 
-_END = object()
-
-
 def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Columns:
     """The rows `rank` trains on in micro-steps [micro_step, micro_step + n) of one epoch, read from the windows
     they fall in."""
@@ -125,6 +122,57 @@ def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, mic
     lo, hi = i * G, (i + n) * G
     parts = [rank_window(reader, order, epoch, k, rank, world_size, lo, hi) for k in range(lo // S, (hi - 1) // S + 1)]
     return concat_columns([p for p in parts if p is not None])
+
+
+class Prefetcher:
+    """Runs the generator `produce()` in a daemon thread, at most `depth` items ahead of `get`. An exception in the
+    thread is raised by the `get` that reaches it; `get` past the generator's end raises EOFError."""
+
+    _END = object()
+
+    def __init__(self, produce: Callable[[], Iterator], depth: int, name: str):
+        self._produce = produce
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)  # started by the first get
+
+    def get(self, timeout: float | None = None):
+        if self._thread.ident is None:
+            self._thread.start()
+        item = self._queue.get(timeout=timeout)  # queue.Empty after `timeout` seconds
+        if item is self._END:
+            raise EOFError("the stream ended")
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.ident is not None and self._thread.is_alive():
+            try:  # unblock a producer waiting on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
+
+    def _run(self) -> None:
+        try:
+            for item in self._produce():
+                if not self._put(item):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # delivered to the consumer, which raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
 
 class TrainStream:
@@ -137,14 +185,10 @@ class TrainStream:
         self.reader = BlockReader(spec)
         self.order, self.rank, self.world_size = order, rank, world_size
         self.per_worker = order.global_micro_batch // world_size
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, read_ahead))
-        self._stop = threading.Event()
         self.transform = transform
         self._current: Columns | None = None  # the rows taken from the queue, consumed from _offset on
         self._offset = 0
-        # Started by the first next(): a finished run rerun trains nothing and reads nothing.
-        self._thread = threading.Thread(target=self._produce, args=(micro_step, end_micro_step), name="stride-data",
-                                        daemon=True)
+        self._windows = Prefetcher(lambda: self._produce(micro_step, end_micro_step), read_ahead, "stride-data")
 
     @property
     def rows_read(self) -> int:
@@ -157,8 +201,6 @@ class TrainStream:
 
     def next(self) -> Columns:
         """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
-        if self._thread.ident is None:
-            self._thread.start()
         current, offset, n = self._current, self._offset, self.per_worker
         if current is not None and len(current) - offset >= n:  # the common case: a view into the current window
             self._offset += n
@@ -166,53 +208,28 @@ class TrainStream:
         parts = [slice_columns(current, offset, len(current))] if current is not None and offset < len(current) else []
         have = sum(len(p) for p in parts)
         while have < n:
-            item = self._queue.get()
-            if item is _END:
-                raise IndexError("TrainStream: read past end_micro_step")
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            parts.append(item)
-            have += len(item)
+            parts.append(self._windows.get())
+            have += len(parts[-1])
         self._current, self._offset = concat_columns(parts), n
         return slice_columns(self._current, 0, n)
 
     def close(self) -> None:
-        self._stop.set()
-        while self._thread.ident is not None and self._thread.is_alive():
-            try:  # unblock a producer waiting on a full queue
-                self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.05)
+        self._windows.close()
 
-    def _produce(self, micro_step: int, end_micro_step: int | None) -> None:
+    def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
         order, G = self.order, self.order.global_micro_batch
         epoch, i = order.position(micro_step)
         start = i * G
         # Past the run's last micro-step nothing is read (a run ending mid-epoch reads no further windows).
         last_epoch, last_pos = order.position(end_micro_step - 1) if end_micro_step else (None, None)
-        try:
-            while not self._stop.is_set() and (last_epoch is None or epoch <= last_epoch):
-                plan = order.epoch(epoch)
-                end_window = plan.num_windows if epoch != last_epoch else (last_pos * G + G - 1) // order.window_rows + 1
-                for k in range(start // order.window_rows, end_window):
-                    rows = rank_window(self.reader, order, epoch, k, self.rank, self.world_size, start)
-                    if rows is not None and not self._put(rows):
-                        return
-                epoch, start = epoch + 1, 0
-            self._put(_END)
-        except BaseException as e:  # delivered to the loop, which raises it
-            self._put(e)
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        while last_epoch is None or epoch <= last_epoch:
+            plan = order.epoch(epoch)
+            end_window = plan.num_windows if epoch != last_epoch else (last_pos * G + G - 1) // order.window_rows + 1
+            for k in range(start // order.window_rows, end_window):
+                rows = rank_window(self.reader, order, epoch, k, self.rank, self.world_size, start)
+                if rows is not None:
+                    yield rows
+            epoch, start = epoch + 1, 0
 
 
 def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
@@ -24,6 +25,9 @@ import pyarrow.parquet as pq
 
 from stride.datasets.order import Order, eval_blocks
 from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec, column_to_numpy
+
+
+READ_THREADS = 2  # windows read at once by each worker
 
 
 class BlockReader:
@@ -182,8 +186,9 @@ class TrainStream:
 
     def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
                  end_micro_step: int | None = None, transform: Callable[[Columns, int], dict] | None = None):
-        self.reader = BlockReader(spec)
-        self.order, self.rank, self.world_size = order, rank, world_size
+        self.spec, self.order, self.rank, self.world_size = spec, order, rank, world_size
+        self._readers: list[BlockReader] = []  # one per read thread: a ParquetFile is not safe to share
+        self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
         self._current: Columns | None = None  # the rows taken from the queue, consumed from _offset on
@@ -192,7 +197,7 @@ class TrainStream:
 
     @property
     def rows_read(self) -> int:
-        return self.reader.rows_read
+        return sum(r.rows_read for r in list(self._readers))
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, the task's arrays) of the next micro-batch, which is micro-step `micro_step`."""
@@ -217,19 +222,38 @@ class TrainStream:
         self._windows.close()
 
     def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
+        """This rank's rows, window after window, READ_THREADS windows read at once (pyarrow and numpy release the
+        GIL), delivered in order."""
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read") as pool:
+            pending: deque = deque()
+            for job in self._window_jobs(micro_step, end_micro_step):
+                pending.append(pool.submit(self._rank_window, *job))
+                if len(pending) >= READ_THREADS:
+                    if (rows := pending.popleft().result()) is not None:
+                        yield rows
+            while pending:
+                if (rows := pending.popleft().result()) is not None:
+                    yield rows
+
+    def _window_jobs(self, micro_step: int, end_micro_step: int | None) -> Iterator[tuple[int, int, int]]:
+        """(epoch, window, first position) of every window from `micro_step` on; none past the run's last
+        micro-step (a run ending mid-epoch reads no further windows)."""
         order, G = self.order, self.order.global_micro_batch
         epoch, i = order.position(micro_step)
         start = i * G
-        # Past the run's last micro-step nothing is read (a run ending mid-epoch reads no further windows).
         last_epoch, last_pos = order.position(end_micro_step - 1) if end_micro_step else (None, None)
         while last_epoch is None or epoch <= last_epoch:
             plan = order.epoch(epoch)
             end_window = plan.num_windows if epoch != last_epoch else (last_pos * G + G - 1) // order.window_rows + 1
             for k in range(start // order.window_rows, end_window):
-                rows = rank_window(self.reader, order, epoch, k, self.rank, self.world_size, start)
-                if rows is not None:
-                    yield rows
+                yield epoch, k, start
             epoch, start = epoch + 1, 0
+
+    def _rank_window(self, epoch: int, k: int, start: int) -> Columns | None:
+        if not hasattr(self._local, "reader"):
+            self._local.reader = BlockReader(self.spec)
+            self._readers.append(self._local.reader)
+        return rank_window(self._local.reader, self.order, epoch, k, self.rank, self.world_size, start)
 
 
 def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:

@@ -56,6 +56,8 @@ def test_max_steps_null_with_epochs_works():
     (["run.storage_path=s3://bucket/runs"], ["run.storage_path", "s3://bucket/runs", "not a URI", "mount"]),
     (["model.width=130", "model.n_heads=4"], ["model.width", "130", "n_heads"]),
     (["lr=0.1"], ["section.field=value"]),
+    (["optim.betas=[0.9]"], ["optim.betas ([0.9]) needs 2 values, not 1", "optim.betas=[0.9, 0.95]"]),
+    (["optim.betas=[0.9, 0.95, 0.99]"], ["optim.betas", "needs 2 values, not 3"]),
 ])
 def test_config_errors_name_key_value_and_fix(overrides, must_name):
     with pytest.raises(ConfigError) as e:

@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -325,6 +326,11 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: s
         return f"{key} ({value!r}) {msg}"
     field = section_class(loc[0], raw).model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
     hint = f" ({field.description})" if field is not None and field.description else ""
+    if err["type"] in ("missing", "too_long") and field is not None and typing.get_origin(field.annotation) is tuple:
+        # A tuple of the wrong length: pydantic names the missing item ("Field required"), not the length.
+        n = len(typing.get_args(field.annotation))
+        example = list(field.default) if isinstance(field.default, tuple) else "<value>"
+        return f"{key} ({value!r}) needs {n} values, not {len(value) if isinstance(value, list) else 1}; set {key}={example}{hint}"
     return f"{key} ({value!r}) {msg}; set {key}=<value>{hint}"
 
 

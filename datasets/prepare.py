@@ -129,10 +129,28 @@ class PrepareError(Exception):
     """A problem the user can fix: one line on stderr, exit 2."""
 
 
+PREPARED_ENTRIES = {"train", "val", "tokenizer.json"}  # what this script writes into --out
+
+
+def check_out(out: Path, force: bool) -> None:
+    """--out must not exist, or (with --force) hold a data set this script wrote: --force never deletes anything
+    else a user pointed it at by mistake."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise PrepareError(f"--out ({out}) already exists; remove it or pass --force to rebuild")
+    foreign = ([out.name] if out.is_symlink() or not out.is_dir() else
+               [p.name for p in out.iterdir() if p.name not in PREPARED_ENTRIES or p.is_symlink()] +
+               [f"{p.parent.name}/{p.name}" for split in ("train", "val") if (out / split).is_dir()
+                for p in (out / split).iterdir() if not (p.is_file() and p.suffix == ".parquet")])
+    if foreign:
+        raise PrepareError(f"--out ({out}) holds {sorted(foreign)[0]}, which datasets/prepare.py did not write; "
+                           f"--force only replaces a prepared data set: choose another --out")
+
+
 def publish(build, out: Path, force: bool) -> dict:
     """Write into a fresh sibling folder, then rename into place: a failed build never leaves half a data set."""
-    if out.exists() and not force:
-        raise PrepareError(f"--out ({out}) already exists; remove it or pass --force to rebuild")
+    check_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -469,8 +487,7 @@ def prepare_text(args) -> dict:
         raise PrepareError(f"--vocab-size ({vocab}) must be {MIN_BPE_VOCAB}-{MAX_BPE_VOCAB} for bpe (256 bytes + "
                            f"{EOS}, ids as uint16); use e.g. --vocab-size 4096")
     text_files(args.input)  # no files: say so before starting Ray
-    if args.out.exists() and not args.force:
-        raise PrepareError(f"--out ({args.out}) already exists; remove it or pass --force to rebuild")
+    check_out(args.out, args.force)
     from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 
     quiet_ray_env()

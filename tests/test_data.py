@@ -55,6 +55,29 @@ def test_prepare_never_overwrites(tmp_path):
     assert sorted(p.stat().st_mtime_ns for p in out.rglob("*.parquet")) == before
 
 
+def test_prepare_force_replaces_only_a_prepared_set(tmp_path):
+    """--force rebuilds a folder prepare.py wrote; a folder with anything else in it (a user's home, their own data)
+    is refused, exit 2, with every file left as it was."""
+    out = tmp_path / "t"
+    assert run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
+    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "300", "--force"])
+    assert r.returncode == 0, r.stderr
+    assert sum(pq.read_metadata(p).num_rows for p in out.rglob("*.parquet")) == 300
+    for planted in (out / "notes.txt", out / "train" / "mine.csv"):
+        planted.write_text("mine")
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200", "--force"])
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("prepare: error: --out"), r.stderr
+        assert planted.name in r.stderr and "did not write" in r.stderr and "Traceback" not in r.stderr
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+        planted.unlink()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(home), "--rows", "200", "--force"])
+    assert r.returncode == 2 and (home / "thesis.tex").read_text() == "years of work"
+
+
 def test_tabular_inspect_infers_features_and_classes(tabular_data):
     cfg = cfg_for(tabular_data / "train", tabular_data / "val")
     task, specs = prepare(cfg)

@@ -286,3 +286,21 @@ def test_a_resume_at_90_percent_of_an_epoch_reads_about_10_percent_and_ends_bitw
     # It read the last 10 % (5,000 rows) plus at most the window it starts in and a row group on each side of it.
     assert 5_000 <= resumed["train_rows_read"] <= 5_000 + 2_000 + 2 * 500
     assert resumed["param_checksums"] == full["param_checksums"] and resumed["train_loss"] == full["train_loss"]
+
+
+def test_pruning_keeps_what_it_did_not_write_and_survives_an_unreadable_meta(tmp_path, tabular_data):
+    """keep_last prunes only this launcher's own verified checkpoints: a Ray checkpoint in the same run folder, a
+    folder with an unreadable meta.json and a torn one stay as they were, and none of them crashes the run."""
+    run = tmp_path / "r"
+    run.mkdir()
+    ray_ckpt = run / "checkpoint_2026-11-24_10-00-00.000000"
+    unreadable = run / "checkpoint_00000001"
+    for folder, meta in ((ray_ckpt, '{"step": 1}'), (unreadable, "{not json")):
+        folder.mkdir()
+        (folder / checkpointing.META).write_text(meta)
+        (folder / checkpointing.STATE).write_bytes(b"x")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert torchrun_main(_args(tmp_path, tabular_data, 50, "checkpoint.keep_last=2")) == 0
+    assert [p.name for p in complete_checkpoints(run)] == ["checkpoint_00000040", "checkpoint_00000050"]
+    assert {p: p.read_bytes() for p in before} == before  # untouched
+    assert not (run / "checkpoint_00000010").exists() and not (run / "checkpoint_00000030").exists()

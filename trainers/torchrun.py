@@ -9,6 +9,7 @@ checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -31,9 +32,26 @@ from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
 from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
 
 
+OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # what this launcher writes (Ray's are checkpoint_<date>)
+_verified: set[tuple[str, int]] = set()  # (folder, meta.json mtime) that verified: each read and hashed once
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    found = [p for p in run_dir.glob("checkpoint_*") if p.is_dir() and (p / checkpointing.META).exists()]
-    return sorted(found, key=lambda p: checkpointing.read_meta(p)["step"])
+    """This launcher's own checkpoints that verify, oldest first. Anything else (Ray's checkpoints in the same run
+    folder, torn writes, an unreadable meta.json) is never listed, so never pruned."""
+    found = []
+    for p in run_dir.glob("checkpoint_*"):
+        if not (p.is_dir() and OWN_CHECKPOINT.fullmatch(p.name)):
+            continue
+        try:
+            key = (str(p), (p / checkpointing.META).stat().st_mtime_ns)
+            if key not in _verified and checkpointing.verify(p) is None:
+                _verified.add(key)
+            if key in _verified:
+                found.append((checkpointing.read_meta(p)["step"], p))
+        except (OSError, ValueError, KeyError):
+            continue
+    return [p for _, p in sorted(found)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,14 +69,22 @@ def stop_commands(config: dict) -> tuple[str, str]:
     return head, worker
 
 
-def ssh(auth: dict, ip: str, command: str) -> subprocess.CompletedProcess:
-    """Run command on ip as `ray up` would: the YAML's user, key and proxy, a login shell."""
-    options = ["-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={os.devnull}", "-o", "IdentitiesOnly=yes",
-               "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "LogLevel=ERROR"]
+def ssh_options(auth: dict, known_hosts: Path) -> list[str]:
+    """The YAML's user, key and proxy; host keys pinned on first contact in the cluster's own known_hosts (beside its
+    token, 0700 folder): a node whose key changes afterwards is refused, not trusted."""
+    options = ["-o", "StrictHostKeyChecking=accept-new", "-o", f"UserKnownHostsFile={known_hosts}",
+               "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "LogLevel=ERROR"]
     if auth.get("ssh_private_key"):
         options += ["-i", os.path.expanduser(auth["ssh_private_key"])]
     if auth.get("ssh_proxy_command"):
         options += ["-o", f"ProxyCommand={auth['ssh_proxy_command']}"]
+    return options
+
+
+def ssh(config: dict, ip: str, command: str) -> subprocess.CompletedProcess:
+    """Run command on ip as `ray up` would, in a login shell."""
+    auth = config["auth"]
+    options = ssh_options(auth, ensure_token(config).parent / "known_hosts")
     return subprocess.run(["ssh", *options, f"{auth['ssh_user']}@{ip}", f"bash --login -c {shlex.quote(command)}"],
                           capture_output=True, text=True, timeout=120)
 
@@ -90,7 +98,7 @@ def down(config_path: str) -> None:
     head_stop, worker_stop = stop_commands(config)
     failed = []
     for ip, command in [(provider["head_ip"], head_stop)] + [(ip, worker_stop) for ip in provider["worker_ips"]]:
-        result = ssh(config["auth"], ip, command)
+        result = ssh(config, ip, command)
         print(f"{ip}: {result.stdout.strip() or '(no output)'}", flush=True)
         if result.returncode != 0:
             print(result.stderr.strip(), file=sys.stderr, flush=True)

@@ -107,6 +107,17 @@ def test_ray_up_job_and_safe_down_beside_another_head(sshd, head_factory, tmp_pa
         assert sorted(alive(bystander_pids)) == sorted(bystander_pids), "down killed another head's processes"
         assert local.dashboard_status(bystander, bystander.token_path.read_text().strip()) == 200
         assert '"state": "terminated"' in cluster_state.read_text()
+
+        # down pinned the node's host key in the cluster's own known_hosts (beside its token); a node whose key
+        # then changes is refused, never trusted.
+        known = token.parent / "known_hosts"
+        host, _, _ = known.read_text().splitlines()[0].partition(" ")
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+        known.write_text(f"{host} {(tmp_path / 'other.pub').read_text().split(' ', 2)[0]} "
+                         f"{(tmp_path / 'other.pub').read_text().split(' ', 2)[1]}\n")
+        again = run([PYTHON, "-m", "stride.ray_cluster.updown", "down", str(config_path)], env=env, timeout=180)
+        assert again.returncode != 0 and "Host key verification failed" in again.stdout + again.stderr, \
+            (again.stdout + again.stderr)[-2000:]
     finally:
         if node.read_state(state_dir):
             node.stop(state_dir)  # only if the test failed half-way: the cluster's own processes, by pid

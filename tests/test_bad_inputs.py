@@ -55,6 +55,16 @@ def test_missing_validation_path_names_the_key(tmp_path, tabular_data):
     _one_line_usage_error(r, "data.val_path", str(tmp_path / "no-val"))
 
 
+@pytest.mark.parametrize("overrides, workers", [(["scaling.num_workers=2"], 2), (["scaling.num_workers=[1,3]"], 3)])
+def test_a_batch_larger_than_the_split_is_refused_before_ray_starts(tmp_path, tabular_data, overrides, workers):
+    t0 = time.time()
+    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={tmp_path}/runs", "train.batch_size_per_worker=100000", *overrides], timeout=60)
+    line = _one_line_usage_error(r, "train.batch_size_per_worker (100000)", f"x {workers} worker(s)",
+                                 "use train.batch_size_per_worker=")
+    assert time.time() - t0 < 30 and not (tmp_path / "runs").exists(), line  # no Ray, no run folder
+
+
 def test_nan_features_are_refused_by_default_naming_the_column_and_the_fix(tmp_path):
     data = _nan_data(tmp_path / "data")
     r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val",

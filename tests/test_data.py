@@ -94,7 +94,7 @@ def test_sample_id_is_optional(tmp_path):
     d = tmp_path / "noid"
     d.mkdir()
     pq.write_table(pa.table({"a": [1.0, 2.0, 3.0, 4.0], "label": [0, 1, 0, 1]}), d / "x.parquet")
-    cfg = cfg_for(d, d)
+    cfg = cfg_for(d, d, "train.batch_size_per_worker=2")
     _, specs = prepare(cfg)
     assert not specs["train"].has_sample_id
     ids = concat_columns(list(eval_stream(specs["train"], 0, 1, 10))).sample_id

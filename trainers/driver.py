@@ -35,14 +35,32 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     return path
 
 
-def prepare(cfg: Config):
+def prepare(cfg: Config, num_workers: int | None = None):
     """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.
-    Raises ConfigError/DataError (one line, exit 2) before any worker starts."""
+    Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
+    the launcher knows it (torchrun); else the config's."""
     from stride.trainers.tasks import make_task
 
     task = make_task(cfg)
     specs = inspect(cfg, task)
+    if num_workers is None and isinstance(cfg.scaling.num_workers, int):
+        num_workers = cfg.scaling.num_workers
+    if num_workers is not None or elastic(cfg):  # num_workers "auto": checked once the cluster is known
+        check_batch_fits(cfg, specs, num_workers or 1)
     return task, specs
+
+
+def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) -> None:
+    """One global micro-batch must fit in the training split, or no worker could take a step."""
+    from stride.datasets.parquet import DataError
+    from stride.trainers.config import global_micro_batch
+
+    rows, G = specs["train"].num_rows, global_micro_batch(cfg, num_workers)
+    if G > rows:
+        workers = G // cfg.train.batch_size_per_worker
+        raise DataError(f"train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {workers} worker(s) = {G} "
+                        f"rows per micro-step exceeds the {rows} rows of {cfg.data.train_path}; use "
+                        f"train.batch_size_per_worker={max(1, rows // workers)} or less")
 
 
 def ensure_writable(folder: Path, key: str, value) -> Path:
@@ -100,6 +118,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
 
     num_workers, use_gpu, resources = resolve_scaling(cfg)
     check_multinode_paths(cfg, resources["nodes"])
+    check_batch_fits(cfg, specs, num_workers)
     pipeline, data_cpus = choose_pipeline(cfg, num_workers, use_gpu, resources)
     plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, data_pipeline=pipeline, data_cpus_per_task=data_cpus,
                     **plan_extra)

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(config: str, overrides: list[str]) -> int:
     cfg = load_config(config, overrides)
-    task, specs = prepare(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    task, specs = prepare(cfg, world_size)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and cfg.scaling.use_gpu is not False

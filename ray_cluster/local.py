@@ -113,7 +113,7 @@ def _write_token(path: Path) -> None:
 
 def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_port: int = 8265,
                num_cpus: int | None = None, metrics_export_port: int | None = None) -> Head:
-    temp_dir = Path(temp_dir).resolve()
+    temp_dir = Path(os.path.abspath(temp_dir))  # not resolve(): a symlinked folder is refused, not followed
     if len(str(temp_dir)) > MAX_TEMP_DIR_CHARS:
         raise HeadError(f"--temp-dir ({temp_dir}) is longer than {MAX_TEMP_DIR_CHARS} characters, too long for "
                         f"Ray's unix sockets; use a short path such as /tmp/stride-ray-2")
@@ -125,8 +125,7 @@ def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_po
                         ("--metrics-export-port", metrics_export_port)):
         if value is not None and not _port_free(value):
             raise HeadError(f"{flag} ({value}) is in use (another Ray head?); pass {flag} <a free port>")
-    temp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    temp_dir.chmod(0o700)  # Ray makes its own temp dir world-writable; this one holds the token
+    node.private_dir(temp_dir)  # holds the token and the state; Ray's own (world-writable) temp dir goes inside
     token_path = temp_dir / "auth_token"
     _write_token(token_path)
 
@@ -179,8 +178,7 @@ def _node_env(token_path: Path) -> dict[str, str]:
 def add_node(head: Head, temp_dir: Path, num_cpus: int | None = None) -> None:
     """Join a worker node on this machine to `head` (with the head's token); stop it with stop_node(temp_dir).
     A second node on one host gives a test what a real cluster does when it grows (elastic training)."""
-    temp_dir = Path(temp_dir).resolve()
-    temp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temp_dir = node.private_dir(Path(os.path.abspath(temp_dir)))
     argv, _ = _ray_start(temp_dir, None, set(head.ports.values()), num_cpus)
     try:
         node.start(temp_dir, argv + [f"--address={head.address}"], env=_node_env(head.token_path), quiet=True)
@@ -191,18 +189,26 @@ def add_node(head: Head, temp_dir: Path, num_cpus: int | None = None) -> None:
 def stop_node(temp_dir: Path) -> list[int]:
     """Stop exactly the processes of the node started from temp_dir (add_node); returns their pids."""
     try:
-        return node.stop(Path(temp_dir).resolve())
+        return node.stop(Path(os.path.abspath(temp_dir)))
     except RuntimeError as e:
         raise HeadError(str(e)) from None
 
 
 def load_head(temp_dir: Path = DEFAULT_TEMP_DIR) -> Head:
-    path = Path(temp_dir).resolve() / HEAD_FILE
+    """The head started from temp_dir. Its folder must be private (node.private_dir), and the paths come from the
+    folder, not from the JSON: the token is temp_dir/auth_token, the dashboard 127.0.0.1 on the recorded port."""
+    folder = node.private_dir(Path(os.path.abspath(temp_dir)), create=False)
+    path = folder / HEAD_FILE
     if not path.exists():
         raise HeadError(f"no Ray head was started with --temp-dir {temp_dir} ({path} does not exist)")
-    data = json.loads(path.read_text())
-    return Head(Path(data["temp_dir"]), data["address"], data["dashboard_url"], Path(data["token_path"]),
-                data["ports"])
+    try:
+        data = json.loads(path.read_text())
+        ports = {str(k): int(v) for k, v in data["ports"].items()}
+        address, dashboard = str(data["address"]), ports["dashboard"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HeadError(f"{path} is not a head's state file ({type(e).__name__}); stop the head's processes and "
+                        f"remove {folder}") from None
+    return Head(folder, address, f"http://127.0.0.1:{dashboard}", folder / "auth_token", ports)
 
 
 def dashboard_status(head: Head, token: str | None = None) -> int:
@@ -265,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pids = stop_head(load_head(args.temp_dir))
             print(f"stride: stopped the Ray head in {args.temp_dir} ({len(pids)} processes); none is left")
+    except node.UnsafeStateDir as e:
+        print(f"stride: error: {e}", file=sys.stderr)
+        return 2
     except HeadError as e:
         print(f"stride: error: {e}", file=sys.stderr)
         return 1

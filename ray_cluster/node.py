@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -64,8 +65,36 @@ def processes() -> dict[int, dict]:
     return procs
 
 
+class UnsafeStateDir(RuntimeError):
+    """A state folder someone else could have written: refused, never believed."""
+
+
+def private_dir(path: Path, create: bool = True) -> Path:
+    """A state folder this user alone controls: created mode 0700, or an existing real directory (no symlink) owned
+    by this user with no group or other access. Anything else is refused: a folder in /tmp that another user made
+    first could hold a forged state file or a symlink to one of ours."""
+    path = Path(path)
+    if create and not os.path.lexists(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    problem = ("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a folder" if not stat.S_ISDIR(st.st_mode)
+               else f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()})" if st.st_uid != os.getuid()
+               else f"has mode {st.st_mode & 0o777:o}: others can reach it" if st.st_mode & 0o077 else None)
+    if problem:
+        raise UnsafeStateDir(f"state folder {path} {problem}; it must be yours and private (mode 700): remove it, "
+                             f"or use another folder")
+    return path
+
+
 def read_state(state_dir: Path) -> dict | None:
-    path = Path(state_dir) / STATE_FILE
+    path = private_dir(state_dir, create=False) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -135,8 +164,7 @@ def node_processes(state: dict, procs: dict[int, dict] | None = None) -> dict[in
 
 def start(state_dir: Path, argv: list[str], env: dict | None = None, quiet: bool = False) -> dict:
     """Run `ray start ...` (argv) in a new session, marked, and record the node. Raises RuntimeError if it fails."""
-    state_dir = Path(state_dir)
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    state_dir = private_dir(Path(state_dir))
     old = read_state(state_dir)
     if old and node_processes(old):
         raise RuntimeError(f"a Ray node started from {state_dir} is still running; stop it first: "
@@ -217,6 +245,9 @@ def main(argv: list[str]) -> int:
             alive = node_processes(state) if state else {}
             print(f"stride node: {len(alive)} process(es) of the Ray node in {state_dir} running")
             return 0 if alive else 1
+    except UnsafeStateDir as e:
+        print(f"stride node: error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         print(f"stride node: error: {e}", file=sys.stderr)
         return 1

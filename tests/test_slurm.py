@@ -324,6 +324,9 @@ def test_two_node_job_trains_and_completes(two_jobs, work, outside_head):
     token = work["root"] / "jobs" / "A" / "ray_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    for node in ("n1", "n2"):  # kept (keep_tmp): each node's folder is private, Ray's world-writable one inside it
+        folder = work["root"] / "r" / f"stride-{job}-{node}"
+        assert stat.S_IMODE(folder.lstat().st_mode) == 0o700 and (folder / "ray").is_dir()
     assert_job_cleaned_up(work, job, temp_dirs_kept=True)
     outside_head.assert_alive()
 

@@ -35,6 +35,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "stride" / "_checkout.py"))
 
+from stride.ray_cluster.node import UnsafeStateDir, private_dir  # noqa: E402
 from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
 
 LABEL = "stride-slurm-node"   # Ray node label holding the SLURM node name
@@ -110,13 +111,16 @@ def cmd_plan(a) -> None:
     ray_tmp = Path(a.ray_tmp)
     nodes = []
     for name, local in zip(names, local_indices([addrs[n] for n in names])):
-        temp_dir = ray_tmp / f"stride-{job_id}-{name}"
+        # The node's own private folder (0700), and Ray's temp dir inside it: Ray makes its temp dir and session
+        # folders world-writable (0777, no sticky bit), so they must not sit directly in a shared /tmp.
+        folder = ray_tmp / f"stride-{job_id}-{name}"
+        temp_dir = folder / "ray"
         if len(str(temp_dir)) + SESSION_SOCKET_SUFFIX > AF_UNIX_PATH_MAX:
             raise LaunchError(f"STRIDE_RAY_TMP ({a.ray_tmp}) is too long for Ray's socket paths (at most "
                               f"{AF_UNIX_PATH_MAX} bytes); use a short node-local folder such as /tmp")
         nodes.append({"name": name, "addr": addrs[name], "local_index": local, "slurm_cpus": allocated[name],
                       "cpus": int(a.cpus_per_node) if a.cpus_per_node else allocated[name], "gpus": a.gpus_per_node,
-                      "temp_dir": str(temp_dir), "ports": scheme.node_at_slot(slot, local)})
+                      "dir": str(folder), "temp_dir": str(temp_dir), "ports": scheme.node_at_slot(slot, local)})
     head_ip = socket.gethostbyname(addrs[head])
     plan = {
         "job_id": job_id, "head": head, "nodes": nodes,
@@ -280,7 +284,10 @@ def cmd_node(a) -> int:
                 return 0
             raise LaunchError(f"node {a.name}: the head's GCS {plan['gcs_address']} did not answer within "
                               f"{a.head_timeout:.0f}s; see the head node's log")
-    Path(node["temp_dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        folder = private_dir(Path(node["dir"]))  # refused if another user made it first, or it is a symlink
+    except UnsafeStateDir as e:
+        raise LaunchError(f"node {a.name}: {e}") from None
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
     # Every Ray process of this node (and each worker and actor it starts) inherits this: code that looks a
     # cluster up without an address (Ray Train's internal state-API calls do) finds this job's cluster, never
@@ -291,7 +298,7 @@ def cmd_node(a) -> int:
         log(f"node {a.name}: {' '.join(shlex.quote(x) for x in argv)}")
         started = time.time()
         ray_proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-        (Path(node["temp_dir"]) / "stride-node.pid").write_text(f"{os.getpid()}\n")  # who owns this node, for people
+        (folder / "stride-node.pid").write_text(f"{os.getpid()}\n")  # who owns this node, for people
         while ray_proc.poll() is None and not stop_requested:
             time.sleep(0.5)
             reap(keep=ray_proc.pid)
@@ -310,7 +317,7 @@ def cmd_node(a) -> int:
         code = 1
     stop_tree(ray_proc, a.stop_timeout)
     if not a.keep_tmp:
-        shutil.rmtree(node["temp_dir"], ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return code
 
 

@@ -141,6 +141,40 @@ def open_split(data_cfg, split: str) -> DataSplit:
     return DataSplit(split, key, tuple(files), schema, sum(n for _, _, n in blocks), blocks)
 
 
+UNIQUE_CHECK_ROWS = 50_000_000  # above this, sample_ids the footers cannot prove unique are not read to check
+
+
+def check_sample_ids(split: DataSplit) -> None:
+    """Duplicate sample_ids are refused where that is cheap: the footers' statistics prove a split unique when its
+    row groups hold disjoint ranges of consecutive ids (what prepare.py writes); otherwise the one column is read,
+    up to UNIQUE_CHECK_ROWS rows."""
+    ranges = []
+    for f in split.files:
+        meta = pq.read_metadata(_open(f))
+        col = meta.schema.to_arrow_schema().get_field_index(SAMPLE_ID)
+        for g in range(meta.num_row_groups):
+            st = meta.row_group(g).column(col).statistics
+            if st is None or not st.has_min_max or st.null_count:
+                ranges = None
+                break
+            ranges.append((st.min, st.max, meta.row_group(g).num_rows))
+        if ranges is None:
+            break
+    if ranges is not None:
+        ranges.sort()
+        if all(hi - lo + 1 == n for lo, hi, n in ranges) and all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])):
+            return
+    if split.num_rows > UNIQUE_CHECK_ROWS:
+        return
+    ids = np.concatenate([pq.read_table(_open(f), columns=[SAMPLE_ID]).column(0).to_numpy(zero_copy_only=False)
+                          for f in split.files])
+    values, counts = np.unique(ids, return_counts=True)
+    if len(values) < len(ids):
+        dup = values[counts > 1][0]
+        raise DataError(f"{split.key}: sample_id {dup} appears {counts[values == dup][0]} times; make {SAMPLE_ID} "
+                        f"unique per row, or drop the column (rows are then numbered in file order)")
+
+
 def inspect(cfg, task) -> dict[str, DataSpec]:
     """Check the config's splits against the task on the driver, before any worker starts: the task's own checks
     and facts (`task.inspect`, which sets task.facts), then the columns it reads. Returns the specs the workers read."""
@@ -159,6 +193,8 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
             raise DataError(f"{split.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
                             f"(columns: {split.schema.names}); point {split.key} at data with it")
         has_id = SAMPLE_ID in split.schema.names
+        if has_id:
+            check_sample_ids(split)
         specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.files,
                                split.blocks, name)
     return specs

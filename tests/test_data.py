@@ -156,3 +156,28 @@ def test_missing_data_path_exits_2_before_ray_starts(tmp_path):
                  f"data.train_path={tmp_path}/nope", f"run.storage_path={tmp_path}/runs"], timeout=60)
     assert r.returncode == 2 and "data.train_path" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs" / "tabular_mlp").exists()  # checked before anything is written
+
+
+def test_duplicate_sample_ids_are_refused_and_unique_ones_cost_no_read(tmp_path, monkeypatch):
+    import stride.datasets.parquet as P
+
+    d = tmp_path / "ok"
+    d.mkdir()
+    for i in range(3):  # consecutive ids, row groups of 100: the footers prove them unique
+        pq.write_table(pa.table({"a": np.zeros(300), "label": np.zeros(300, np.int64),
+                                 "sample_id": np.arange(i * 300, (i + 1) * 300)}), d / f"p{i}.parquet",
+                       row_group_size=100)
+    read = []
+    monkeypatch.setattr(P.pq, "read_table", lambda *a, **k: read.append(a) or pq.read_table(*a, **k))
+    prepare(cfg_for(d, d, "train.batch_size_per_worker=2"))
+    assert read == []  # no id column was read to check it
+    monkeypatch.undo()
+
+    dup = tmp_path / "dup"
+    dup.mkdir()
+    ids = np.arange(500)
+    ids[400] = 7  # one duplicate, out of order: the footers cannot tell, the column is read
+    pq.write_table(pa.table({"a": np.zeros(500), "label": np.zeros(500, np.int64), "sample_id": ids}),
+                   dup / "p.parquet", row_group_size=100)
+    with pytest.raises(DataError, match=r"data.train_path: sample_id 7 appears 2 times; make sample_id unique"):
+        prepare(cfg_for(dup, d, "train.batch_size_per_worker=2"))

@@ -116,6 +116,7 @@ def _write(d, **cols):
     ("bad_features", "data.feature_columns (['nope'])"),
     ("string_feature", "not numeric"),
     ("labels_out_of_range", "model.num_classes (2)"),
+    ("negative_labels", "has negative labels in data.train_path (min -1); labels must be 0..num_classes-1: relabel them"),
 ])
 def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
     extra = []
@@ -136,6 +137,9 @@ def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
     elif case == "string_feature":
         _write(d, a=[1.0], s=["x"], label=[0])
         extra = ["data.feature_columns=[a, s]"]
+    elif case == "negative_labels":  # the fix is to relabel: no model.num_classes value fixes a negative label
+        _write(d, a=[1.0, 2.0, 3.0], label=[-1, 0, 1])
+        extra = ["model.num_classes=2"]
     elif case == "labels_out_of_range":
         _write(d, a=[1.0, 2.0, 3.0], label=[0, 1, 5])
         extra = ["model.num_classes=2"]
@@ -143,6 +147,8 @@ def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
     with pytest.raises(DataError) as e:
         prepare(cfg)
     assert expect in str(e.value) and "\n" not in str(e.value)
+    if case == "negative_labels":
+        assert "set model.num_classes" not in str(e.value)
 
 
 def test_text_context_longer_than_rows_is_a_usage_error(text_data):

@@ -65,7 +65,11 @@ class Head:
 
 
 class HeadError(Exception):
-    """One line for the user."""
+    """One line for the user: a head that failed (exit 1)."""
+
+
+class HeadUsageError(HeadError):
+    """One line for the user: a request the user can fix (exit 2)."""
 
 
 def _port_free(port: int) -> bool:
@@ -115,16 +119,16 @@ def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_po
                num_cpus: int | None = None, metrics_export_port: int | None = None) -> Head:
     temp_dir = Path(os.path.abspath(temp_dir))  # not resolve(): a symlinked folder is refused, not followed
     if len(str(temp_dir)) > MAX_TEMP_DIR_CHARS:
-        raise HeadError(f"--temp-dir ({temp_dir}) is longer than {MAX_TEMP_DIR_CHARS} characters, too long for "
+        raise HeadUsageError(f"--temp-dir ({temp_dir}) is longer than {MAX_TEMP_DIR_CHARS} characters, too long for "
                         f"Ray's unix sockets; use a short path such as /tmp/stride-ray-2")
     state = node.read_state(temp_dir)
     if state and node.node_processes(state):
-        raise HeadError(f"a Ray head from --temp-dir {temp_dir} is already running; stop it "
+        raise HeadUsageError(f"a Ray head from --temp-dir {temp_dir} is already running; stop it "
                         f"(python -m stride.ray_cluster.local stop --temp-dir {temp_dir}) or use another --temp-dir")
     for flag, value in (("--port", port), ("--dashboard-port", dashboard_port),
                         ("--metrics-export-port", metrics_export_port)):
         if value is not None and not _port_free(value):
-            raise HeadError(f"{flag} ({value}) is in use (another Ray head?); pass {flag} <a free port>")
+            raise HeadUsageError(f"{flag} ({value}) is in use (another Ray head?); pass {flag} <a free port>")
     node.private_dir(temp_dir)  # holds the token and the state; Ray's own (world-writable) temp dir goes inside
     token_path = temp_dir / "auth_token"
     _write_token(token_path)
@@ -200,13 +204,13 @@ def load_head(temp_dir: Path = DEFAULT_TEMP_DIR) -> Head:
     folder = node.private_dir(Path(os.path.abspath(temp_dir)), create=False)
     path = folder / HEAD_FILE
     if not path.exists():
-        raise HeadError(f"no Ray head was started with --temp-dir {temp_dir} ({path} does not exist)")
+        raise HeadUsageError(f"no Ray head was started with --temp-dir {temp_dir} ({path} does not exist)")
     try:
         data = json.loads(path.read_text())
         ports = {str(k): int(v) for k, v in data["ports"].items()}
         address, dashboard = str(data["address"]), ports["dashboard"]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise HeadError(f"{path} is not a head's state file ({type(e).__name__}); stop the head's processes and "
+        raise HeadUsageError(f"{path} is not a head's state file ({type(e).__name__}); stop the head's processes and "
                         f"remove {folder}") from None
     return Head(folder, address, f"http://127.0.0.1:{dashboard}", folder / "auth_token", ports)
 
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pids = stop_head(load_head(args.temp_dir))
             print(f"stride: stopped the Ray head in {args.temp_dir} ({len(pids)} processes); none is left")
-    except node.UnsafeStateDir as e:
+    except (node.UnsafeStateDir, HeadUsageError) as e:
         print(f"stride: error: {e}", file=sys.stderr)
         return 2
     except HeadError as e:

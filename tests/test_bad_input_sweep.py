@@ -113,6 +113,11 @@ OTHER_CASES = [
     (["-m", "stride.ray_cluster.local", "stop", "--temp-dir", "{tmp}/empty"], "state folder"),
     (["ray_cluster/node.py", "stop", "{tmp}/notes"], "state folder"),
     (["-m", "stride.tune.main", "--config", "{tmp}/missing.yaml", "--print-space"], "missing.yaml"),
+    (["-m", "stride.ray_cluster.doctor", "--num-workers", "0"], "--num-workers"),
+    (["-m", "stride.ray_cluster.doctor", "--use-gpu", "maybe"], "--use-gpu"),
+    (["-m", "stride.ray_cluster.doctor", "--cpus-per-worker", "-1"], "--cpus-per-worker"),
+    (["-m", "stride.ray_cluster.doctor", "--address", "127.0.0.1:1"], "--address (127.0.0.1:1)"),
+    (["-m", "stride.ray_cluster.local", "start", "--temp-dir", "{tmp}/head"], "--temp-dir"),
 ]
 
 

@@ -77,7 +77,7 @@ def test_start_refuses_a_port_in_use_and_names_the_flag():
         result = run([PYTHON, "-m", "stride.ray_cluster.local", "start", "--temp-dir", str(folder), "--port", str(port)],
                      env=clean_env(), timeout=60)
     shutil.rmtree(folder)
-    assert result.returncode == 1
+    assert result.returncode == 2  # the user can fix it: another port
     assert f"--port ({port}) is in use" in result.stderr
     assert "Traceback" not in result.stderr
 

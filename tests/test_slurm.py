@@ -341,7 +341,7 @@ def test_auto_workers_run_one_per_node(two_jobs, work):
     assert len(pids) == 2, output(work, "A")[-3000:]
     where = {}
     for pid in pids:
-        hits = list((work["root"] / "r").glob(f"stride-{job}-*/session_*/logs/python-core-worker-*_{pid}.log"))
+        hits = list((work["root"] / "r").glob(f"stride-{job}-*/ray/session_*/logs/python-core-worker-*_{pid}.log"))
         where[pid] = {h.parts[len((work["root"] / "r").parts)] for h in hits}
     nodes = [n.pop() for n in where.values() if len(n) == 1]
     assert len(nodes) == 2, where

@@ -88,12 +88,17 @@ class Order:
         return divmod(micro_step, self.micro_steps_per_epoch)
 
     def epoch(self, epoch: int) -> EpochPlan:
-        if epoch not in self._cache:
-            self._cache.clear()  # one epoch at a time: a plan holds O(blocks) arrays
+        plan = self._cache.get(epoch)
+        if plan is None:
             blocks = _rng(self.seed, epoch, 0xB10C).permutation(len(self.block_rows))
             starts = np.concatenate([[0], np.cumsum(np.asarray(self.block_rows, dtype=np.int64)[blocks])])
-            self._cache[epoch] = EpochPlan(self.seed, epoch, self.window_rows, blocks, starts)
-        return self._cache[epoch]
+            plan = EpochPlan(self.seed, epoch, self.window_rows, blocks, starts)
+            # Keep this epoch and the one before (read threads straddle an epoch's end); pop, never clear: another
+            # read thread may be looking its plan up at the same time.
+            for old in [k for k in list(self._cache) if k not in (epoch - 1, ("rows", epoch - 1))]:
+                self._cache.pop(old, None)
+            self._cache[epoch] = plan
+        return plan
 
     def rank_positions(self, rank: int, world_size: int, lo: int, hi: int) -> np.ndarray:
         """The epoch positions in [lo, hi) that `rank` trains on, in order (the dropped tail excluded)."""
@@ -107,8 +112,8 @@ class Order:
     def epoch_rows(self, epoch: int) -> np.ndarray:
         """Row index (into the split in file order) at every position of `epoch`."""
         plan = self.epoch(epoch)
-        if ("rows", epoch) in self._cache:
-            return self._cache[("rows", epoch)]
+        if (seq := self._cache.get(("rows", epoch))) is not None:
+            return seq
         base = np.concatenate([[0], np.cumsum(self.block_rows)])
         seq = np.concatenate([np.arange(base[b], base[b + 1]) for b in plan.blocks]) if len(plan.blocks) else np.zeros(0, int)
         for k in range(plan.num_windows):

@@ -20,7 +20,7 @@ from stride.datasets.order import Order
 from stride.datasets.parquet import DataSpec
 from stride.datasets.stream import BlockReader, Prefetcher, rank_rows, slice_columns
 
-_READERS: dict[int, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
+_READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 
 
 def chunks(order: Order, micro_step: int, end_micro_step: int, align: int = 1) -> list[tuple[int, int]]:
@@ -35,7 +35,8 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
                transform: Callable[[Any, int], dict]) -> dict[str, np.ndarray]:
     """One Ray Data task: the transformed micro-batches of one chunk, one output row per micro-step."""
     first, n = int(batch["first"][0]), int(batch["n"][0])
-    reader = _READERS.setdefault(hash((spec.files, spec.columns)), BlockReader(spec))
+    key = (spec.files, spec.columns)
+    reader = _READERS.get(key) or _READERS.setdefault(key, BlockReader(spec))
     per = order.global_micro_batch // world_size
     ids, arrays = np.empty(n, dtype=object), np.empty(n, dtype=object)
     m = first

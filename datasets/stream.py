@@ -1,8 +1,8 @@
 """Streaming a split to one rank: row groups read on demand, in the order of datasets/order.py.
 
-A worker holds the window it is cutting (the row groups that overlap it) plus `read_ahead` windows of its own rows
-already taken from earlier windows, however large the split. A background thread reads ahead while the loop trains
-(pyarrow reads and numpy gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
+A worker holds the windows it is cutting (READ_THREADS at once, with the row groups that overlap them) plus
+`read_ahead` windows of its own rows already taken, however large the split. Background threads read ahead while the
+loop trains (pyarrow reads and Arrow gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
 way, with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
 
 Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This

@@ -66,7 +66,7 @@ def ingest_loop(config: dict) -> dict:
             order = [("stride", stride_path), ("pyarrow", pyarrow_path)][::1 if p % 2 == 0 else -1]
             for label, fn in order:
                 t0 = time.perf_counter()
-                rows[label] = fn(spec, config)
+                rows[label] = fn(spec, config["settings"][name])
                 runs[label].append(time.perf_counter() - t0)
         out[name] = {"rows": rows, "seconds": runs}
     return out
@@ -83,11 +83,11 @@ def ingest(spec: dict, storage: Path) -> dict:
     for name, d in spec["ingest_sets"].items():
         cfg = load_config(d["config"], d["overrides"])
         specs[name] = prepare(cfg)[1]["train"]  # the task's checks and the columns it reads, as the driver does
-        settings = {"batch": cfg.train.batch_size_per_worker, "window": cfg.data.shuffle_window_rows,
-                    "read_ahead": cfg.data.read_ahead_windows}
+        settings[name] = {"batch": cfg.train.batch_size_per_worker, "window": cfg.data.shuffle_window_rows,
+                          "read_ahead": cfg.data.read_ahead_windows}  # each set read as its own config reads it
     trainer = TorchTrainer(
         ingest_loop,
-        train_loop_config={"specs": specs, "passes": spec["passes"], **settings},
+        train_loop_config={"specs": specs, "passes": spec["passes"], "settings": settings},
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1.0}),
         run_config=RunConfig(name="ingest", storage_path=str(storage)),
     )

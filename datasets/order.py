@@ -46,8 +46,9 @@ class EpochPlan:
         lo = k * self.window_rows
         return lo, min(lo + self.window_rows, self.num_rows)
 
-    def window_pieces(self, k: int) -> list[tuple[int, int, int]]:
-        """(block id, first row, end row) of every block slice inside window k, in sequence order."""
+    def window_pieces(self, k: int) -> list[tuple[int, int, int, int]]:
+        """(slot, block id, first row, end row) of every block slice inside window k, in sequence order; slot j is
+        the block's place in this epoch's sequence (a block two windows share has one slot)."""
         lo, hi = self.window_span(k)
         first = int(np.searchsorted(self.starts, lo, side="right")) - 1
         pieces = []
@@ -55,7 +56,7 @@ class EpochPlan:
             b_lo, b_hi = int(self.starts[j]), int(self.starts[j + 1])
             if b_lo >= hi:
                 break
-            pieces.append((int(self.blocks[j]), max(lo, b_lo) - b_lo, min(hi, b_hi) - b_lo))
+            pieces.append((j, int(self.blocks[j]), max(lo, b_lo) - b_lo, min(hi, b_hi) - b_lo))
         return pieces
 
     def window_permutation(self, k: int) -> np.ndarray:

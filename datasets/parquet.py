@@ -208,8 +208,8 @@ def read_files(files, columns: list[str] | None = None) -> pa.Table:
 def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """One column as a numpy array with the rows as first dimension: numbers 1-D, fixed-size lists 2-D (n, size),
     everything else (bytes, strings, variable lists) an object array of Python values."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
+    if isinstance(col, pa.ChunkedArray):  # one chunk (a row group) is used as it is: combining would copy it
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     t = col.type
     if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)) \
             and not col.null_count:
@@ -229,6 +229,9 @@ class Columns:
 
     def __len__(self) -> int:
         return len(self.sample_id)
+
+    def take(self, index: np.ndarray) -> Columns:
+        return Columns({name: col.take(index, axis=0) for name, col in self.data.items()}, self.sample_id.take(index))
 
     def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {name: col[index] for name, col in self.data.items()}

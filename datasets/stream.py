@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from stride.datasets.order import Order, eval_blocks
+from stride.datasets.order import EpochPlan, Order, eval_blocks
 from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec, column_to_numpy
 
 
@@ -41,20 +41,21 @@ class BlockReader:
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._last: tuple[int, pa.Table, np.ndarray] | None = None  # a block two windows share is read once
+        self._last: tuple[int, Columns] | None = None  # a block two windows share is read once
 
     @property
     def num_blocks(self) -> int:
         return len(self.spec.blocks)
 
-    def read(self, block: int) -> tuple[pa.Table, np.ndarray]:
-        """The block's rows and their sample ids (the sample_id column, or the row's index in file order)."""
+    def read(self, block: int) -> Columns:
+        """The block's rows as numpy columns (converted once, however many windows share the block) and their sample
+        ids (the sample_id column, or the row's index in file order)."""
         if self._last is not None and self._last[0] == block:
-            return self._last[1], self._last[2]
+            return self._last[1]
         f, rg, n = self.spec.blocks[block]
         path = self.spec.files[f]
         try:
-            table = self._file(f).read_row_group(rg, columns=self.columns)
+            table = self._file(f).read_row_group(rg, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
             self._files.pop(f, None)
             raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row group {rg}: "
@@ -65,9 +66,10 @@ class BlockReader:
                             f"{n} it held when the run started; restore the file or start a new run.name")
         ids = (table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False) if self.spec.has_sample_id
                else np.arange(self.base[block], self.base[block] + n, dtype=np.int64))
+        rows = Columns({c: column_to_numpy(table.column(c)) for c in self.spec.columns if c != SAMPLE_ID}, ids)
         self.rows_read += n
-        self._last = (block, table, ids)
-        return table, ids
+        self._last = (block, rows)
+        return rows
 
     def _file(self, f: int) -> pq.ParquetFile:
         if f not in self._files:
@@ -82,10 +84,6 @@ class BlockReader:
                 self._files.popitem(last=False)
         self._files.move_to_end(f)
         return self._files[f]
-
-
-def to_columns(table: pa.Table, ids: np.ndarray, columns: tuple[str, ...]) -> Columns:
-    return Columns({c: column_to_numpy(table.column(c)) for c in columns if c != SAMPLE_ID}, ids)
 
 
 def concat_columns(parts: list[Columns]) -> Columns:
@@ -104,18 +102,31 @@ def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int
     """The rows `rank` trains on from window k of `epoch` (positions in [from_position, to_position)), in order;
     None if none."""
     plan = order.epoch(epoch)
-    lo, hi = plan.window_span(k)
-    positions = order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
+    positions = window_positions(order, epoch, k, rank, world_size, from_position, to_position)
     if not len(positions):
         return None
-    tables, ids = [], []
-    for block, first, end in plan.window_pieces(k):
-        table, block_ids = reader.read(block)
-        tables.append(table.slice(first, end - first))
-        ids.append(block_ids[first:end])
-    local = plan.window_permutation(k)[positions - lo]
-    window = pa.concat_tables(tables)
-    return to_columns(window.take(pa.array(local)), np.concatenate(ids)[local], reader.spec.columns)
+    return cut_window(plan, k, positions, [reader.read(block) for _, block, _, _ in plan.window_pieces(k)])
+
+
+def window_positions(order: Order, epoch: int, k: int, rank: int, world_size: int, from_position: int = 0,
+                     to_position: int | None = None) -> np.ndarray:
+    lo, hi = order.epoch(epoch).window_span(k)
+    return order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
+
+
+def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[Columns]) -> Columns:
+    """The rows at `positions` of window k, given the blocks it overlaps (read whole, in sequence order)."""
+    pieces = [slice_columns(rows, first, end) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
+    local = plan.window_permutation(k)[positions - plan.window_span(k)[0]]
+    if len(pieces) == 1:  # a window inside one block: index it directly
+        return pieces[0].take(local)
+    return Columns({c: gather([p.data[c] for p in pieces], local) for c in pieces[0].data},
+                   gather([p.sample_id for p in pieces], local))
+
+
+def gather(parts: list[np.ndarray], index: np.ndarray) -> np.ndarray:
+    """Rows `index` of the parts laid end to end (the window's shuffle: a copy of the rows this rank keeps)."""
+    return np.concatenate(parts).take(index, axis=0)
 
 
 def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Columns:
@@ -191,7 +202,7 @@ class TrainStream:
         self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
-        self._current: Columns | None = None  # the rows taken from the queue, consumed from _offset on
+        self._current = Columns({}, np.zeros(0, np.int64))  # the rows taken from the queue, consumed from _offset on
         self._offset = 0
         self._windows = Prefetcher(lambda: self._produce(micro_step, end_micro_step), read_ahead, "stride-data")
 
@@ -206,34 +217,57 @@ class TrainStream:
 
     def next(self) -> Columns:
         """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
-        current, offset, n = self._current, self._offset, self.per_worker
-        if current is not None and len(current) - offset >= n:  # the common case: a view into the current window
-            self._offset += n
-            return slice_columns(current, offset, offset + n)
-        parts = [slice_columns(current, offset, len(current))] if current is not None and offset < len(current) else []
-        have = sum(len(p) for p in parts)
-        while have < n:
-            parts.append(self._windows.get())
-            have += len(parts[-1])
-        self._current, self._offset = concat_columns(parts), n
-        return slice_columns(self._current, 0, n)
+        if self._offset == len(self._current):  # every window holds whole micro-batches (see _produce)
+            self._current, self._offset = self._windows.get(), 0
+        lo = self._offset
+        self._offset += self.per_worker
+        return slice_columns(self._current, lo, self._offset)
 
     def close(self) -> None:
         self._windows.close()
 
     def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
-        """This rank's rows, window after window, READ_THREADS windows read at once (pyarrow and numpy release the
-        GIL), delivered in order."""
+        """This rank's rows, in whole micro-batches: the rows a window leaves over open the next one. (The training
+        thread cuts them as it goes: a window's worth of micro-batches made ahead would be thousands of objects for
+        the garbage collector to scan.)"""
+        n, carry = self.per_worker, None
+        for rows in self._windows_in_order(micro_step, end_micro_step):
+            if carry is not None:
+                rows = concat_columns([carry, rows])
+            whole = len(rows) - len(rows) % n
+            carry = slice_columns(rows, whole, len(rows)) if whole < len(rows) else None
+            if whole:
+                yield slice_columns(rows, 0, whole)
+
+    def _windows_in_order(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
+        """This rank's rows, window after window. READ_THREADS threads read the row groups in sequence order, the
+        next window's while this one is cut (pyarrow releases the GIL while it decodes); each is read once, though
+        two windows share it."""
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read") as pool:
-            pending: deque = deque()
-            for job in self._window_jobs(micro_step, end_micro_step):
-                pending.append(pool.submit(self._rank_window, *job))
-                if len(pending) >= READ_THREADS:
-                    if (rows := pending.popleft().result()) is not None:
-                        yield rows
+            reads: dict[tuple[int, int], Future] = {}  # (epoch, slot) -> the block, for the windows in `pending`
+            pending: deque = deque()  # (epoch, window, positions), their reads submitted
+
+            def cut_oldest() -> Columns:
+                epoch, k, positions = pending.popleft()
+                plan = self.order.epoch(epoch)
+                rows = cut_window(plan, k, positions, [reads[epoch, j].result() for j, *_ in plan.window_pieces(k)])
+                keep = {(e, j) for e, w, _ in pending for j, *_ in self.order.epoch(e).window_pieces(w)}
+                for key in [key for key in reads if key not in keep]:
+                    del reads[key]
+                return rows
+
+            for epoch, k, start in self._window_jobs(micro_step, end_micro_step):
+                positions = window_positions(self.order, epoch, k, self.rank, self.world_size, start)
+                if not len(positions):
+                    continue
+                for j, block, _, _ in self.order.epoch(epoch).window_pieces(k):
+                    if (epoch, j) not in reads:
+                        reads[epoch, j] = pool.submit(self._read, block)
+                pending.append((epoch, k, positions))
+                if len(pending) > 1:  # one window read ahead of the one being cut
+                    yield cut_oldest()
             while pending:
-                if (rows := pending.popleft().result()) is not None:
-                    yield rows
+                yield cut_oldest()
 
     def _window_jobs(self, micro_step: int, end_micro_step: int | None) -> Iterator[tuple[int, int, int]]:
         """(epoch, window, first position) of every window from `micro_step` on; none past the run's last
@@ -249,11 +283,11 @@ class TrainStream:
                 yield epoch, k, start
             epoch, start = epoch + 1, 0
 
-    def _rank_window(self, epoch: int, k: int, start: int) -> Columns | None:
+    def _read(self, block: int) -> Columns:
         if not hasattr(self._local, "reader"):
             self._local.reader = BlockReader(self.spec)
             self._readers.append(self._local.reader)
-        return rank_window(self._local.reader, self.order, epoch, k, self.rank, self.world_size, start)
+        return self._local.reader.read(block)
 
 
 def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
@@ -266,7 +300,6 @@ def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Itera
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
     reader = BlockReader(spec)
     for b in eval_blocks(reader.num_blocks, rank, world_size):
-        table, ids = reader.read(b)
-        columns = to_columns(table, ids, spec.columns)
+        columns = reader.read(b)
         for lo in range(0, len(columns), batch):
             yield slice_columns(columns, lo, lo + batch)

@@ -15,6 +15,9 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    -> step_time_ratio, wall_ratio, time_to_first_step_s, data_wait_fraction, ckpt_blocked_fraction
 2. benchmarks/ray_bench.py (one embedded Ray): ingest from the files through Stride's streaming path vs pyarrow
    (-> ingest_ratio), then Stride fits with 1 and 2 workers alternating (-> scaling_2_over_1).
+3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet (-> memory_growth_ratio).
+4. benchmarks/checkpoint_bench.py: a 2-worker FSDP char_gpt checkpointed with the earlier rank-0 gather and with DCP
+   shards, alternating (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
 """
 
 from __future__ import annotations
@@ -62,12 +65,15 @@ class Mode:
     timeout_s: int  # per launch
     scale_workers: tuple = (1,)  # (1,): 2-worker throughput from the paired Stride runs; (1, 2): own paired fits
     stream_rows: tuple = (200_000, 4_000_000)  # small / large set of benchmarks/stream_memory.py (~50 MB / ~1 GB raw)
+    # benchmarks/checkpoint_bench.py's char_gpt (layers, width, heads): the largest that trains on 2 CPU workers here
+    # under FSDP (docs/fsdp.md#memory), 302.6M parameters
+    ckpt_model: tuple = (24, 1024, 16)
 
 
 MODES = {
     "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
                   scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
-                  stream_rows=(20_000, 200_000)),
+                  stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4)),
     "quick": Mode(reps=3, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
                   scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=3, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
@@ -82,6 +88,8 @@ GOALS = {  # figure: (operator, threshold)
     "data_wait_fraction": ("<", 0.02),
     "ckpt_blocked_fraction": ("<=", 0.2),
     "memory_growth_ratio": ("<=", 0.35),
+    "checkpoint_rank0_memory_ratio": ("<=", 0.5),
+    "checkpoint_blocked_ratio": ("<", 1.0),
 }
 
 WHAT = {
@@ -95,6 +103,9 @@ WHAT = {
     "ckpt_blocked_fraction": "training time blocked by a mid-run checkpoint / that checkpoint's total write time (Stride)",
     "memory_growth_ratio": "(peak PSS of the whole process tree, one epoch on ~1 GB of Parquet - on ~50 MB) / raw "
                            "bytes of the large set; 2 CPU workers (benchmarks/stream_memory.py)",
+    "checkpoint_rank0_memory_ratio": "rank 0's peak memory rise during a checkpoint of a 2-worker FSDP char_gpt, DCP "
+                                     "shards / the earlier rank-0 gather (benchmarks/checkpoint_bench.py)",
+    "checkpoint_blocked_ratio": "training time blocked by that checkpoint (the slowest rank), DCP shards / rank-0 gather",
 }
 
 
@@ -538,6 +549,16 @@ def main(argv: list[str] | None = None) -> int:
             "memory_growth_ratio", [sm["memory_growth_ratio"]], "ratio", GOALS["memory_growth_ratio"],
             growth_bytes=sm["growth_bytes"], peak_pss_bytes=sm["peak_pss_bytes"], raw_bytes=sm["raw_bytes"],
             parquet_bytes=sm["parquet_bytes"], wall_s=sm["wall_s"], lower_bound=sm["lower_bound"])
+        print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
+        from benchmarks.checkpoint_bench import measure as checkpoint_bench
+
+        cb = checkpoint_bench(*mode.ckpt_model, reps=2, tmp=tmp / "checkpoint_bench", timeout_s=mode.timeout_s * 2)
+        figs["checkpoint_rank0_memory_ratio"] = figure(
+            "checkpoint_rank0_memory_ratio", [cb["rank0_memory_ratio"]], "ratio", GOALS["checkpoint_rank0_memory_ratio"],
+            model=cb["model"], params=cb["params"], per_rank=cb["per_rank"])
+        figs["checkpoint_blocked_ratio"] = figure(
+            "checkpoint_blocked_ratio", [cb["blocked_ratio"]], "ratio", GOALS["checkpoint_blocked_ratio"],
+            complete_ratio=cb["complete_ratio"], max_rank_memory_ratio=cb["max_rank_memory_ratio"])
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -552,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                             "per-step and per-report costs show against real compute, not against an empty loop",
                      "mode": asdict(mode)},
         "figures": figs,
-        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm},
+        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm, "checkpoint_bench": cb},
     }
     stamp = started.strftime("%Y-%m-%dT%H%M")
     text = json.dumps(result, indent=1, default=str) + "\n"

@@ -91,8 +91,8 @@ def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabula
     storage = tmp_path / "runs"
     cfg = load_config("trainers/configs/tabular_mlp.yaml", [f"run.storage_path={storage}", "model.hidden_sizes=[32]"])
     model = MLP(16, [32], 4)
-    ckpt = checkpointing.save(storage / cfg.run.name / "checkpoint_000010", {"model": model.state_dict()},
-                              {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0})
+    ckpt = checkpointing.CheckpointWriter(0).save(storage / cfg.run.name / "checkpoint_000010", {
+        "model": model.state_dict()}, {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0}).result()
     before = _digest(ckpt)
     r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
                  f"run.storage_path={storage}", "model.hidden_sizes=[64]"], timeout=60)
@@ -173,42 +173,75 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _plant(folder: Path, marker: Path) -> Path:
-    """A checkpoint whose state.pt carries a pickle payload and whose meta.json digest is forged to match it."""
+def _plant(folder: Path, marker: Path, fmt: str) -> tuple[Path, str]:
+    """A checkpoint that carries a pickle payload, with the digests in its meta.json forged to match: DCP's
+    `.metadata` replaced (fmt "dcp"), or the earlier format's state.pt (fmt "state.pt"). Returns it and its file."""
+    import pickle
+
     import torch
 
     from stride.trainers import checkpointing
     from stride.trainers.models import MLP
 
-    ckpt = checkpointing.save(folder, {"model": MLP(16, [32], 4).state_dict(), "evil": _Payload(marker)},
-                              {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0})
-    assert checkpointing.verify(ckpt) is None  # the digest matches: verification cannot tell
-    torch.load(ckpt / checkpointing.STATE, weights_only=False)  # what the loaders did before: the payload runs
-    assert marker.exists()
+    meta = {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0}
+    folder.mkdir(parents=True)
+    if fmt == "dcp":
+        checkpointing.CheckpointWriter(0).save(folder, {"model": MLP(16, [32], 4).state_dict()}, meta).result()
+        evil = folder / checkpointing.DCP_METADATA
+        evil.write_bytes(pickle.dumps(_Payload(marker)))
+        checkpointing.write_marker(folder, meta)
+    else:
+        evil = folder / checkpointing.STATE
+        torch.save({"model": MLP(16, [32], 4).state_dict(), "evil": _Payload(marker)}, evil)
+        data = evil.read_bytes()
+        (folder / checkpointing.META).write_text(__import__("json").dumps(
+            dict(meta, state_sha256=hashlib.sha256(data).hexdigest(), state_bytes=len(data))))
+    assert checkpointing.verify(folder) is None  # the digests match: verification cannot tell
+    pickle.loads(evil.read_bytes()) if fmt == "dcp" else torch.load(evil, weights_only=False)
+    assert marker.exists()  # what an unrestricted unpickler does with it: the payload runs
     marker.unlink()
-    return ckpt
+    return folder, evil.name
 
 
-def test_a_planted_checkpoint_runs_no_code_when_resumed_or_sampled(tmp_path, tabular_data):
+@pytest.mark.parametrize("fmt", ["dcp", "state.pt"])
+def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_path, tabular_data, fmt):
     marker = tmp_path / "pwned"
     storage = tmp_path / "runs"
-    ckpt = _plant(storage / "tabular_mlp" / "checkpoint_000010", marker)
+    ckpt, evil = _plant(storage / "tabular_mlp" / "checkpoint_000010", marker, fmt)
+    says = f"{evil} holds more than tensors"
     before = _digest(ckpt)
     r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
                  f"run.storage_path={storage}", "model.hidden_sizes=[32]", *TINY], timeout=120)
-    _one_line_usage_error(r, "run.name (tabular_mlp)", "state.pt holds more than tensors", "it was not loaded")
+    _one_line_usage_error(r, "run.name (tabular_mlp)", says, "it was not loaded")
     assert not marker.exists() and _digest(ckpt) == before
-    # torchrun's launcher and generate.py refuse it the same way.
+    # torchrun's launcher, generate.py and export.py refuse it the same way.
     r = run_cli(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
                  f"data.val_path={tabular_data}/val", f"run.storage_path={storage}", "model.hidden_sizes=[32]",
                  "tracking.mlflow=false", *TINY], timeout=120)
-    _one_line_usage_error(r, "state.pt holds more than tensors")
+    _one_line_usage_error(r, says)
     (storage / "tabular_mlp" / "summary.json").write_text(
         __import__("json").dumps({"config": {"model": {"name": "mlp", "hidden_sizes": [32]}},
                                   "facts": {"feature_columns": [f"f{i}" for i in range(16)], "label_column": "label",
                                             "num_classes": 4}, "checkpoint": str(ckpt)}))
-    r = run_cli(["trainers/generate.py", "--run", str(storage / "tabular_mlp")], timeout=120)
-    assert r.returncode == 2 and "state.pt holds more than tensors" in r.stderr and "Traceback" not in r.stderr
+    for cli in (["trainers/generate.py", "--run", str(storage / "tabular_mlp")],
+                ["trainers/export.py", str(ckpt), str(tmp_path / "out.safetensors")]):
+        r = run_cli(cli, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists() and _digest(ckpt) == before
+
+
+def test_a_pickled_object_inside_a_dcp_shard_is_refused(tmp_path):
+    """DCP stores non-tensor items (the optimizer's hyperparameters) as torch.save'd bytes inside the .distcp files,
+    and its default planner loads them with weights_only=False; Stride's planner with weights_only=True."""
+    import torch.distributed.checkpoint as dcp
+
+    from stride.trainers import checkpointing
+
+    marker = tmp_path / "pwned"
+    dcp.save({"optim": {"lr": _Payload(marker)}}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(checkpointing.UnsafeCheckpointError, match="holds more than tensors"):
+        checkpointing.load_sharded(tmp_path / "ckpt", {"optim": {"lr": 0.1}})
     assert not marker.exists()
 
 

@@ -69,7 +69,7 @@ def runs(tmp_path_factory, small_text):
     return {"storage": storage, "resumed_stdout": resumed.stdout}
 
 
-def test_fsdp_trains_char_gpt_and_checkpoints_full_state_on_rank_0(runs):
+def test_fsdp_trains_char_gpt_and_checkpoints_one_shard_file_per_rank(runs):
     run = runs["storage"] / "fsdp"
     s = summary(run)
     assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["world_size"] == 2 and s["global_step"] == STEPS
@@ -78,12 +78,22 @@ def test_fsdp_trains_char_gpt_and_checkpoints_full_state_on_rank_0(runs):
     assert sorted(curve) == list(range(1, STEPS + 1)) and curve[STEPS] < curve[1] - 0.2  # the loss goes down
     assert s["param_checksums"][0] == s["param_checksums"][1]  # both ranks sum the same full parameters
     ckpt = checkpointing.newest_complete(run)
-    assert checkpointing.verify(ckpt) is None and checkpointing.read_meta(ckpt)["strategy"] == "fsdp"
-    state, _ = checkpointing.load(ckpt)
-    # Stride's rank-0 format: the full model (tied head included) and the optimizer keyed by parameter names.
-    assert state["model"]["tok_emb.weight"].shape == (256, 32) and "head.weight" in state["model"]
-    assert not any(type(t).__name__ == "DTensor" for t in state["model"].values())
-    assert fsdp.keyed_by_names(state["optimizer"]) and "blocks.0.attn.qkv.weight" in state["optimizer"]["state"]
+    meta = checkpointing.read_meta(ckpt)
+    assert checkpointing.verify(ckpt) is None and meta["strategy"] == "fsdp"
+    # DCP: each rank wrote its own shards, no rank the whole state; the marker lists (and hashes) every file.
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
+    assert sorted(meta["files"]) == files[:3]
+    shards = [(ckpt / f).stat().st_size for f in files[1:3]]
+    assert abs(shards[0] - shards[1]) < 0.2 * max(shards), shards  # about half the state each
+    # Every parameter is saved as its two dim-0 shards; its full shape is in the metadata.
+    md = checkpointing.dcp_metadata(ckpt).state_dict_metadata
+    assert tuple(md["model.tok_emb.weight"].size) == (256, 32) and "model.head.weight" in md
+    assert len(md["model.blocks.0.attn.qkv.weight"].chunks) == 2
+    assert any(k.startswith("optim.state.blocks.0.attn.qkv.weight.exp_avg") for k in md)  # optimizer by name
+    # Consolidated in one process (export, generate): full tensors, the tied head included.
+    model = checkpointing.load_model_state(ckpt)
+    assert model["tok_emb.weight"].shape == (256, 32) and torch.equal(model["head.weight"], model["tok_emb.weight"])
 
 
 def test_fsdp_loss_curve_matches_ddp(runs):
@@ -142,13 +152,15 @@ def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_pat
     for step in got:
         assert got[step] == pytest.approx(sharded[step], rel=1e-5), step
     assert s["val_loss"] < s["initial_val_loss"]
-    # Its own checkpoint is positional again (a plain optimizer) and carries on like any 1-worker run's.
-    state, meta = checkpointing.load(checkpointing.newest_complete(tmp_path / "one"))
-    assert meta["strategy"] == "none" and not fsdp.keyed_by_names(state["optimizer"])
+    # Its own checkpoint is one process's: one shard file.
+    own = checkpointing.newest_complete(tmp_path / "one")
+    assert checkpointing.read_meta(own)["strategy"] == "none" and sorted(checkpointing.read_meta(own)["files"]) == [
+        ".metadata", "__0_0.distcp"]
 
 
 def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
-    """The other direction: DDP's positional optimizer state is keyed by name and broadcast into the shards."""
+    """The other direction: DDP's checkpoint (each replicated tensor written once, by one of the ranks) read into
+    FSDP's shards: each rank reads its slice."""
     src = min(runs["storage"].glob("ddp/checkpoint_*"), key=lambda p: checkpointing.read_meta(p)["step"])
     assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "ddp"
     (tmp_path / "switched").mkdir()
@@ -161,6 +173,33 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
     assert sorted(got) == list(range(11, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(ddp[step], rel=1e-5), step
+
+
+def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp_path):
+    """trainers/export.py: the 2-rank FSDP checkpoint of the run's last step, as one file that loads without Stride
+    and into the task's model with load_state_dict: the run's final weights exactly."""
+    from safetensors.torch import load_file
+
+    from stride.trainers.models import CharGPT
+
+    run, out = runs["storage"] / "fsdp", tmp_path / "model.safetensors"
+    r = run_cli(["trainers/export.py", str(run), str(out)], timeout=120)  # a run folder: its newest checkpoint
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info["step"] == str(STEPS) and info["checkpoint"].endswith(f"checkpoint_{STEPS:08d}")
+    # Plain safetensors: another interpreter loads it with torch and safetensors alone.
+    probe = subprocess.run([PYTHON, "-c", "import sys; from safetensors.torch import load_file; "
+                            f"w = load_file({str(out)!r}); print(sorted(w)[0], tuple(w['tok_emb.weight'].shape)); "
+                            "assert not any(m == 'stride' or m.startswith('stride.') for m in sys.modules)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0 and "(256, 32)" in probe.stdout, probe.stderr[-2000:]
+    model = CharGPT(256, 32, 2, 2, 32)
+    model.load_state_dict(load_file(out))  # strict: every tensor named as the model names it
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    assert checksum == pytest.approx(summary(run)["param_checksums"][0], rel=1e-12)
+    # An existing file is never overwritten without --force; the refusal is one line.
+    again = run_cli(["trainers/export.py", str(run), str(out)], timeout=120)
+    assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
 
 
 def test_bf16_with_accumulation_under_fsdp_trains(runs):

@@ -53,14 +53,14 @@ def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular
     assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
     newest = complete_checkpoints(tmp_path / "r")[-1]
     assert checkpointing.read_meta(newest)["step"] == 30
-    state = newest / checkpointing.STATE
+    state = newest / "__0_0.distcp"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
     assert "digest" in checkpointing.verify(newest)
     capsys.readouterr()
     assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 0
     warnings = [ln for ln in capsys.readouterr().out.splitlines() if "unusable" in ln]
     assert len(warnings) == 1 and "WARNING" in warnings[0], warnings  # one line, naming both folders
-    assert f"checkpoint {newest.name} (state.pt does not match the digest" in warnings[0]
+    assert f"checkpoint {newest.name} (__0_0.distcp does not match the digest" in warnings[0]
     assert "resuming from checkpoint_00000020 instead" in warnings[0]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["restarts"] == 1
@@ -139,29 +139,30 @@ def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known
 def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_path(tmp_path, tabular_data, monkeypatch,
                                                                                  capsys):
     import re
-    import shutil
 
-    real_copytree, calls = shutil.copytree, []
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    def flaky(src, dst, *a, **k):  # the first two publishes of each checkpoint hit a storage error
-        calls.append(dst)
+    real_write, calls = FileSystemWriter.write_data, []
+
+    def flaky(self, plan, planner):  # the first two attempts at each checkpoint's files hit a storage error
+        calls.append(self.path)
         if len(calls) % 3 != 0:
             raise OSError(5, "Input/output error")
-        return real_copytree(src, dst, *a, **k)
+        return real_write(self, plan, planner)
 
-    monkeypatch.setattr(shutil, "copytree", flaky)
+    monkeypatch.setattr(FileSystemWriter, "write_data", flaky)
     monkeypatch.setattr("time.sleep", lambda s: None)  # the backoff itself is not under test
     assert torchrun_main(_args(tmp_path, tabular_data, 20)) == 0
     assert [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(tmp_path / "r")] == [10, 20]
     assert len(calls) == 6
 
-    def broken(src, dst, *a, **k):
+    def broken(self, plan, planner):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shutil, "copytree", broken)
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
     capsys.readouterr()
     assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 1
-    assert re.search(r"checkpoint_00000030.*failed 4 times.*No space left", _error_line(capsys))
+    assert re.search(r"checkpoint_00000030 failed 4 times \(\[Errno 28\] No space left", _error_line(capsys))
     # The checkpoints written before are still there and intact.
     assert all(checkpointing.verify(c) is None for c in complete_checkpoints(tmp_path / "r"))
 

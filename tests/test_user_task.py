@@ -208,6 +208,27 @@ def test_fsdp_shards_the_users_blocks(torchrun_runs):
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), step
 
 
+@pytest.mark.slow
+def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun_runs, project, tmp_path):
+    """trainers/export.py on the user's 2-rank FSDP run: one safetensors file that the user's own model (built by
+    their task) loads with load_state_dict, equal to the run's final weights."""
+    run, out = torchrun_runs / "fsdp", tmp_path / "signal.safetensors"
+    r = subprocess.run([PYTHON, str(REPO / "trainers" / "export.py"), str(run), str(out)], cwd=project,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = summary(run)
+    # In the user's folder, as their own code would: the task builds the model, which loads the file.
+    probe = subprocess.run([PYTHON, "-c", "import json; from safetensors.torch import load_file; "
+                            "from stride.trainers.config import from_dict; from stride.trainers.tasks import make_task; "
+                            f"s = json.load(open({str(run / 'summary.json')!r})); "
+                            "model = make_task(from_dict(s['config']), s['facts']).build_model(); "
+                            f"model.load_state_dict(load_file({str(out)!r})); "
+                            "print(float(sum(p.detach().double().sum() for p in model.parameters())))"],
+                           cwd=project, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert float(probe.stdout.strip().splitlines()[-1]) == pytest.approx(s["param_checksums"][0], rel=1e-12)
+
+
 # ---- 3. mixed precision on CPU ----------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -106,6 +106,11 @@ class TrainSection(Section):
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
                                                                  "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2)")
+    compile: bool = Field(False, description="torch.compile the task's repeated blocks (or the whole model) for training and evaluation (inductor)")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode with train.compile=true (reduce-overhead: CUDA graphs, GPU only)")
+    activation_checkpointing: bool = Field(False, description="Recompute the activations of the task's repeated blocks in the backward pass: less memory, more compute")
+    activation_checkpointing_every: int = Field(1, ge=1, description="With activation_checkpointing: every k-th block (1: all of them)")
 
     @field_validator("profile_steps")
     @classmethod

@@ -188,10 +188,10 @@ def check_resume(cfg: Config, run_dir: Path, task) -> None:
     with torch.device("meta"):  # shapes only: no memory for the weights
         model = task.build_model()
     try:
-        saved = checkpointing.load_state(newest / checkpointing.STATE, mmap=True)["model"]
+        saved = checkpointing.saved_model_shapes(newest)
     except checkpointing.UnsafeCheckpointError as e:
         raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
-    if mismatch := checkpointing.shape_mismatch(model.state_dict(), saved):
+    if mismatch := checkpointing.shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()}, saved):
         raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
                          f"use a new run.name, or the model.* settings it was trained with")
     print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)

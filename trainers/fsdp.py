@@ -6,12 +6,11 @@ forward/backward and freed afterwards, then the root takes what is left (embeddi
 sharded on dim 0 over the data-parallel mesh, so a worker holds 1/world_size of the weights, of their gradients
 (reduce-scattered instead of all-reduced) and of the AdamW moments (the optimizer is built on the shards).
 
-Checkpoints stay in Stride's rank-0 format (`checkpointing.save`: one state.pt with a sha256 in meta.json):
-`full_state_dict` gathers the full, unsharded model and optimizer state on rank 0 (CPU), the optimizer keyed
-by parameter names instead of positions. `load_full_state_dict` broadcasts such a state from rank 0 and
-re-shards it, so an FSDP checkpoint resumes under any world size, and `optimizer_state_by_ids` turns it into
-the positional format for a run without FSDP (1 worker, DDP). The reverse (a DDP checkpoint into an FSDP
-run) goes through `optimizer_state_by_names`.
+Checkpoints are sharded (trainers/checkpointing.py: every rank writes its DTensor shards with DCP). What remains
+here for checkpoints serves the earlier format, which still loads: `full_state_dict` gathers the full model and
+optimizer state on rank 0 (what that format saved; benchmarks/checkpoint_bench.py measures it against DCP), and
+`load_full_state_dict` broadcasts such a state from rank 0 and re-shards it; `optimizer_state_by_ids` /
+`optimizer_state_by_names` convert its optimizer state between positions (DDP, 1 worker) and parameter names (FSDP).
 
 Plain PyTorch, no Ray: the loop calls these on Ray Train and under torchrun alike, after the process group is
 up.

@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate: error: --run ({args.run}) has no complete checkpoint; train it first", file=sys.stderr)
         return 2
     try:
-        state, _ = checkpointing.load(ckpt)
+        weights = checkpointing.load_model_state(ckpt)
     except checkpointing.UnsafeCheckpointError as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     model = task.build_model()
-    model.load_state_dict(state["model"])
+    model.load_state_dict(weights)
     model.eval()
     torch.manual_seed(args.seed)
     try:

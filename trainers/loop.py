@@ -13,8 +13,8 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +25,7 @@ import torch
 from stride.datasets.order import Order
 from stride.datasets.parquet import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
+from stride.trainers import blocks as trainer_blocks
 from stride.trainers import checkpointing, fsdp, telemetry
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
@@ -47,15 +48,14 @@ class WorkerEnv:
     device: torch.device
     wrap_model: Callable[[torch.nn.Module], torch.nn.Module]
     latest_checkpoint: Callable[[], Path | None]
-    # report(metrics, folder, write): every rank calls it the same number of times. On a checkpoint step rank 0
-    # passes an empty folder and write(), which fills it from state already staged in CPU memory: the runtime may
-    # run write() in the background, persists the folder, deletes it, and appends the whole write's seconds to
-    # checkpoint_write_s.
-    report: Callable[[dict[str, Any], Path | None, Callable[[], Path] | None], None]
+    # report(metrics, checkpoint): every rank calls it the same number of times. On a checkpoint step every rank
+    # passes the future of the checkpoint's background write (its result: the folder, complete; the loop waits for
+    # it before the next checkpoint and before the run ends): Ray registers the folder, torchrun prunes old ones.
+    report: Callable[[dict[str, Any], Future | None], None]
     progress_bar: Callable[..., Any] | None = None
     # record(figures): this rank's figures of a log step to the runtime's metrics system (Ray: Prometheus gauges).
     record_metrics: Callable[[dict[str, Any]], None] | None = None
-    checkpoint_write_s: list[float] = field(default_factory=list)
+    checkpoint_write_s: list[float] = field(default_factory=list)  # rank 0: each finished write's seconds
     # The training rows' pipeline: TrainStream's signature (datasets/stream.py); None: TrainStream (a thread).
     # The Ray edge passes a Ray Data pipeline when the driver chose data.pipeline=ray_data.
     stream_factory: Callable[..., Any] | None = None
@@ -202,12 +202,34 @@ class Trainer:
             log.info("train.strategy=fsdp with 1 worker: nothing to shard, training unsharded")
         self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
         self.precision = Precision.create(self.precision_name, env.device, self.sharded)
+        self.apply_block_settings(model)
         if self.sharded:
             model = fsdp.shard_model(model, self.task.blocks(model), env.device, W, self.precision.fsdp_param_dtype)
         self.model = model
         self.optimizer = build_optimizer(cfg, model, W)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         self.scaler = self.precision.grad_scaler()
+        # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
+        self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
+                                 else None)
+        self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group,
+                                                     lambda folder, s: env.checkpoint_write_s.append(s))
+
+    def apply_block_settings(self, model: torch.nn.Module) -> None:
+        """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""
+        t, blocks = self.cfg.train, self.task.blocks(model)
+        if t.activation_checkpointing:
+            if not blocks and self.rank0:
+                log.warning("train.activation_checkpointing=true: %s's task names no repeated blocks (Task.blocks), "
+                            "so nothing is recomputed; override blocks() in the task", self.cfg.model.name)
+            n = trainer_blocks.checkpoint_activations(blocks, t.activation_checkpointing_every)
+            if self.rank0:
+                log.info("activation checkpointing: %d of %d blocks recompute their activations", n, len(blocks))
+        if t.compile:
+            n = trainer_blocks.compile_blocks(model, blocks, t.compile_mode)
+            if self.rank0:
+                log.info("torch.compile (mode %s): %d module(s); compiled at the first training and evaluation "
+                         "forwards", t.compile_mode, n)
 
     # ---- restore: the newest complete checkpoint, at any world size and either strategy ----
 
@@ -220,21 +242,15 @@ class Trainer:
         self.raw_model = getattr(self.model, "module", self.model)
 
     def _load(self, ckpt_dir: Path) -> None:
-        # FSDP: only rank 0's copy of the weights is read (and broadcast); the other ranks map the file.
-        saved, meta = checkpointing.load(ckpt_dir, mmap=self.sharded)
-        if mismatch := checkpointing.shape_mismatch(self.model.state_dict(), saved["model"]):
+        meta = checkpointing.read_meta(ckpt_dir)
+        if mismatch := checkpointing.shape_mismatch({k: tuple(v.shape) for k, v in self.model.state_dict().items()},
+                                                    checkpointing.saved_model_shapes(ckpt_dir)):
             raise DataError(f"checkpoint {ckpt_dir} does not fit model (the {mismatch}); use a new run.name "
                             f"or the model settings it was trained with")
-        # Both strategies' checkpoints hold the full model; the optimizer is keyed by position (DDP, 1 worker)
-        # or by parameter name (FSDP).
-        if self.sharded:
-            fsdp.load_full_state_dict(self.model, self.optimizer, saved["model"], saved["optimizer"], self.env.world_rank)
+        if checkpointing.is_sharded(ckpt_dir):
+            self._load_sharded(ckpt_dir, meta)
         else:
-            self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(fsdp.optimizer_state_by_ids(
-                saved["optimizer"], fsdp.optimizer_param_names(self.model, self.optimizer)))
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.scaler.load_state_dict(saved["scaler"])
+            self._load_full(ckpt_dir)
         # The data position is (epoch, samples into the epoch): valid for any world size with the same global
         # micro-batch (elastic resume), translated into this run's micro-step counter.
         epoch, offset = meta["epoch"], meta["epoch_offset_samples"]
@@ -252,6 +268,31 @@ class Trainer:
         s.initial_val_loss = meta.get("initial_val_loss")
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, s.step, epoch, offset,
                  s.restarts)
+
+    def _load_sharded(self, ckpt_dir: Path, meta: dict[str, Any]) -> None:
+        """DCP: each rank reads the slices of the tensors it holds, whatever world size and strategy wrote them."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # this rank's tensors, to fill
+        state = {"model": model_state, "optim": optim_state}
+        checkpointing.load_sharded(ckpt_dir, state, self.checkpoint_group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.scaler.load_state_dict(meta["scaler"])
+
+    def _load_full(self, ckpt_dir: Path) -> None:
+        """The earlier format: one state.pt holding the full model (FSDP: rank 0 reads it and broadcasts, the other
+        ranks map the file)."""
+        saved, _ = checkpointing.load(ckpt_dir, mmap=self.sharded)
+        # The optimizer is keyed by position (DDP, 1 worker) or by parameter name (FSDP).
+        if self.sharded:
+            fsdp.load_full_state_dict(self.model, self.optimizer, saved["model"], saved["optimizer"], self.env.world_rank)
+        else:
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(fsdp.optimizer_state_by_ids(
+                saved["optimizer"], fsdp.optimizer_param_names(self.model, self.optimizer)))
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
 
     # ---- rank-0 duties and the sinks ----
 
@@ -337,26 +378,24 @@ class Trainer:
     def _val_batch(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return to_device(self.task.transform(rows), self.env.device, self.cfg.model.name)
 
-    # ---- checkpoint: staged on the CPU now, written by the runtime (possibly in the background) ----
+    # ---- checkpoint: staged on the CPU now, written in the background (trainers/checkpointing.py) ----
 
-    def checkpoint(self, metrics: dict[str, Any]) -> tuple[Path, Callable[[], Path]] | None:
+    def checkpoint(self, metrics: dict[str, Any]) -> Future:
+        """Every rank stages its own shards (a CPU copy: what training waits for); they are written in the
+        background, and rank 0 marks the folder complete after every rank's files are in."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         s = self.state
         epoch, in_epoch = self.order.position(s.micro_step)
-        # No RNG state to gather: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
-        if self.sharded:  # a collective: every rank sends its shards, rank 0 gets the full model and optimizer state
-            model_state, optim_state = fsdp.full_state_dict(self.model, self.optimizer)
-        if not self.rank0:
-            return None
-        if not self.sharded:
-            model_state, optim_state = self.raw_model.state_dict(), self.optimizer.state_dict()
-        folder = Path(tempfile.mkdtemp(prefix="stride-ckpt-"))
-        state = checkpointing.stage({"model": model_state, "optimizer": optim_state,
-                                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()})
+        # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
+        model_state, optim_state = get_state_dict(self.raw_model, self.optimizer)  # FSDP: this rank's shards
         meta = {"step": s.step, "epoch": epoch, "epoch_offset_samples": in_epoch * self.global_micro,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "mlflow_run_id": s.mlflow_run_id,
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
-                "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy}
-        return folder, lambda: checkpointing.save(folder, state, meta)
+                "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+        return self.writer.save(self.run_dir / f"checkpoint_{s.step:08d}",
+                                {"model": model_state, "optim": optim_state}, meta)
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
@@ -393,9 +432,11 @@ class Trainer:
         self.restore()
         stream = self.open_stream()
         try:
-            return self.train_loop(stream)
+            with trainer_blocks.compile_errors(self.cfg.train.compile):
+                return self.train_loop(stream)
         finally:
             stream.close()
+            self.writer.close()
 
     def train_loop(self, stream: TrainStream) -> dict[str, Any]:
         sinks = self.open_sinks()
@@ -457,13 +498,14 @@ class Trainer:
             # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
             # where someone reads it (checkpoints, evaluations; a Tune trial's every log step), not every log step.
             if due.checkpoint or due.eval or self.plan.report_log_steps:
-                env.report({k: v for k, v in metrics.items() if v is not None}, *(staged or (None, None)))
-            if due.checkpoint:  # what training waited for: staging, plus the write where the runtime writes in line
+                env.report({k: v for k, v in metrics.items() if v is not None}, staged)
+            if due.checkpoint:  # what training waited for: the previous write (if still going) and staging
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
             if stopping:
                 break
 
+        self.writer.wait()  # a run never ends before its last checkpoint is complete
         profiler.close(self.tracker)
         sinks.close()
         stop.uninstall()

@@ -4,9 +4,9 @@ checkpoints through Ray's storage, Prometheus gauges), then runs the plain-PyTor
 from __future__ import annotations
 
 import logging
-import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from stride.trainers import checkpointing, telemetry
 from stride.trainers.config import from_dict
@@ -32,26 +32,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         # killed in between), and run.storage_path is a local (or shared) folder that every worker reads.
         return checkpointing.newest_complete(Path(plan.run_dir), log.warning if ctx.get_world_rank() == 0 else None)
 
-    def report(metrics: dict[str, Any], folder: Path | None, write: Callable[[], Path] | None) -> None:
-        if folder is None:
+    def report(metrics: dict[str, Any], written: Future | None) -> None:
+        if written is None or ctx.get_world_rank() != 0:
             ray.train.report(metrics)
             return
         from ray.train import CheckpointUploadMode
 
-        storage = ray.train.get_context().get_storage()
+        def register(checkpoint, dir_name: str):
+            # Ray's upload thread: every rank already writes its shards into the run folder (shared storage, as
+            # every worker reads it to resume); Ray registers the folder once it is complete, where it is.
+            return ray.train.Checkpoint(path=str(written.result()))
 
-        def upload(checkpoint, dir_name: str):
-            # Ray's upload thread: serialise the staged state, then copy it to storage, retrying transient errors.
-            t0 = time.perf_counter()
-            write()
-            persisted = checkpointing.with_retries(lambda: storage.persist_current_checkpoint(checkpoint, dir_name),
-                                                   f"{storage.experiment_fs_path}/{dir_name}")
-            env.checkpoint_write_s.append(time.perf_counter() - t0)
-            return persisted
-
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
-                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=upload)
+        folder = Path(plan.run_dir) / f"checkpoint_{metrics['step']:08d}"
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path=str(folder)),
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=False,
+                         checkpoint_upload_fn=register)
 
     def progress_bar(**kwargs):
         from ray.experimental.tqdm_ray import tqdm

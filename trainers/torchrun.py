@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,13 +33,13 @@ from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
 from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
 
 
-OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # what this launcher writes (Ray's are checkpoint_<date>)
+OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)
 _verified: set[tuple[str, int]] = set()  # (folder, meta.json mtime) that verified: each read and hashed once
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """This launcher's own checkpoints that verify, oldest first. Anything else (Ray's checkpoints in the same run
-    folder, torn writes, an unreadable meta.json) is never listed, so never pruned."""
+    """The loop's checkpoints (checkpoint_<step>) that verify, oldest first. Anything else (folders Ray named, torn
+    writes, an unreadable meta.json) is never listed, so never pruned."""
     found = []
     for p in run_dir.glob("checkpoint_*"):
         if not (p.is_dir() and OWN_CHECKPOINT.fullmatch(p.name)):
@@ -98,29 +99,15 @@ def train(config: str, overrides: list[str]) -> int:
             return m
         return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None)
 
-    def report(metrics: dict, folder: Path | None, write) -> None:
-        # Rank 0 writes in line (torchrun is the plain reference), publishes the checkpoint under the run folder
-        # (rename = atomic), then prunes old ones.
-        if folder is not None and rank == 0:
-            t0 = time.perf_counter()
-            write()
-            dest = run_dir / f"checkpoint_{metrics['step']:08d}"
-            tmp = dest.with_name(dest.name + ".tmp")
+    def report(metrics: dict, written: Future | None) -> None:
+        # Every rank writes its shards into run_dir/checkpoint_<step> in the background; rank 0 prunes the old ones
+        # once the new one is complete.
+        if written is not None and rank == 0:
+            written.add_done_callback(lambda f: f.exception() is None and prune())
 
-            def publish():
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(folder, tmp)
-                if dest.exists():
-                    shutil.rmtree(dest)
-                os.replace(tmp, dest)
-
-            checkpointing.with_retries(publish, str(dest))
-            shutil.rmtree(folder, ignore_errors=True)
-            env.checkpoint_write_s.append(time.perf_counter() - t0)
-            for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        if world_size > 1:
-            dist.barrier()
+    def prune() -> None:
+        for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def latest_checkpoint() -> Path | None:
         return checkpointing.newest_complete(run_dir, log.warning if rank == 0 else None)

@@ -1,0 +1,238 @@
+"""What a checkpoint costs each rank of a 2-worker FSDP run: the earlier rank-0 gather vs DCP shards, side by side.
+
+    python benchmarks/checkpoint_bench.py          # char_gpt 24 layers x width 1024, 16 heads: 302.6M parameters
+    python benchmarks/checkpoint_bench.py --layers 2 --width 256 --heads 4 --out ckpt.json   # a quick check
+
+The default is the largest char_gpt that trains on 2 CPU workers of this 23.5 GiB machine under FSDP
+(docs/fsdp.md#memory); make bench runs it (benchmarks/run.py).
+
+Launches `torch.distributed.run --nproc-per-node 2` of itself (gloo, CPU, 1 thread per rank). Each rank builds the
+same char_gpt, shards it with Stride's FSDP (trainers/fsdp.py), and fills AdamW's state (one step on zero gradients).
+Then, `--reps` times, alternating which goes first:
+
+* gather (the format before issue 15): `get_state_dict(full_state_dict=True, cpu_offload=True)` gathers the whole
+  model and optimizer onto rank 0, which copies it (staging, so training may go on) and writes one state.pt with
+  torch.save. Training is blocked for the gather and the copy; the write ran in Ray's upload thread.
+* dcp (now): trainers/checkpointing.py's CheckpointWriter. Every rank stages its own shards (blocked), DCP writes
+  one file per rank in a background thread, rank 0 hashes every file and writes meta.json last.
+
+Per rank: peak RSS above the rank's resident memory just before the checkpoint (sampled every 5 ms by a thread),
+the time training is blocked, and the time until the checkpoint is complete on storage. Printed as JSON (and --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's resident memory every 5 ms between start() and stop()."""
+
+    def __init__(self):
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.base = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+
+def gather_checkpoint(model, optimizer, folder: Path, rank: int) -> tuple[float, float]:
+    """The earlier format: full state on rank 0, staged, written with torch.save. (blocked s, complete s)."""
+    import torch
+    import torch.distributed as dist
+
+    from stride.trainers import checkpointing, fsdp
+
+    t0 = time.perf_counter()
+    model_state, optim_state = fsdp.full_state_dict(model, optimizer)  # a collective: every rank sends its shards
+    staged = None
+    if rank == 0:
+        staged = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in model_state.items()}
+        staged = {"model": staged, "optimizer": _copy(optim_state)}
+    del model_state, optim_state
+    blocked = time.perf_counter() - t0
+    if rank == 0:
+        folder.mkdir(parents=True)
+        with open(folder / checkpointing.STATE, "wb") as f:
+            torch.save(staged, f)
+            f.flush()
+            os.fsync(f.fileno())
+        del staged
+    dist.barrier()
+    return blocked, time.perf_counter() - t0
+
+
+def _copy(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy(v) for v in obj)
+    return obj
+
+
+def dcp_checkpoint(writer, model, optimizer, folder: Path) -> tuple[float, float]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    future = writer.save(folder, {"model": model_state, "optim": optim_state}, {"step": 1})
+    blocked = time.perf_counter() - t0
+    future.result()
+    return blocked, time.perf_counter() - t0
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stride.trainers import checkpointing, fsdp
+    from stride.trainers.models import CharGPT
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = CharGPT(256, args.width, args.layers, args.heads, 64)
+    params = sum(p.numel() for p in model.parameters())
+    model = fsdp.shard_model(model, list(model.blocks), torch.device("cpu"), world, None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # AdamW's moments exist, as in a run that has trained
+    optimizer.zero_grad(set_to_none=True)
+    writer = checkpointing.CheckpointWriter(rank, dist.new_group(backend="gloo"))
+    out = Path(args.dir)
+    results: dict[str, list[dict]] = {"gather": [], "dcp": []}
+    for rep in range(args.reps):
+        for method in (("gather", "dcp") if rep % 2 == 0 else ("dcp", "gather")):
+            folder = out / f"{method}_{rep}"
+            dist.barrier()
+            with PeakRSS() as mem:
+                if method == "gather":
+                    blocked, done = gather_checkpoint(model, optimizer, folder, rank)
+                else:
+                    blocked, done = dcp_checkpoint(writer, model, optimizer, folder)
+            dist.barrier()
+            size = sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if rank == 0 else 0
+            results[method].append({"rank": rank, "peak_rss_bytes": mem.peak, "base_rss_bytes": mem.base,
+                                    "peak_increase_bytes": mem.peak - mem.base, "blocked_s": blocked,
+                                    "complete_s": done, "folder_bytes": size})
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+    every = [None] * world
+    dist.all_gather_object(every, results)
+    if rank == 0:
+        merged = {m: [r for per_rank in every for r in per_rank[m]] for m in results}
+        Path(args.result).write_text(json.dumps({"params": params, "layers": args.layers, "width": args.width,
+                                                 "world_size": world, "reps": args.reps, "runs": merged}))
+    writer.close()
+    dist.destroy_process_group()
+
+
+def summarize(raw: dict) -> dict:
+    """Per method and rank: the median over repetitions; the ratios DCP / gather for rank 0 and for the worst rank."""
+    import statistics
+
+    out: dict = {"params": raw["params"], "model": f"char_gpt {raw['layers']} layers x width {raw['width']}",
+                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}}
+    for method, runs in raw["runs"].items():
+        for rank in sorted({r["rank"] for r in runs}):
+            mine = [r for r in runs if r["rank"] == rank]
+            out["per_rank"].setdefault(method, {})[rank] = {
+                k: statistics.median(r[k] for r in mine) for k in ("peak_increase_bytes", "peak_rss_bytes",
+                                                                   "blocked_s", "complete_s")}
+    g, d = out["per_rank"]["gather"], out["per_rank"]["dcp"]
+    worst = lambda m, k: max(v[k] for v in m.values())  # noqa: E731
+    out["rank0_memory_ratio"] = d[0]["peak_increase_bytes"] / max(g[0]["peak_increase_bytes"], 1)
+    out["max_rank_memory_ratio"] = worst(d, "peak_increase_bytes") / max(worst(g, "peak_increase_bytes"), 1)
+    out["blocked_ratio"] = worst(d, "blocked_s") / worst(g, "blocked_s")
+    out["complete_ratio"] = worst(d, "complete_s") / worst(g, "complete_s")
+    return out
+
+
+def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s: float = 900) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    result = tmp / "checkpoint_bench_raw.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--width", str(width),
+           "--heads", str(heads), "--reps", str(reps), "--dir", str(tmp / "ckpts"), "--result", str(result)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode != 0:
+        raise RuntimeError(f"checkpoint_bench failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return summarize(json.loads(result.read_text()))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="stride-ckpt-bench-"))
+    try:
+        out = measure(args.layers, args.width, args.heads, args.reps, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if not __package__:  # run as a file from a checkout: import Stride as the `stride` package
+        import runpy
+
+        runpy.run_path(str(REPO / "stride" / "_checkout.py"))
+    sys.exit(main())

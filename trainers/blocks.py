@@ -1,0 +1,58 @@
+"""What the loop does to a task's repeated blocks (Task.blocks, the units FSDP shards): activation checkpointing and
+torch.compile. Applied in torchtitan's order, before FSDP wraps them: checkpointing, then compile, then fully_shard.
+
+Both change how a block runs, never its parameters or their names, so checkpoints, export and resharding see the same
+model with either switch on or off.
+
+Plain PyTorch, no Ray: the loop calls these on Ray Train and under torchrun alike.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from stride.trainers.policies import TrainingError
+
+
+def checkpoint_activations(blocks: list[nn.Module], every: int = 1) -> int:
+    """Recompute the activations of every `every`-th block in the backward pass instead of keeping them
+    (torch.distributed's composable `checkpoint`, non-reentrant: it works inside FSDP2 and keeps parameter names).
+    Random ops (dropout) replay the same draws, so losses equal the unchecked run's. Returns how many blocks."""
+    from torch.distributed._composable import checkpoint
+
+    chosen = blocks[::every]
+    for block in chosen:
+        checkpoint(block)
+    return len(chosen)
+
+
+def compile_blocks(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:
+    """torch.compile each block's forward (or the whole model's, when the task names no blocks). Only `forward` is
+    compiled: the module, its parameters and their names stay as they are, and the hooks around it (FSDP's
+    all-gathers, activation checkpointing) run outside the compiled code, as with torchtitan's per-block compile
+    before fully_shard. Blocks of one type share their compiled code (dynamo caches by code object and guards).
+    Compilation happens at the first forward of training and of evaluation. Returns how many modules."""
+    targets = blocks or [model]
+    for module in targets:
+        module.forward = torch.compile(module.forward, mode=None if mode == "default" else mode)
+    return len(targets)
+
+
+@contextmanager
+def compile_errors(enabled: bool):
+    """A failure inside torch.compile (no C++ compiler for inductor on CPU, an op it cannot trace) becomes one line
+    naming the setting to turn off."""
+    if not enabled:
+        yield
+        return
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        yield
+    except TorchDynamoException as e:
+        reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
+        raise TrainingError(f"train.compile=true failed ({type(e).__name__}: {reason}); set train.compile=false, or "
+                            f"another train.compile_mode") from None

@@ -1,0 +1,98 @@
+"""Export a checkpoint's model weights as one safetensors file, loadable without Stride.
+
+    python trainers/export.py runs/char_gpt/checkpoint_00000600 model.safetensors
+    python trainers/export.py runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
+
+The checkpoint's shards (every rank's DCP file, any world size, DDP or FSDP) are consolidated in this one process into
+the full tensors, named as the model's `state_dict()` names them, and written with safetensors (no pickle: loading the
+file runs no code). Load them anywhere with
+
+    from safetensors.torch import load_file
+    model.load_state_dict(load_file("model.safetensors"))   # the task's build_model(), built-in or your own
+
+The optimizer state is not exported (resume from the checkpoint folder for that). The file's header metadata records
+the step, the model name and the checkpoint it came from. An existing output file is never overwritten unless --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
+
+from stride.trainers import checkpointing  # noqa: E402
+
+EXIT_USAGE = 2
+
+
+class ExportError(ValueError):
+    """A problem the user can fix: one line naming the argument, the value and the fix."""
+
+
+def resolve(folder: Path) -> Path:
+    """The checkpoint to export: `folder` itself, or a run folder's newest complete checkpoint."""
+    if not folder.is_dir():
+        raise ExportError(f"checkpoint ({folder}) is not a folder; pass a checkpoint folder such as "
+                          f"runs/char_gpt/checkpoint_00000600, or a run folder")
+    if not (folder / checkpointing.META).exists() and any(folder.glob("checkpoint_*")):
+        newest = checkpointing.newest_complete(folder)
+        if newest is None:
+            raise ExportError(f"checkpoint ({folder}) is a run folder without a complete checkpoint; train it first")
+        return newest
+    if problem := checkpointing.verify(folder):
+        raise ExportError(f"checkpoint ({folder}) is not complete ({problem}); pass a complete checkpoint folder, "
+                          f"or the run folder to take its newest complete one")
+    return folder
+
+
+def export(checkpoint: Path, out: Path, force: bool = False) -> dict:
+    """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written."""
+    from safetensors.torch import save_file
+
+    if out.exists() and not force:
+        raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
+    if not out.parent.is_dir():
+        raise ExportError(f"out ({out}): folder {out.parent} does not exist; create it or pass another path")
+    ckpt = resolve(checkpoint)
+    try:
+        weights = checkpointing.load_model_state(ckpt)
+    except checkpointing.UnsafeCheckpointError as e:
+        raise ExportError(str(e)) from None
+    meta = checkpointing.read_meta(ckpt)
+    # Tied weights (a head sharing the embedding) are separate tensors here, each under its own name, as
+    # load_state_dict expects; safetensors refuses tensors that share memory, so copies of the earlier format's.
+    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
+              "checkpoint": str(ckpt.resolve())}
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(weights, str(tmp), metadata=header)
+    os.replace(tmp, out)  # a reader never sees half a file; a failed export leaves `out` as it was
+    return {"checkpoint": str(ckpt), "out": str(out), "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python trainers/export.py",
+                                 description="Consolidate a checkpoint's model weights into one safetensors file.")
+    ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
+    ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
+    ap.add_argument("--force", action="store_true", help="replace `out` if it exists")
+    args = ap.parse_args(argv)
+    try:
+        info = export(args.checkpoint, args.out, args.force)
+    except ExportError as e:
+        print(f"export: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,9 +6,10 @@
 The default is the largest char_gpt that trains on 2 CPU workers of this 23.5 GiB machine under FSDP
 (docs/fsdp.md#memory); make bench runs it (benchmarks/run.py).
 
-Launches `torch.distributed.run --nproc-per-node 2` of itself (gloo, CPU, 1 thread per rank). Each rank builds the
-same char_gpt, shards it with Stride's FSDP (trainers/fsdp.py), and fills AdamW's state (one step on zero gradients).
-Then, `--reps` times, alternating which goes first:
+Launches `torch.distributed.run --nproc-per-node 2` of itself (gloo, CPU, 1 thread per rank) once per method and
+repetition, alternating which goes first: a fresh pair of processes each time, so that neither method starts on
+memory the other left in the heap. Each rank builds the same char_gpt, shards it with Stride's FSDP
+(trainers/fsdp.py), fills AdamW's state (one step on zero gradients), then checkpoints once:
 
 * gather (the format before issue 15): `get_state_dict(full_state_dict=True, cpu_offload=True)` gathers the whole
   model and optimizer onto rank 0, which copies it (staging, so training may go on) and writes one state.pt with
@@ -124,7 +125,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = CharGPT(256, args.width, args.layers, args.heads, 64)
+    model = CharGPT(256, 64, args.layers, args.heads, args.width)  # (vocab, context, layers, heads, width)
     params = sum(p.numel() for p in model.parameters())
     model = fsdp.shard_model(model, list(model.blocks), torch.device("cpu"), world, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -133,31 +134,23 @@ def worker(args) -> None:
     optimizer.step()  # AdamW's moments exist, as in a run that has trained
     optimizer.zero_grad(set_to_none=True)
     writer = checkpointing.CheckpointWriter(rank, dist.new_group(backend="gloo"))
-    out = Path(args.dir)
-    results: dict[str, list[dict]] = {"gather": [], "dcp": []}
-    for rep in range(args.reps):
-        for method in (("gather", "dcp") if rep % 2 == 0 else ("dcp", "gather")):
-            folder = out / f"{method}_{rep}"
-            dist.barrier()
-            with PeakRSS() as mem:
-                if method == "gather":
-                    blocked, done = gather_checkpoint(model, optimizer, folder, rank)
-                else:
-                    blocked, done = dcp_checkpoint(writer, model, optimizer, folder)
-            dist.barrier()
-            size = sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if rank == 0 else 0
-            results[method].append({"rank": rank, "peak_rss_bytes": mem.peak, "base_rss_bytes": mem.base,
-                                    "peak_increase_bytes": mem.peak - mem.base, "blocked_s": blocked,
-                                    "complete_s": done, "folder_bytes": size})
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(folder, ignore_errors=True)
+    folder = Path(args.dir) / args.method
+    dist.barrier()
+    with PeakRSS() as mem:
+        if args.method == "gather":
+            blocked, done = gather_checkpoint(model, optimizer, folder, rank)
+        else:
+            blocked, done = dcp_checkpoint(writer, model, optimizer, folder)
+    dist.barrier()
+    size = sum(p.stat().st_size for p in folder.glob("*") if p.is_file()) if rank == 0 else 0
+    mine = {"rank": rank, "peak_rss_bytes": mem.peak, "base_rss_bytes": mem.base,
+            "peak_increase_bytes": mem.peak - mem.base, "blocked_s": blocked, "complete_s": done, "folder_bytes": size}
     every = [None] * world
-    dist.all_gather_object(every, results)
+    dist.all_gather_object(every, mine)
     if rank == 0:
-        merged = {m: [r for per_rank in every for r in per_rank[m]] for m in results}
         Path(args.result).write_text(json.dumps({"params": params, "layers": args.layers, "width": args.width,
-                                                 "world_size": world, "reps": args.reps, "runs": merged}))
+                                                 "world_size": world, "method": args.method, "ranks": every}))
+        shutil.rmtree(folder, ignore_errors=True)
     writer.close()
     dist.destroy_process_group()
 
@@ -167,7 +160,7 @@ def summarize(raw: dict) -> dict:
     import statistics
 
     out: dict = {"params": raw["params"], "model": f"char_gpt {raw['layers']} layers x width {raw['width']}",
-                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}}
+                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}, "runs": raw["runs"]}
     for method, runs in raw["runs"].items():
         for rank in sorted({r["rank"] for r in runs}):
             mine = [r for r in runs if r["rank"] == rank]
@@ -185,15 +178,23 @@ def summarize(raw: dict) -> dict:
 
 def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s: float = 900) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    result = tmp / "checkpoint_bench_raw.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--width", str(width),
-           "--heads", str(heads), "--reps", str(reps), "--dir", str(tmp / "ckpts"), "--result", str(result)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if r.returncode != 0:
-        raise RuntimeError(f"checkpoint_bench failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return summarize(json.loads(result.read_text()))
+    raw: dict = {"reps": reps, "runs": {"gather": [], "dcp": []}}
+    for rep in range(reps):
+        for method in (("gather", "dcp") if rep % 2 == 0 else ("dcp", "gather")):
+            result = tmp / f"{method}_{rep}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(free_port()), str(Path(__file__).resolve()), "--worker", "--method", method, "--layers",
+                   str(layers), "--width", str(width), "--heads", str(heads), "--dir", str(tmp / "ckpts"),
+                   "--result", str(result)]
+            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if r.returncode != 0:
+                raise RuntimeError(f"checkpoint_bench {method} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
+                                   f"{r.stderr[-3000:]}")
+            one = json.loads(result.read_text())
+            raw.update(params=one["params"], layers=one["layers"], width=one["width"], world_size=one["world_size"])
+            raw["runs"][method].extend(one["ranks"])
+    return summarize(raw)
 
 
 def free_port() -> int:
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--method", choices=("gather", "dcp"), help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,6 +1,7 @@
 """GPU benchmark: Stride's training step against a hand-written PyTorch loop, tokens/s and MFU for char_gpt.
 
     torchrun --nproc-per-node 1 benchmarks/gpu.py                        # S, M, L x fp32, bf16, fp16 x compile off/on
+                                                                         # x activation checkpointing off/on
     torchrun --nproc-per-node 1 benchmarks/gpu.py --shapes L --modes bf16 --compile on
     torchrun --nproc-per-node 8 benchmarks/gpu.py --shapes M,L           # DDP: every rank measures, rank 0 writes
     python benchmarks/gpu.py --device cpu                                # tiny shape: a logic check, not a benchmark
@@ -11,8 +12,13 @@ network. For every shape, precision and compile setting it times two loops on th
 on-device data:
 
 - Stride: `stride.trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun
-  loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic);
-- reference: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`.
+  loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic); compile on is
+  `train.compile` (stride.trainers.blocks.compile_blocks: each block's forward, before DDP);
+- reference: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`; compile
+  on is `torch.compile(model)`.
+
+Activation checkpointing on (`--ac`) recomputes every block in both loops (stride.trainers.blocks, as
+`train.activation_checkpointing` does); the MFU goal is judged with it off (recomputation is work MFU does not count).
 
 Warm-up steps (compilation included) are not timed; a step's time is the median of the CUDA-event intervals between
 consecutive timed steps (torch.cuda.synchronize before and after the timed steps, none inside, so each loop keeps
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `torchrun benchmarks/gpu.py` puts only benchmarks/ on the path
 
+from stride.trainers import blocks  # noqa: E402 - train.compile and train.activation_checkpointing, as the loop does
 from stride.trainers.models import CharGPT  # noqa: E402
 from stride.trainers.step import Precision, train_step  # noqa: E402
 from stride.trainers.telemetry import peak_table  # noqa: E402,F401 - the one GPU peak table (also MFU in training)
@@ -75,6 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shapes", default=None, help="comma-separated of S,M,L,tiny (default S,M,L on cuda, tiny on cpu)")
     p.add_argument("--modes", default="fp32,bf16,fp16", help="comma-separated of fp32,bf16,fp16 (fp16 uses GradScaler)")
     p.add_argument("--compile", default="both", help="torch.compile: both|on|off")
+    p.add_argument("--ac", default=None, help="activation checkpointing of every block: both|on|off (default both on "
+                                              "cuda, off on cpu)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per loop (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--device", default="cuda", help="cuda|cpu")
@@ -89,6 +98,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.modes = split_list("--modes", a.modes, list(MODES))
     if a.compile not in ("both", "on", "off"):
         raise UsageError(f"--compile ({a.compile}) must be both, on or off; use e.g. --compile off")
+    a.ac = a.ac or ("both" if a.device == "cuda" else "off")
+    if a.ac not in ("both", "on", "off"):
+        raise UsageError(f"--ac ({a.ac}) must be both, on or off; use e.g. --ac off")
     if a.steps < 1:
         raise UsageError(f"--steps ({a.steps}) must be at least 1; use e.g. --steps 20")
     if a.warmup < 0:
@@ -165,7 +177,7 @@ def char_gpt_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch["targets"].reshape(-1))
 
 
-def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: bool):
+def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: bool, ac: bool, stride: bool):
     layers, width, heads, context, _ = shape
     torch.manual_seed(0)  # both loops start from the same weights
     raw = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0).to(device)
@@ -174,16 +186,21 @@ def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: boo
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    if compiled:
+        # A fresh cache per loop: every shape/dtype recompiles the same forward, and past dynamo's recompile
+        # limit it would silently fall back to eager and time the wrong thing.
+        torch._dynamo.reset()
+    if ac:  # train.activation_checkpointing (stride.trainers.blocks), in both loops: the same recomputation
+        blocks.checkpoint_activations(list(raw.blocks))
+    if compiled and stride:  # train.compile: Stride's per-block compile, before DDP wraps the model
+        blocks.compile_blocks(raw, list(raw.blocks), "default")
     model = raw
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
-    if compiled:
-        # A fresh cache per loop: every shape/dtype recompiles the same forward, and past dynamo's recompile
-        # limit it would silently fall back to eager and time the wrong thing.
-        torch._dynamo.reset()
-        model = torch.compile(model)  # compile(DDP(m)): DDPOptimizer splits graphs at bucket boundaries
+    if compiled and not stride:
+        model = torch.compile(model)  # the hand-written way: compile(DDP(m)), DDPOptimizer splits at buckets
     return raw, model, optimizer
 
 
@@ -232,12 +249,12 @@ def time_steps(step, batches, steps: int, warmup: int, device: torch.device) -> 
             "last_loss": float(loss)}
 
 
-def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, device: torch.device, args, rank: int,
-            ddp: bool) -> dict:
+def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device, args,
+            rank: int, ddp: bool) -> dict:
     """Build a fresh model and optimizer and time one loop ("reference" or "stride"); this rank's figures.
     Everything it builds dies with the call, so the next loop starts with the memory free."""
     batches = random_batches(shape, device, seed=1000 + rank)
-    raw, model, optimizer = build(shape, device, ddp, compiled)
+    raw, model, optimizer = build(shape, device, ddp, compiled, ac, stride=loop == "stride")
     precision = Precision.create(mode, device)
 
     if loop == "stride":
@@ -265,12 +282,12 @@ def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, device
     return out
 
 
-def run_pair(shape: tuple[int, ...], mode: str, compiled: bool, device: torch.device, args, rank: int,
+def run_pair(shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device, args, rank: int,
              ddp: bool) -> dict:
-    """The reference loop, then Stride's, at one shape/precision/compile setting."""
+    """The reference loop, then Stride's, at one shape/precision/compile/checkpointing setting."""
     out = {}
     for loop in ("reference", "stride"):
-        out[loop] = measure(loop, shape, mode, compiled, device, args, rank, ddp)
+        out[loop] = measure(loop, shape, mode, compiled, ac, device, args, rank, ddp)
         free_memory(device)
     out["params"], out["flops_per_token"] = out["stride"]["params"], out["stride"]["flops_per_token"]
     return out
@@ -310,18 +327,19 @@ def fmt_pct(v: float | None) -> str:
 
 
 def table(results: list[dict], skipped: list[dict]) -> str:
-    head = ("shape", "mode", "compile", "ref tok/s", "Stride tok/s", "Stride/ref", "ref MFU", "Stride MFU",
+    head = ("shape", "mode", "compile", "ac", "ref tok/s", "Stride tok/s", "Stride/ref", "ref MFU", "Stride MFU",
             "mem GB ref/Stride", "note")
     rows = []
     for r in results:
         s, ref = r["stride"], r["reference"]
         mem = "-" if s["peak_memory_gb"] is None else f"{ref['peak_memory_gb']:.1f}/{s['peak_memory_gb']:.1f}"
-        rows.append((r["shape"], r["mode"], "on" if r["compile"] else "off", fmt_rate(ref["tokens_per_second"]),
+        rows.append((r["shape"], r["mode"], "on" if r["compile"] else "off", "on" if r["ac"] else "off",
+                     fmt_rate(ref["tokens_per_second"]),
                      fmt_rate(s["tokens_per_second"]), f"{r['stride_over_reference']:.3f}", fmt_pct(ref["mfu"]),
                      fmt_pct(s["mfu"]), mem, s["mfu_reason"] or ""))
     for k in skipped:
-        rows.append((k["shape"], k["mode"], "on" if k["compile"] else "off", "-", "-", "-", "-", "-", "-",
-                     "skipped: " + k["reason"]))
+        rows.append((k["shape"], k["mode"], "on" if k["compile"] else "off", "on" if k["ac"] else "off", "-", "-",
+                     "-", "-", "-", "-", "skipped: " + k["reason"]))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -330,7 +348,8 @@ def table(results: list[dict], skipped: list[dict]) -> str:
 def goals(results: list[dict], on_gpu: bool) -> list[dict]:
     """The issue's targets; judged only on a GPU (a CPU run checks the logic, its speeds mean nothing)."""
     ratio = min((r["stride_over_reference"] for r in results), default=None)
-    l_bf16 = [r["stride"]["mfu"] for r in results if r["shape"] == "L" and r["mode"] == "bf16" and r["compile"]]
+    l_bf16 = [r["stride"]["mfu"] for r in results
+              if r["shape"] == "L" and r["mode"] == "bf16" and r["compile"] and not r["ac"]]
     mfu = l_bf16[0] if l_bf16 else None
     return [
         {"goal": "Stride tokens/s >= reference at every measured shape and mode", "value": ratio,
@@ -368,6 +387,7 @@ def main(argv: list[str]) -> int:
     if device.type == "cpu":
         notes.append("CPU run: a logic check of the benchmark, not a performance figure")
     compile_settings = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    ac_settings = {"both": [False, True], "on": [True], "off": [False]}[args.ac]
     compile_reason = compile_unsupported(device) if any(compile_settings) else None
     if compile_reason:
         notes.append(f"torch.compile skipped: {compile_reason}")
@@ -377,23 +397,24 @@ def main(argv: list[str]) -> int:
         shape = SHAPES[shape_name]
         for mode in args.modes:
             mode_reason = mode_unsupported(mode, device)
-            for compiled in compile_settings:
+            for compiled, ac in [(c, a) for c in compile_settings for a in ac_settings]:
                 reason = mode_reason or (compile_reason if compiled else None)
                 if reason:
-                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled, "reason": reason})
+                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled, "ac": ac,
+                                    "reason": reason})
                     continue
                 if rank == 0:
-                    print(f"[gpu.py] {shape_name} {mode} compile={'on' if compiled else 'off'} ...", file=sys.stderr,
-                          flush=True)
+                    print(f"[gpu.py] {shape_name} {mode} compile={'on' if compiled else 'off'} "
+                          f"ac={'on' if ac else 'off'} ...", file=sys.stderr, flush=True)
                 try:
-                    mine = run_pair(shape, mode, compiled, device, args, rank, ddp)
+                    mine = run_pair(shape, mode, compiled, ac, device, args, rank, ddp)
                 except torch.cuda.OutOfMemoryError:
                     if ddp:
                         raise  # the other ranks are inside a collective: stop them all (torchrun does)
                     mine = None
                 if mine is None:  # outside the except block, so the traceback no longer holds the tensors
                     free_memory(device)
-                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled,
+                    skipped.append({"shape": shape_name, "mode": mode, "compile": compiled, "ac": ac,
                                     "reason": f"out of memory at batch {shape[4]} on {name}"})
                     continue
                 per_rank = [None] * world_size
@@ -411,7 +432,7 @@ def main(argv: list[str]) -> int:
                     why = None
                 entry = {"shape": shape_name, "layers": shape[0], "width": shape[1], "heads": shape[2],
                          "context": shape[3], "batch_per_gpu": shape[4], "params": mine["params"],
-                         "flops_per_token": mine["flops_per_token"], "mode": mode, "compile": compiled,
+                         "flops_per_token": mine["flops_per_token"], "mode": mode, "compile": compiled, "ac": ac,
                          "peak_flops": peak}
                 entry["reference"] = summarize("reference", per_rank, shape, world_size, peak, why)
                 entry["stride"] = summarize("stride", per_rank, shape, world_size, peak, why)

@@ -18,6 +18,8 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
 3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet (-> memory_growth_ratio).
 4. benchmarks/checkpoint_bench.py: a 2-worker FSDP char_gpt checkpointed with the earlier rank-0 gather and with DCP
    shards, alternating (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
+5. benchmarks/blocks_bench.py: train.activation_checkpointing and train.compile on and off, one CPU worker
+   (-> ac_memory_ratio, ac_step_time_ratio, compile_step_time_ratio).
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ GOALS = {  # figure: (operator, threshold)
     "memory_growth_ratio": ("<=", 0.35),
     "checkpoint_rank0_memory_ratio": ("<=", 0.5),
     "checkpoint_blocked_ratio": ("<", 1.0),
+    "ac_memory_ratio": ("<=", 0.6),
+    "ac_step_time_ratio": ("<=", 1.5),
+    "compile_step_time_ratio": ("<=", 1.0),
 }
 
 WHAT = {
@@ -106,6 +111,10 @@ WHAT = {
     "checkpoint_rank0_memory_ratio": "rank 0's peak memory rise during a checkpoint of a 2-worker FSDP char_gpt, DCP "
                                      "shards / the earlier rank-0 gather (benchmarks/checkpoint_bench.py)",
     "checkpoint_blocked_ratio": "training time blocked by that checkpoint (the slowest rank), DCP shards / rank-0 gather",
+    "ac_memory_ratio": "peak memory rise of a training step, train.activation_checkpointing on / off, a 12-layer "
+                       "char_gpt on one CPU worker (benchmarks/blocks_bench.py)",
+    "ac_step_time_ratio": "step time, train.activation_checkpointing on / off, the same 12-layer char_gpt",
+    "compile_step_time_ratio": "step time, train.compile on / off (inductor), the default char_gpt on one CPU worker",
 }
 
 
@@ -552,13 +561,30 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
         from benchmarks.checkpoint_bench import measure as checkpoint_bench
 
-        cb = checkpoint_bench(*mode.ckpt_model, reps=2, tmp=tmp / "checkpoint_bench", timeout_s=mode.timeout_s * 2)
+        cb = checkpoint_bench(*mode.ckpt_model, reps=1 if mode_name == "smoke" else 2, tmp=tmp / "checkpoint_bench",
+                              timeout_s=mode.timeout_s * 2)
         figs["checkpoint_rank0_memory_ratio"] = figure(
             "checkpoint_rank0_memory_ratio", [cb["rank0_memory_ratio"]], "ratio", GOALS["checkpoint_rank0_memory_ratio"],
             model=cb["model"], params=cb["params"], per_rank=cb["per_rank"])
         figs["checkpoint_blocked_ratio"] = figure(
             "checkpoint_blocked_ratio", [cb["blocked_ratio"]], "ratio", GOALS["checkpoint_blocked_ratio"],
             complete_ratio=cb["complete_ratio"], max_rank_memory_ratio=cb["max_rank_memory_ratio"])
+        print("bench: activation checkpointing and torch.compile on CPU (benchmarks/blocks_bench.py)", flush=True)
+        from benchmarks.blocks_bench import measure as blocks_bench
+
+        bb = blocks_bench(reps=1 if mode_name == "smoke" else 2, steps=3 if mode_name == "smoke" else 6,
+                          warmup=1 if mode_name == "smoke" else 2, smoke=mode_name == "smoke", timeout_s=mode.timeout_s)
+        v = bb["variants"]
+        figs["ac_memory_ratio"] = figure(
+            "ac_memory_ratio", [bb["ac_memory_ratio"]["deep"]], "ratio", GOALS["ac_memory_ratio"],
+            default_model=bb["ac_memory_ratio"]["default"],
+            peak_increase_bytes={k: v[k]["median_peak_increase_bytes"] for k in v})
+        figs["ac_step_time_ratio"] = figure(
+            "ac_step_time_ratio", [bb["ac_step_time_ratio"]["deep"]], "ratio", GOALS["ac_step_time_ratio"],
+            default_model=bb["ac_step_time_ratio"]["default"], step_s={k: v[k]["median_step_s"] for k in v})
+        figs["compile_step_time_ratio"] = figure(
+            "compile_step_time_ratio", [bb["compile_step_time_ratio"]], "ratio", GOALS["compile_step_time_ratio"],
+            compile_warmup_s=bb["compile_warmup_s"])
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -573,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                             "per-step and per-report costs show against real compute, not against an empty loop",
                      "mode": asdict(mode)},
         "figures": figs,
-        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm, "checkpoint_bench": cb},
+        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm, "checkpoint_bench": cb, "blocks_bench": bb},
     }
     stamp = started.strftime("%Y-%m-%dT%H%M")
     text = json.dumps(result, indent=1, default=str) + "\n"

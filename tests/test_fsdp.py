@@ -66,6 +66,12 @@ def runs(tmp_path_factory, small_text):
     resumed = torchrun(2, tiny_args(small_text, storage, "resumed", STEPS, "train.strategy=fsdp"))
     torchrun(2, tiny_args(small_text, storage, "bf16", 10, "train.strategy=fsdp", "train.precision=bf16",
                           "train.grad_accum_steps=2"))
+    # train.activation_checkpointing on FSDP's units (with dropout: recomputation must replay it), and train.compile
+    # (without: inductor draws its own random numbers, so a compiled run's dropout masks are not eager's).
+    for name, extra in (("drop", []), ("drop_ac", ["train.activation_checkpointing=true"])):
+        torchrun(2, tiny_args(small_text, storage, name, 10, "train.strategy=fsdp", "model.dropout=0.1", *extra))
+    torchrun(2, tiny_args(small_text, storage, "compiled", 10, "train.strategy=fsdp", "train.compile=true",
+                          "train.activation_checkpointing=true", "train.activation_checkpointing_every=2"))
     return {"storage": storage, "resumed_stdout": resumed.stdout}
 
 
@@ -200,6 +206,27 @@ def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp
     # An existing file is never overwritten without --force; the refusal is one line.
     again = run_cli(["trainers/export.py", str(run), str(out)], timeout=120)
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_activation_checkpointing_under_fsdp_gives_bitwise_the_same_losses(runs):
+    """Every block recomputes its activations (dropout included) in the backward pass: on CPU the run is bitwise
+    the one that kept them."""
+    plain, checked = losses(runs["storage"] / "drop"), losses(runs["storage"] / "drop_ac")
+    assert sorted(plain) == list(range(1, 11)) and checked == plain
+    assert summary(runs["storage"] / "drop_ac")["param_checksums"] == summary(runs["storage"] / "drop")["param_checksums"]
+    assert summary(runs["storage"] / "drop_ac")["val_loss"] == summary(runs["storage"] / "drop")["val_loss"]
+
+
+def test_compiled_blocks_under_fsdp_train_like_eager(runs):
+    """train.compile=true (inductor on CPU) with every other block checkpointed: the eager FSDP run's first 10 steps
+    (the schedule depends on the step only) up to the float rounding of fused kernels, and checkpoints with the same
+    tensor names (a compiled run's checkpoint is any run's)."""
+    eager, compiled = losses(runs["storage"] / "fsdp"), losses(runs["storage"] / "compiled")
+    assert sorted(compiled) == list(range(1, 11))
+    for step in compiled:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-5), step
+    names = lambda run: sorted(checkpointing.saved_model_shapes(checkpointing.newest_complete(run)))  # noqa: E731
+    assert names(runs["storage"] / "compiled") == names(runs["storage"] / "fsdp")
 
 
 def test_bf16_with_accumulation_under_fsdp_trains(runs):

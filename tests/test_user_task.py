@@ -173,6 +173,7 @@ def torchrun_runs(project, tmp_path_factory):
     common = [f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
     torchrun(project, 2, "run.name=ddp", *common)
     torchrun(project, 2, "run.name=fsdp", "train.strategy=fsdp", *common)
+    torchrun(project, 2, "run.name=ddp_ac", "train.activation_checkpointing=true", *common)
     return storage
 
 
@@ -227,6 +228,31 @@ def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun
                            cwd=project, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert float(probe.stdout.strip().splitlines()[-1]) == pytest.approx(s["param_checksums"][0], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutral(torchrun_runs):
+    """The user's task names no blocks: Stride finds its repeated conv blocks (Task.blocks' default) and recomputes
+    their activations; DDP's losses are bitwise the run's that kept them."""
+    s = summary(torchrun_runs / "ddp_ac")
+    assert s["status"] == "completed" and s["strategy"] == "ddp"
+    assert train_losses(torchrun_runs / "ddp_ac") == train_losses(torchrun_runs / "ddp")
+    assert s["param_checksums"] == summary(torchrun_runs / "ddp")["param_checksums"]
+
+
+@pytest.mark.slow
+def test_ray_workers_compile_and_checkpoint_the_users_blocks(project, torchrun_runs, tmp_path):
+    """2 Ray workers (DDP) with train.compile=true and activation checkpointing on the user's task: the same
+    training as torchrun's eager DDP run, up to the rounding of inductor's fused kernels."""
+    r = stride(project, f"run.storage_path={tmp_path}", "run.name=compiled", "tracking.mlflow=false",
+               "train.log_every_steps=1", "scaling.num_workers=2", "train.compile=true",
+               "train.activation_checkpointing=true")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "torch.compile (mode default)" in r.stdout and "activation checkpointing: 3 of 3 blocks" in r.stdout
+    got, eager = train_losses(tmp_path / "compiled"), train_losses(torchrun_runs / "ddp")
+    assert sorted(got) == sorted(eager) == list(range(1, 41))
+    for step in eager:
+        assert got[step] == pytest.approx(eager[step], rel=1e-4, abs=1e-6), step
 
 
 # ---- 3. mixed precision on CPU ----------------------------------------------------------------------------------

@@ -9,24 +9,31 @@ Plain PyTorch, no Ray: the loop calls these on Ray Train and under torchrun alik
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from stride.trainers.policies import TrainingError
 
 
 def checkpoint_activations(blocks: list[nn.Module], every: int = 1) -> int:
-    """Recompute the activations of every `every`-th block in the backward pass instead of keeping them
-    (torch.distributed's composable `checkpoint`, non-reentrant: it works inside FSDP2 and keeps parameter names).
-    Random ops (dropout) replay the same draws, so losses equal the unchecked run's. Returns how many blocks."""
-    from torch.distributed._composable import checkpoint
-
+    """Recompute the activations of every `every`-th block in the backward pass instead of keeping them: the block's
+    forward runs under torch.utils.checkpoint (non-reentrant), like torchtitan's checkpoint wrapper but without a
+    wrapper module, so parameter names stay as they are. Under FSDP2 the block's parameters are all-gathered again for
+    the recomputation (its pre-backward hook runs first); random ops (dropout) replay the same draws, so losses equal
+    the unchecked run's; torch.compile (compile_blocks, applied after) traces the checkpoint as one region. Returns
+    how many blocks."""
     chosen = blocks[::every]
     for block in chosen:
-        checkpoint(block)
+        block.forward = functools.partial(_recomputed, block.forward)
     return len(chosen)
+
+
+def _recomputed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:

@@ -1,0 +1,165 @@
+"""What train.activation_checkpointing and train.compile cost and save on CPU, side by side.
+
+    python benchmarks/blocks_bench.py                      # the default char_gpt and a deeper one, 6 timed steps
+    python benchmarks/blocks_bench.py --smoke --reps 1 --steps 3 --out blocks.json     # tiny models: a logic check
+
+Each variant runs in a fresh process (so that its peak memory is its own): the char_gpt task's model from
+trainers/configs/char_gpt.yaml (or a deeper one), the switches applied as the loop applies them (trainers/blocks.py),
+then Stride's own optimizer step (stride.trainers.step.train_step with the task's loss and the config's optimizer) on
+random byte sequences, one worker, one thread. Per variant: the median step time after warm-up (compilation happens
+there and is reported apart) and the peak RSS above the RSS before the first step (activations, gradients,
+optimizer state). Variants, alternating order between repetitions:
+
+* default char_gpt (3 layers, width 128, context 64, 32 sequences), activation checkpointing off / on;
+* a deeper one (12 layers, width 192, context 128, 16 sequences), off / on;
+* the default char_gpt, torch.compile off / on (inductor, mode default).
+
+Printed as JSON (and --out); benchmarks/run.py turns it into ac_memory_ratio, ac_step_time_ratio and
+compile_step_time_ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+MODELS = {  # overrides of trainers/configs/char_gpt.yaml
+    "default": [],
+    "deep": ["model.n_layers=12", "model.width=192", "model.n_heads=4", "model.context=128",
+             "train.batch_size_per_worker=16"],
+}
+VARIANTS = {  # name: (model, overrides)
+    "default": ("default", []),
+    "default_ac": ("default", ["train.activation_checkpointing=true"]),
+    "deep": ("deep", []),
+    "deep_ac": ("deep", ["train.activation_checkpointing=true"]),
+    "default_compiled": ("default", ["train.compile=true"]),
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
+    """Runs in its own process: one variant's step times and peak memory."""
+    import numpy as np
+    import torch
+
+    from stride.trainers import blocks
+    from stride.trainers.config import load_config
+    from stride.trainers.step import Precision, build_optimizer, train_step
+    from stride.trainers.tasks import make_task
+
+    torch.set_num_threads(1)
+    model_name, extra = VARIANTS[variant]
+    overrides = MODELS[model_name] + extra + (["model.n_layers=2", "model.width=32", "model.n_heads=2",
+                                               "model.context=32", "train.batch_size_per_worker=4"] if smoke else [])
+    cfg = load_config(str(REPO / "trainers/configs/char_gpt.yaml"), overrides)
+    task = make_task(cfg, {})
+    torch.manual_seed(0)
+    model = task.build_model()
+    units = task.blocks(model)
+    if cfg.train.activation_checkpointing:
+        blocks.checkpoint_activations(units, cfg.train.activation_checkpointing_every)
+    if cfg.train.compile:
+        blocks.compile_blocks(model, units, cfg.train.compile_mode)
+    optimizer = build_optimizer(cfg, model, 1)
+    precision = Precision.create("fp32", torch.device("cpu"))
+    scaler = precision.grad_scaler()
+    rng = np.random.default_rng(0)
+    B, T = cfg.train.batch_size_per_worker, cfg.model.context
+
+    def batch():
+        return task.transform({"tokens": rng.integers(0, 256, size=(B, T + 1), dtype=np.int64)})
+
+    batches = [{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch().items()} for _ in range(4)]
+    peak, base, stop = [0], rss_bytes(), threading.Event()
+
+    def sample():
+        while not stop.wait(0.002):
+            peak[0] = max(peak[0], rss_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    times = []
+    t_first = time.perf_counter()
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        train_step(task.loss, model, optimizer, scaler, precision, [batches[i % len(batches)]], cfg.optim.grad_clip_norm)
+        times.append(time.perf_counter() - t0)
+    stop.set()
+    sampler.join()
+    return {"variant": variant, "model": model_name, "params": sum(p.numel() for p in model.parameters()),
+            "batch": B, "context": T, "layers": cfg.model.n_layers, "width": cfg.model.width,
+            "step_s": statistics.median(times[warmup:]), "warmup_s": sum(times[:warmup]),
+            "first_steps_s": time.perf_counter() - t_first, "peak_increase_bytes": max(peak[0], rss_bytes()) - base}
+
+
+def measure(reps: int = 2, steps: int = 6, warmup: int = 2, smoke: bool = False, timeout_s: float = 600) -> dict:
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    names = list(VARIANTS)
+    with tempfile.TemporaryDirectory(prefix="stride-blocks-bench-") as tmp:
+        for rep in range(reps):
+            for variant in (names if rep % 2 == 0 else names[::-1]):
+                out = Path(tmp) / f"{variant}_{rep}.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--steps", str(steps),
+                       "--warmup", str(warmup), "--result", str(out)] + (["--smoke"] if smoke else [])
+                r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                if r.returncode != 0:
+                    raise RuntimeError(f"blocks_bench {variant} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+                runs[variant].append(json.loads(out.read_text()))
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "peak_increase_bytes", "warmup_s")}
+           for v, rs in runs.items()}
+    ratio = lambda a, b, k: med[a][k] / med[b][k]  # noqa: E731
+    return {
+        "variants": {v: dict(rs[0], **{f"median_{k}": x for k, x in med[v].items()}) for v, rs in runs.items()},
+        "runs": runs,
+        "ac_memory_ratio": {"default": ratio("default_ac", "default", "peak_increase_bytes"),
+                            "deep": ratio("deep_ac", "deep", "peak_increase_bytes")},
+        "ac_step_time_ratio": {"default": ratio("default_ac", "default", "step_s"),
+                               "deep": ratio("deep_ac", "deep", "step_s")},
+        "compile_step_time_ratio": ratio("default_compiled", "default", "step_s"),
+        "compile_warmup_s": med["default_compiled"]["warmup_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny models (a logic check)")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        Path(args.result).write_text(json.dumps(one(args.one, args.steps, args.warmup, args.smoke)))
+        return 0
+    out = measure(args.reps, args.steps, args.warmup, args.smoke)
+    text = json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if not __package__:  # run as a file from a checkout: import Stride as the `stride` package
+        import runpy
+
+        runpy.run_path(str(REPO / "stride" / "_checkout.py"))
+    sys.exit(main())

@@ -160,7 +160,8 @@ def summarize(raw: dict) -> dict:
     import statistics
 
     out: dict = {"params": raw["params"], "model": f"char_gpt {raw['layers']} layers x width {raw['width']}",
-                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}, "runs": raw["runs"]}
+                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}, "runs": raw["runs"],
+                 "failed_launches": raw.get("failed_launches", [])}
     for method, runs in raw["runs"].items():
         for rank in sorted({r["rank"] for r in runs}):
             mine = [r for r in runs if r["rank"] == rank]
@@ -186,11 +187,16 @@ def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s
                    str(free_port()), str(Path(__file__).resolve()), "--worker", "--method", method, "--layers",
                    str(layers), "--width", str(width), "--heads", str(heads), "--dir", str(tmp / "ckpts"),
                    "--result", str(result)]
-            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-            if r.returncode != 0:
-                raise RuntimeError(f"checkpoint_bench {method} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
-                                   f"{r.stderr[-3000:]}")
+            for attempt in (1, 2):  # gloo's run loop crashed once here (SIGSEGV in libc) during the gather: retry
+                r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                if r.returncode == 0:
+                    break
+                raw.setdefault("failed_launches", []).append(
+                    {"method": method, "rep": rep, "exit": r.returncode, "stderr_tail": r.stderr[-1500:]})
+                if attempt == 2:
+                    raise RuntimeError(f"checkpoint_bench {method} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
+                                       f"{r.stderr[-3000:]}")
             one = json.loads(result.read_text())
             raw.update(params=one["params"], layers=one["layers"], width=one["width"], world_size=one["world_size"])
             raw["runs"][method].extend(one["ranks"])

@@ -48,6 +48,9 @@ MAIN_CASES = [
     (["train.nonfinite=ignore"], "train.nonfinite"), (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps"),
     (["train.collective_timeout_s=.inf"], "train.collective_timeout_s"), (["train.peak_flops=-1"], "train.peak_flops"),
     (["train.profile_steps=abc"], "train.profile_steps"), (["train.strategy=tp"], "train.strategy"),
+    (["train.compile=maybe"], "train.compile"), (["train.compile_mode=fastest"], "train.compile_mode"),
+    (["train.activation_checkpointing=sometimes"], "train.activation_checkpointing"),
+    (["train.activation_checkpointing_every=0"], "train.activation_checkpointing_every"),
     (["scaling.num_workers=0"], "scaling.num_workers"), (["scaling.num_workers=[3,1]"], "scaling.num_workers"),
     (["scaling.num_workers=[1,2,3]"], "scaling.num_workers"), (["scaling.cpus_per_worker=0"], "scaling.cpus_per_worker"),
     (["scaling.use_gpu=maybe"], "scaling.use_gpu"), (["scaling.max_failures=-5"], "scaling.max_failures"),
@@ -118,6 +121,10 @@ OTHER_CASES = [
     (["-m", "stride.ray_cluster.doctor", "--cpus-per-worker", "-1"], "--cpus-per-worker"),
     (["-m", "stride.ray_cluster.doctor", "--address", "127.0.0.1:1"], "--address (127.0.0.1:1)"),
     (["-m", "stride.ray_cluster.local", "start", "--temp-dir", "{tmp}/head"], "--temp-dir"),
+    (["trainers/export.py", "{tmp}/missing", "{tmp}/m.safetensors"], "checkpoint ({tmp}/missing)"),
+    (["trainers/export.py", "{tmp}/empty", "{tmp}/m.safetensors"], "checkpoint ({tmp}/empty)"),
+    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/data/train/part-0000.parquet"], "--force"),
+    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/missing/m.safetensors"], "does not exist"),
 ]
 
 
@@ -127,6 +134,7 @@ def test_other_commands_refuse(finished, argv, names):
     (finished / "notes").chmod(0o755)  # a folder others can read: never a state folder
     (finished / "empty").chmod(0o777)
     argv = [a.format(tmp=finished) for a in argv]
+    names = names.format(tmp=finished)
     if "torchrun.py" in argv[0]:  # the case's override after the common ones, so that it wins
         argv = argv[:3] + base(finished) + argv[3:]
     r = run_cli(argv, timeout=120)

@@ -169,6 +169,12 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
     FSDP's shards: each rank reads its slice."""
     src = min(runs["storage"].glob("ddp/checkpoint_*"), key=lambda p: checkpointing.read_meta(p)["step"])
     assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "ddp"
+    # Both DDP replicas hold every tensor; DCP writes each once, split between the ranks: together the two files
+    # are about the size of the FSDP checkpoint of the same model, not twice it.
+    shard = lambda ckpt, r: (ckpt / f"__{r}_0.distcp").stat().st_size  # noqa: E731
+    fsdp_ckpt = runs["storage"] / "resumed" / "checkpoint_00000010"
+    ddp_sizes, fsdp_total = [shard(src, r) for r in (0, 1)], shard(fsdp_ckpt, 0) + shard(fsdp_ckpt, 1)
+    assert sum(ddp_sizes) < 1.2 * fsdp_total and min(ddp_sizes) > 0.2 * max(ddp_sizes), (ddp_sizes, fsdp_total)
     (tmp_path / "switched").mkdir()
     shutil.copytree(src, tmp_path / "switched" / src.name)
     r = torchrun(2, tiny_args(small_text, tmp_path, "switched", STEPS, "train.strategy=fsdp"))

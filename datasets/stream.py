@@ -2,7 +2,7 @@
 
 A worker holds the windows it is cutting (READ_THREADS at once, with the row groups that overlap them) plus
 `read_ahead` windows of its own rows already taken, however large the split. Background threads read ahead while the
-loop trains (pyarrow reads and Arrow gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
+loop trains (pyarrow's reads and numpy's gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
 way, with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
 
 Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This

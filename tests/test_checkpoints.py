@@ -22,12 +22,24 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r}
 
 
-def test_at_most_one_write_in_flight_and_the_marker_comes_last(tmp_path):
+def test_at_most_one_write_in_flight_and_the_marker_comes_last(tmp_path, monkeypatch):
     """A second save waits for the first (never two staged copies at once); until its write completes a folder has
     no meta.json, so a reader never takes it for complete; the marker lists and hashes every file."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.save
+
+    def slow(*args, **kwargs):  # a write that surely outlasts the next save() call, were that not to wait
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", slow)
     writer = checkpointing.CheckpointWriter(0)
     big = {"model": {"w": torch.randn(2_000_000)}}
     first = writer.save(tmp_path / "a", big, {"step": 1})
+    assert not first.done() and not (tmp_path / "a" / checkpointing.META).exists()  # written in the background
     second = writer.save(tmp_path / "b", {"model": {"w": torch.ones(3)}}, {"step": 2})
     assert first.done()  # save() returned only after the write in flight finished
     assert writer.wait() == tmp_path / "b" and second.done() and writer.wait() is None

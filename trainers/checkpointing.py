@@ -142,6 +142,11 @@ class CheckpointWriter:
         return folder
 
 
+def checkpoint_folder(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` goes: <run>/checkpoint_<step, 8 digits> (torchrun's pruning matches the name)."""
+    return Path(run_dir) / f"checkpoint_{step:08d}"
+
+
 def write_marker(folder: Path, meta: dict[str, Any]) -> None:
     """meta.json, with the size and sha256 of every other file in `folder`: written last, it marks the checkpoint
     complete."""

@@ -397,7 +397,7 @@ class Trainer:
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
-        return self.writer.save(self.run_dir / f"checkpoint_{s.step:08d}",
+        return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step),
                                 {"model": model_state, "optim": optim_state}, meta)
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----

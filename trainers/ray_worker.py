@@ -43,7 +43,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             # every worker reads it to resume); Ray registers the folder once it is complete, where it is.
             return ray.train.Checkpoint(path=str(written.result()))
 
-        folder = Path(plan.run_dir) / f"checkpoint_{metrics['step']:08d}"
+        folder = checkpointing.checkpoint_folder(Path(plan.run_dir), metrics["step"])
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path=str(folder)),
                          checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=False,
                          checkpoint_upload_fn=register)

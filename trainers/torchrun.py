@@ -103,9 +103,11 @@ def train(config: str, overrides: list[str]) -> int:
         # Every rank writes its shards into run_dir/checkpoint_<step> in the background; rank 0 prunes the old ones
         # once the new one is complete.
         if written is not None and rank == 0:
-            written.add_done_callback(lambda f: f.exception() is None and prune())
+            written.add_done_callback(prune)
 
-    def prune() -> None:
+    def prune(written: Future) -> None:
+        if written.exception() is not None:  # a failed write is the loop's to raise; keep every older checkpoint
+            return
         for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 

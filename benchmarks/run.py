@@ -77,9 +77,9 @@ MODES = {
                   scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
                   stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4)),
     "quick": Mode(reps=3, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
-                  scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=3, timeout_s=420),
+                  scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=9, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
-                 scale_warmup_steps=20, ingest_rows=2_000_000, ingest_features=32, ingest_passes=5, timeout_s=900,
+                 scale_warmup_steps=20, ingest_rows=2_000_000, ingest_features=32, ingest_passes=9, timeout_s=900,
                  scale_workers=(1, 2)),
 }
 

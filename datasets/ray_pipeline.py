@@ -18,7 +18,7 @@ import numpy as np
 
 from stride.datasets.order import Order
 from stride.datasets.parquet import DataSpec
-from stride.datasets.stream import BlockReader, Prefetcher, rank_rows, slice_columns
+from stride.datasets.stream import BlockReader, Prefetcher, rank_rows
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 
@@ -44,7 +44,7 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
         count = min(first + n, (order.position(m)[0] + 1) * order.micro_steps_per_epoch) - m
         rows = rank_rows(reader, order, rank, world_size, m, count)
         for j in range(count):
-            part = slice_columns(rows, j * per, (j + 1) * per)
+            part = rows.columns(j * per, (j + 1) * per)
             ids[m - first + j], arrays[m - first + j] = part.sample_id, transform(part, m + j)
         m += count
     return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays}

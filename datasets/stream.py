@@ -23,8 +23,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from stride.datasets.frame import EMPTY, Frame
 from stride.datasets.order import EpochPlan, Order, eval_blocks
-from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec, column_to_numpy
+from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec
 
 
 READ_THREADS = 2  # windows read at once by each worker
@@ -41,15 +42,15 @@ class BlockReader:
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._last: tuple[int, Columns] | None = None  # a block two windows share is read once
+        self._last: tuple[int, Frame] | None = None  # a block two windows share is read once
 
     @property
     def num_blocks(self) -> int:
         return len(self.spec.blocks)
 
-    def read(self, block: int) -> Columns:
-        """The block's rows as numpy columns (converted once, however many windows share the block) and their sample
-        ids (the sample_id column, or the row's index in file order)."""
+    def read(self, block: int) -> Frame:
+        """The block's rows (converted once, however many windows share the block) and their sample ids (the
+        sample_id column, or the row's index in file order)."""
         if self._last is not None and self._last[0] == block:
             return self._last[1]
         f, rg, n = self.spec.blocks[block]
@@ -66,7 +67,7 @@ class BlockReader:
                             f"{n} it held when the run started; restore the file or start a new run.name")
         ids = (table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False) if self.spec.has_sample_id
                else np.arange(self.base[block], self.base[block] + n, dtype=np.int64))
-        rows = Columns({c: column_to_numpy(table.column(c)) for c in self.spec.columns if c != SAMPLE_ID}, ids)
+        rows = Frame.from_table(table, [c for c in self.spec.columns if c != SAMPLE_ID], ids)
         self.rows_read += n
         self._last = (block, rows)
         return rows
@@ -93,12 +94,8 @@ def concat_columns(parts: list[Columns]) -> Columns:
                    np.concatenate([p.sample_id for p in parts]))
 
 
-def slice_columns(c: Columns, lo: int, hi: int) -> Columns:
-    return Columns({k: v[lo:hi] for k, v in c.data.items()}, c.sample_id[lo:hi])
-
-
 def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int, world_size: int,
-                from_position: int = 0, to_position: int | None = None) -> Columns | None:
+                from_position: int = 0, to_position: int | None = None) -> Frame | None:
     """The rows `rank` trains on from window k of `epoch` (positions in [from_position, to_position)), in order;
     None if none."""
     plan = order.epoch(epoch)
@@ -114,29 +111,22 @@ def window_positions(order: Order, epoch: int, k: int, rank: int, world_size: in
     return order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
 
 
-def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[Columns]) -> Columns:
-    """The rows at `positions` of window k, given the blocks it overlaps (read whole, in sequence order)."""
-    pieces = [slice_columns(rows, first, end) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
+def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[Frame]) -> Frame:
+    """The rows at `positions` of window k, given the blocks it overlaps (read whole, in sequence order): the
+    window's shuffle, a copy of the rows this rank keeps."""
+    pieces = [rows.slice(first, end) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
     local = plan.window_permutation(k)[positions - plan.window_span(k)[0]]
-    if len(pieces) == 1:  # a window inside one block: index it directly
-        return pieces[0].take(local)
-    return Columns({c: gather([p.data[c] for p in pieces], local) for c in pieces[0].data},
-                   gather([p.sample_id for p in pieces], local))
+    return Frame.concat(pieces).take(local)
 
 
-def gather(parts: list[np.ndarray], index: np.ndarray) -> np.ndarray:
-    """Rows `index` of the parts laid end to end (the window's shuffle: a copy of the rows this rank keeps)."""
-    return np.concatenate(parts).take(index, axis=0)
-
-
-def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Columns:
+def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Frame:
     """The rows `rank` trains on in micro-steps [micro_step, micro_step + n) of one epoch, read from the windows
     they fall in."""
     epoch, i = order.position(micro_step)
     G, S = order.global_micro_batch, order.window_rows
     lo, hi = i * G, (i + n) * G
     parts = [rank_window(reader, order, epoch, k, rank, world_size, lo, hi) for k in range(lo // S, (hi - 1) // S + 1)]
-    return concat_columns([p for p in parts if p is not None])
+    return Frame.concat([p for p in parts if p is not None] or [EMPTY])
 
 
 class Prefetcher:
@@ -202,7 +192,7 @@ class TrainStream:
         self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
-        self._current = Columns({}, np.zeros(0, np.int64))  # the rows taken from the queue, consumed from _offset on
+        self._current = EMPTY  # the rows taken from the queue, consumed from _offset on
         self._offset = 0
         self._windows = Prefetcher(lambda: self._produce(micro_step, end_micro_step), read_ahead, "stride-data")
 
@@ -221,25 +211,25 @@ class TrainStream:
             self._current, self._offset = self._windows.get(), 0
         lo = self._offset
         self._offset += self.per_worker
-        return slice_columns(self._current, lo, self._offset)
+        return self._current.columns(lo, self._offset)
 
     def close(self) -> None:
         self._windows.close()
 
-    def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
+    def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Frame]:
         """This rank's rows, in whole micro-batches: the rows a window leaves over open the next one. (The training
         thread cuts them as it goes: a window's worth of micro-batches made ahead would be thousands of objects for
         the garbage collector to scan.)"""
         n, carry = self.per_worker, None
         for rows in self._windows_in_order(micro_step, end_micro_step):
             if carry is not None:
-                rows = concat_columns([carry, rows])
+                rows = Frame.concat([carry, rows])
             whole = len(rows) - len(rows) % n
-            carry = slice_columns(rows, whole, len(rows)) if whole < len(rows) else None
+            carry = rows.slice(whole, len(rows)) if whole < len(rows) else None
             if whole:
-                yield slice_columns(rows, 0, whole)
+                yield rows.slice(0, whole)
 
-    def _windows_in_order(self, micro_step: int, end_micro_step: int | None) -> Iterator[Columns]:
+    def _windows_in_order(self, micro_step: int, end_micro_step: int | None) -> Iterator[Frame]:
         """This rank's rows, window after window. READ_THREADS threads read the row groups in sequence order, the
         next window's while this one is cut (pyarrow releases the GIL while it decodes); each is read once, though
         two windows share it."""
@@ -247,7 +237,7 @@ class TrainStream:
             reads: dict[tuple[int, int], Future] = {}  # (epoch, slot) -> the block, for the windows in `pending`
             pending: deque = deque()  # (epoch, window, positions), their reads submitted
 
-            def cut_oldest() -> Columns:
+            def cut_oldest() -> Frame:
                 epoch, k, positions = pending.popleft()
                 plan = self.order.epoch(epoch)
                 rows = cut_window(plan, k, positions, [reads[epoch, j].result() for j, *_ in plan.window_pieces(k)])
@@ -283,7 +273,7 @@ class TrainStream:
                 yield epoch, k, start
             epoch, start = epoch + 1, 0
 
-    def _read(self, block: int) -> Columns:
+    def _read(self, block: int) -> Frame:
         if not hasattr(self._local, "reader"):
             self._local.reader = BlockReader(self.spec)
             self._readers.append(self._local.reader)
@@ -300,6 +290,6 @@ def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Itera
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
     reader = BlockReader(spec)
     for b in eval_blocks(reader.num_blocks, rank, world_size):
-        columns = reader.read(b)
-        for lo in range(0, len(columns), batch):
-            yield slice_columns(columns, lo, lo + batch)
+        rows = reader.read(b)
+        for lo in range(0, len(rows), batch):
+            yield rows.columns(lo, lo + batch)

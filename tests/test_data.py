@@ -187,3 +187,32 @@ def test_duplicate_sample_ids_are_refused_and_unique_ones_cost_no_read(tmp_path,
                    dup / "p.parquet", row_group_size=100)
     with pytest.raises(DataError, match=r"data.train_path: sample_id 7 appears 2 times; make sample_id unique"):
         prepare(cfg_for(dup, d, "train.batch_size_per_worker=2"))
+
+
+def test_frame_groups_columns_and_hands_the_task_the_same_values_as_pyarrow():
+    """The read path stacks same-typed numeric columns into one array per type; what a transform gets must still be
+    each column's own values, whatever its type (nulls, lists, strings, booleans), after slicing, gathering and
+    concatenating."""
+    from stride.datasets.frame import Frame
+    from stride.datasets.parquet import column_to_numpy
+
+    n = 50
+    table = pa.table({
+        "a": pa.array(np.arange(n, dtype=np.float32)),
+        "b": pa.array(np.arange(n, dtype=np.float32) * -2),
+        "k": pa.array(np.arange(n, dtype=np.int64) * 3),
+        "nulls": pa.array([None if i % 7 == 0 else float(i) for i in range(n)], pa.float32()),
+        "flag": pa.array([i % 2 == 0 for i in range(n)]),
+        "vec": pa.array([[i, i + 1, i + 2] for i in range(n)], pa.list_(pa.int32(), 3)),
+        "text": pa.array([f"row {i}" for i in range(n)]),
+    })
+    names = table.column_names
+    frame = Frame.from_table(table, names, np.arange(n, dtype=np.int64))
+    assert sorted(map(len, frame.names)) == [1, 1, 1, 1, 1, 2]  # a and b share one array
+    index = np.random.default_rng(0).permutation(n)[:30]
+    got = Frame.concat([frame.slice(0, 20), frame.slice(20, n)]).take(index).columns(5, 25)
+    assert list(got.sample_id) == list(index[5:25])
+    for c in names:
+        want = column_to_numpy(table.column(c))[index[5:25]]
+        assert got.data[c].dtype == want.dtype and got.data[c].shape == want.shape, c
+        assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c

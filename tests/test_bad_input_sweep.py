@@ -2,16 +2,18 @@
 must exit 2 with one line on stderr that names the key (or file or flag) and says what to do, with no traceback,
 and leave every file that was there (data, a finished run's checkpoints, metrics and summary) byte for byte as it
 was. The commands run against a folder holding a finished run of the same name, so a mistake that wrote anything
-would show in the hashes."""
+would show in the hashes. They run through tests/forked_cli.py: each in its own process, as `python <script>` runs
+it, forked after the imports they share (two seconds of imports, a hundred times, were most of this file's time)."""
 
 from __future__ import annotations
 
-import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import run_cli
+from forked_cli import digest
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +61,6 @@ MAIN_CASES = [
 ]
 
 
-def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """A data set and a finished run named like the default (runs/tabular_mlp), plus files a user could point at."""
@@ -81,24 +78,42 @@ def finished(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.fixture(scope="module")
+def results(finished) -> dict[tuple, dict]:
+    """Every case below run once (tests/forked_cli.py), keyed by its argv: each test checks its own."""
+    (finished / "notes").chmod(0o755)  # a folder others can read: never a state folder
+    (finished / "empty").chmod(0o777)
+    before = digest(finished)
+    cases = [main_argv(finished, o) for o, _ in MAIN_CASES] + [other_argv(finished, a) for a, _ in OTHER_CASES]
+    spec, out = finished.parent / "cases.json", finished.parent / "results.json"
+    spec.write_text(json.dumps(cases))
+    r = run_cli(["tests/forked_cli.py", str(spec), str(out), str(finished)], timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert len(got) == len(cases)
+    return {"before": before, **{tuple(c): g for c, g in zip(cases, got)}}
+
+
 def base(tmp: Path) -> list[str]:
     return [f"data.train_path={tmp}/data/train", f"data.val_path={tmp}/data/val", f"run.storage_path={tmp}/runs",
             "tracking.mlflow=false"]
 
 
-def check(r, names: str, before: dict, root: Path) -> None:
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2, (r.returncode, r.stdout[-1500:], r.stderr[-1500:])
-    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
+def check(r: dict, names: str, before: dict) -> None:
+    lines = r["stderr"].strip().splitlines()
+    assert r["returncode"] == 2, (r["returncode"], r["stdout"][-1500:], r["stderr"][-1500:])
+    assert "Traceback" not in r["stderr"] and len(lines) == 1, r["stderr"][-2000:]
     assert names in lines[0], lines[0]
-    assert digest(root) == before, "a refused command changed files"
+    assert r["files"] == before, "a refused command changed files"
+
+
+def main_argv(tmp: Path, overrides: list[str]) -> list[str]:
+    return [*MAIN, *base(tmp), *[o.format(tmp=tmp) for o in overrides]]
 
 
 @pytest.mark.parametrize("overrides, names", MAIN_CASES, ids=[" ".join(o)[:60] for o, _ in MAIN_CASES])
-def test_trainers_main_refuses(finished, overrides, names):
-    before = digest(finished)
-    r = run_cli([*MAIN, *base(finished), *[o.format(tmp=finished) for o in overrides]], timeout=120)
-    check(r, names, before, finished)
+def test_trainers_main_refuses(finished, results, overrides, names):
+    check(results[tuple(main_argv(finished, overrides))], names, results["before"])
 
 
 OTHER_CASES = [
@@ -128,17 +143,16 @@ OTHER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, names", OTHER_CASES, ids=[" ".join(a[:3]) for a, _ in OTHER_CASES])
-def test_other_commands_refuse(finished, argv, names):
-    before = digest(finished)
-    (finished / "notes").chmod(0o755)  # a folder others can read: never a state folder
-    (finished / "empty").chmod(0o777)
-    argv = [a.format(tmp=finished) for a in argv]
-    names = names.format(tmp=finished)
+def other_argv(tmp: Path, argv: list[str]) -> list[str]:
+    argv = [a.format(tmp=tmp) for a in argv]
     if "torchrun.py" in argv[0]:  # the case's override after the common ones, so that it wins
-        argv = argv[:3] + base(finished) + argv[3:]
-    r = run_cli(argv, timeout=120)
-    check(r, names, before, finished)
+        argv = argv[:3] + base(tmp) + argv[3:]
+    return argv
+
+
+@pytest.mark.parametrize("argv, names", OTHER_CASES, ids=[" ".join(a[:3]) for a, _ in OTHER_CASES])
+def test_other_commands_refuse(finished, results, argv, names):
+    check(results[tuple(other_argv(finished, argv))], names.format(tmp=finished), results["before"])
 
 
 def test_the_sweep_covers_at_least_80_distinct_inputs():

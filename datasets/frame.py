@@ -46,7 +46,9 @@ class Frame:
         for same in by_type.values():
             batch = table.select(same).combine_chunks().to_batches()[0]
             names.append(tuple(same))
-            groups.append(np.asarray(batch.to_tensor(row_major=True)))
+            # malloc's memory, not Arrow's pool: the array outlives the read by a window or two, and a pool keeps
+            # what it frees (the decoded pages are Arrow's, freed at once and reused by the next read).
+            groups.append(np.asarray(batch.to_tensor(row_major=True, memory_pool=pa.system_memory_pool())))
         return cls(tuple(names), tuple(groups), sample_id)
 
     @classmethod

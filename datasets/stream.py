@@ -1,9 +1,9 @@
 """Streaming a split to one rank: row groups read on demand, in the order of datasets/order.py.
 
-A worker holds the windows it is cutting (READ_THREADS at once, with the row groups that overlap them) plus
-`read_ahead` windows of its own rows already taken, however large the split. Background threads read ahead while the
-loop trains (pyarrow's reads and numpy's gathers release the GIL). Both runtimes, Ray Train and torchrun, read the files the same
-way, with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
+A worker holds the row groups of the window it is cutting and of the `read_ahead` windows after it, plus the rows
+it kept of the current window, however large the split. Background threads read ahead while the loop trains
+(pyarrow releases the GIL while it decodes). Both runtimes, Ray Train and torchrun, read the files the same way,
+with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
 
 Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This
 is what makes the order independent of the world size (rank r takes its slice of every global micro-batch); on local
@@ -182,8 +182,11 @@ class Prefetcher:
 
 class TrainStream:
     """This rank's micro-batches from `micro_step` up to `end_micro_step` (the run's last; None: no end), across
-    epochs, read ahead by a background thread. `next_batch` applies `transform(rows, micro_step)` in the caller's
-    thread (the task's transform may draw from the global random streams, which belong to the training thread)."""
+    epochs. READ_THREADS background threads read the row groups of the next `read_ahead` windows; the caller's
+    thread cuts each window when it reaches it (a few numpy calls: one more thread cutting ahead cost more in GIL
+    hand-offs on a 2-core worker than it saved) and slices its micro-batches. `next_batch` applies
+    `transform(rows, micro_step)` in the caller's thread too (the task's transform may draw from the global random
+    streams, which belong to the training thread)."""
 
     def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
                  end_micro_step: int | None = None, transform: Callable[[Columns, int], dict] | None = None):
@@ -192,9 +195,10 @@ class TrainStream:
         self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
-        self._current = EMPTY  # the rows taken from the queue, consumed from _offset on
+        self._current = EMPTY  # the window being consumed, from _offset on
         self._offset = 0
-        self._windows = Prefetcher(lambda: self._produce(micro_step, end_micro_step), read_ahead, "stride-data")
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read")
+        self._windows = self._produce(micro_step, end_micro_step, read_ahead)
 
     @property
     def rows_read(self) -> int:
@@ -208,20 +212,23 @@ class TrainStream:
     def next(self) -> Columns:
         """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
         if self._offset == len(self._current):  # every window holds whole micro-batches (see _produce)
-            self._current, self._offset = self._windows.get(), 0
+            self._current, self._offset = next(self._windows, EMPTY), 0
+            if not len(self._current):
+                raise EOFError("the stream ended")
         lo = self._offset
         self._offset += self.per_worker
         return self._current.columns(lo, self._offset)
 
     def close(self) -> None:
         self._windows.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _produce(self, micro_step: int, end_micro_step: int | None) -> Iterator[Frame]:
+    def _produce(self, micro_step: int, end_micro_step: int | None, read_ahead: int) -> Iterator[Frame]:
         """This rank's rows, in whole micro-batches: the rows a window leaves over open the next one. (The training
         thread cuts them as it goes: a window's worth of micro-batches made ahead would be thousands of objects for
         the garbage collector to scan.)"""
         n, carry = self.per_worker, None
-        for rows in self._windows_in_order(micro_step, end_micro_step):
+        for rows in self._windows_in_order(micro_step, end_micro_step, read_ahead):
             if carry is not None:
                 rows = Frame.concat([carry, rows])
             whole = len(rows) - len(rows) % n
@@ -229,35 +236,34 @@ class TrainStream:
             if whole:
                 yield rows.slice(0, whole)
 
-    def _windows_in_order(self, micro_step: int, end_micro_step: int | None) -> Iterator[Frame]:
-        """This rank's rows, window after window. READ_THREADS threads read the row groups in sequence order, the
-        next window's while this one is cut (pyarrow releases the GIL while it decodes); each is read once, though
-        two windows share it."""
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read") as pool:
-            reads: dict[tuple[int, int], Future] = {}  # (epoch, slot) -> the block, for the windows in `pending`
-            pending: deque = deque()  # (epoch, window, positions), their reads submitted
+    def _windows_in_order(self, micro_step: int, end_micro_step: int | None, read_ahead: int) -> Iterator[Frame]:
+        """This rank's rows, window after window. The read threads read the row groups in sequence order,
+        `read_ahead` windows ahead of the one being cut (pyarrow releases the GIL while it decodes); each is read
+        once, though two windows share it."""
+        reads: dict[tuple[int, int], Future] = {}  # (epoch, slot) -> the block, for the windows in `pending`
+        pending: deque = deque()  # (epoch, window, positions), their reads submitted
 
-            def cut_oldest() -> Frame:
-                epoch, k, positions = pending.popleft()
-                plan = self.order.epoch(epoch)
-                rows = cut_window(plan, k, positions, [reads[epoch, j].result() for j, *_ in plan.window_pieces(k)])
-                keep = {(e, j) for e, w, _ in pending for j, *_ in self.order.epoch(e).window_pieces(w)}
-                for key in [key for key in reads if key not in keep]:
-                    del reads[key]
-                return rows
+        def cut_oldest() -> Frame:
+            epoch, k, positions = pending.popleft()
+            plan = self.order.epoch(epoch)
+            rows = cut_window(plan, k, positions, [reads[epoch, j].result() for j, *_ in plan.window_pieces(k)])
+            keep = {(e, j) for e, w, _ in pending for j, *_ in self.order.epoch(e).window_pieces(w)}
+            for key in [key for key in reads if key not in keep]:
+                del reads[key]
+            return rows
 
-            for epoch, k, start in self._window_jobs(micro_step, end_micro_step):
-                positions = window_positions(self.order, epoch, k, self.rank, self.world_size, start)
-                if not len(positions):
-                    continue
-                for j, block, _, _ in self.order.epoch(epoch).window_pieces(k):
-                    if (epoch, j) not in reads:
-                        reads[epoch, j] = pool.submit(self._read, block)
-                pending.append((epoch, k, positions))
-                if len(pending) > 1:  # one window read ahead of the one being cut
-                    yield cut_oldest()
-            while pending:
+        for epoch, k, start in self._window_jobs(micro_step, end_micro_step):
+            positions = window_positions(self.order, epoch, k, self.rank, self.world_size, start)
+            if not len(positions):
+                continue
+            for j, block, _, _ in self.order.epoch(epoch).window_pieces(k):
+                if (epoch, j) not in reads:
+                    reads[epoch, j] = self._pool.submit(self._read, block)
+            pending.append((epoch, k, positions))
+            if len(pending) > read_ahead:
                 yield cut_oldest()
+        while pending:
+            yield cut_oldest()
 
     def _window_jobs(self, micro_step: int, end_micro_step: int | None) -> Iterator[tuple[int, int, int]]:
         """(epoch, window, first position) of every window from `micro_step` on; none past the run's last

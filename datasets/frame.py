@@ -55,9 +55,18 @@ class Frame:
     def concat(cls, parts: list[Frame]) -> Frame:
         if len(parts) == 1:
             return parts[0]
+        if any(p.names != parts[0].names for p in parts):
+            # Grouped differently: a column has nulls in one row group and not in another (or a row group is
+            # empty). Column by column then, as numpy concatenates them (an int column with nulls is float64).
+            parts = [p.per_column() for p in parts]
         return cls(parts[0].names, tuple(np.concatenate([p.groups[g] for p in parts])
                                           for g in range(len(parts[0].groups))),
                    np.concatenate([p.sample_id for p in parts]))
+
+    def per_column(self) -> Frame:
+        """The same rows with every column its own group, in name order."""
+        data = self.columns().data
+        return Frame(tuple((c,) for c in sorted(data)), tuple(data[c][:, None] for c in sorted(data)), self.sample_id)
 
     def slice(self, lo: int, hi: int) -> Frame:
         return Frame(self.names, tuple(g[lo:hi] for g in self.groups), self.sample_id[lo:hi])

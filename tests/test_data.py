@@ -216,3 +216,15 @@ def test_frame_groups_columns_and_hands_the_task_the_same_values_as_pyarrow():
         want = column_to_numpy(table.column(c))[index[5:25]]
         assert got.data[c].dtype == want.dtype and got.data[c].shape == want.shape, c
         assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c
+
+    # Row groups grouped differently (nulls in one of them only, an empty one): concatenated column by column.
+    clean, holes = table.slice(0, 25), table.slice(25, 25)
+    holes = holes.set_column(0, "a", pa.array([None] + list(range(26, 50)), pa.float32()))
+    holes = holes.set_column(2, "k", pa.array([None] + list(range(1, 25)), pa.int64()))
+    frames = [Frame.from_table(t, names, np.arange(len(t), dtype=np.int64)) for t in (clean, holes, table.slice(0, 0))]
+    assert frames[0].names != frames[1].names
+    got = Frame.concat(frames).columns()
+    for c in names:
+        want = np.concatenate([column_to_numpy(t.column(c)) for t in (clean, holes)])
+        assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c
+    assert np.isnan(got.data["a"][25]) and got.data["k"].dtype == np.float64 and np.isnan(got.data["k"][25])

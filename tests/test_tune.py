@@ -226,6 +226,28 @@ def test_a_truncated_train_snapshot_is_repaired(tmp_path):
     assert not (tmp_path / SNAPSHOT).exists() and list(tmp_path.glob(f"{SNAPSHOT}.unreadable-*"))
 
 
+def test_a_repair_never_restores_a_copy_that_names_a_deleted_checkpoint(tmp_path):
+    """The copy lags Ray by one checkpoint, and Ray may have deleted the oldest checkpoint it names by the time the
+    sweep is killed (seen in CI): Ray Train would then refuse the run folder for good. The newer copy a kill left
+    complete but not renamed is used instead; with neither usable, the trial starts over."""
+    from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+
+    def snapshot(*steps):
+        return json.dumps({"ray_version": "2.60.0",
+                           "checkpoint_results": [{"checkpoint_dir_name": f"checkpoint_{s:08d}"} for s in steps]})
+
+    for s in (20, 30):
+        (tmp_path / f"checkpoint_{s:08d}").mkdir()
+    (tmp_path / SNAPSHOT_COPY).write_text(snapshot(10, 20))  # checkpoint 10 is gone
+    (tmp_path / f".{SNAPSHOT_COPY}.tmp").write_text(snapshot(20, 30))
+    (tmp_path / SNAPSHOT).write_text("")
+    assert "restored" in repair_snapshot(tmp_path) and (tmp_path / SNAPSHOT).read_text() == snapshot(20, 30)
+
+    (tmp_path / f".{SNAPSHOT_COPY}.tmp").write_text(snapshot(20, 30)[:-5])  # killed while writing the newer copy
+    (tmp_path / SNAPSHOT).write_text("")
+    assert "starts over" in repair_snapshot(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. the driver: usage errors exit 2 in seconds, with one line
 # ---------------------------------------------------------------------------------------------------------------

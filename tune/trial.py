@@ -62,19 +62,30 @@ def _is_json(text: str) -> bool:
     return True
 
 
+def _usable(run_dir: Path, text: str) -> bool:
+    """A snapshot Ray Train can start from: JSON, and every checkpoint it names still on disk."""
+    if not _is_json(text):
+        return False
+    names = [c.get("checkpoint_dir_name") for c in json.loads(text).get("checkpoint_results", [])]
+    return all((run_dir / n).is_dir() for n in names if n)
+
+
 def repair_snapshot(run_dir: Path) -> str | None:
     """Before (re)starting a trial's TorchTrainer: an unreadable snapshot is replaced by the last good copy (the
-    trial resumes from the checkpoint before the one being recorded when the sweep was killed), or, with no copy,
-    moved aside (the trial starts over). Returns what was done, for the log."""
+    trial resumes from the checkpoint before the one being recorded when the sweep was killed), or, with no usable
+    copy, moved aside (the trial starts over). Returns what was done, for the log.
+
+    The copy lags Ray by one checkpoint, and Ray may already have deleted the oldest checkpoint it names: then the
+    newer copy a kill left complete but not yet renamed (atomic_write_text's temporary file) is the one to use."""
     snap = run_dir / SNAPSHOT
     if not snap.exists() or _is_json(snap.read_text()):
         return None
-    copy = run_dir / SNAPSHOT_COPY
-    if copy.exists():
-        atomic_write_text(snap, copy.read_text())
-        return f"{snap} was unreadable (the sweep was killed while Ray wrote it); restored the last good copy"
+    for copy in (run_dir / SNAPSHOT_COPY, run_dir / f".{SNAPSHOT_COPY}.tmp"):
+        if copy.exists() and _usable(run_dir, text := copy.read_text()):
+            atomic_write_text(snap, text)
+            return f"{snap} was unreadable (the sweep was killed while Ray wrote it); restored the last good copy"
     snap.rename(run_dir / f"{SNAPSHOT}.unreadable-{int(time.time())}")
-    return f"{snap} was unreadable and no copy exists; the trial starts over"
+    return f"{snap} was unreadable and no usable copy exists; the trial starts over"
 
 
 def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:

@@ -135,7 +135,9 @@ OTHER_CASES = [
     (["-m", "stride.ray_cluster.doctor", "--use-gpu", "maybe"], "--use-gpu"),
     (["-m", "stride.ray_cluster.doctor", "--cpus-per-worker", "-1"], "--cpus-per-worker"),
     (["-m", "stride.ray_cluster.doctor", "--address", "127.0.0.1:1"], "--address (127.0.0.1:1)"),
-    (["-m", "stride.ray_cluster.local", "start", "--temp-dir", "{tmp}/head"], "--temp-dir"),
+    # Longer than local.MAX_TEMP_DIR_CHARS whatever pytest's temp folder is called (a short one would start a head).
+    (["-m", "stride.ray_cluster.local", "start", "--temp-dir", "{tmp}/a-folder-name-too-long-for-ray-sockets"],
+     "--temp-dir"),
     (["trainers/export.py", "{tmp}/missing", "{tmp}/m.safetensors"], "checkpoint ({tmp}/missing)"),
     (["trainers/export.py", "{tmp}/empty", "{tmp}/m.safetensors"], "checkpoint ({tmp}/empty)"),
     (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/data/train/part-0000.parquet"], "--force"),

@@ -1,10 +1,10 @@
-"""Rows in the read path: one numpy array per group of same-typed columns, cut with one call per group.
+"""Rows in the read path: one numpy array per column, each a view of the Arrow buffer it was converted from.
 
-Why groups: the read threads run beside a training thread that holds the GIL most of the time (Python dispatch
-between kernels). Each numpy or pyarrow call that releases the GIL must take it back, and a thread asking for it
-waits up to the interpreter's switch interval (5 ms) while another runs Python. Cutting a window column by column
-(34 columns: 34 concatenates and 34 gathers) paid that wait ~70 times a window; a Frame pays it a few times.
-The training thread still gets a plain `Columns` (a dict of per-column arrays, views into the group arrays).
+Why Arrow does the window's shuffle (stream.cut_window: `concat_tables(...).take(...)`), not numpy: one call, with
+the GIL released, gathers every column of the window; the result converts to numpy without a copy. Stacking the
+columns into one row-major array first (so that numpy gathers whole rows) transposes every value once more: on
+this project's 2-vCPU machine that cost twice the gather it made faster. The training thread gets a plain
+`Columns` (a dict of per-column arrays, contiguous slices of the window's).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from stride.datasets.parquet import Columns, column_to_numpy
 
 @dataclass(frozen=True)
 class Frame:
-    """Rows as groups: groups[g] has shape (rows, len(names[g]), ...) and groups[g][:, i] is column names[g][i]
-    (row-major, so that the window's shuffle gathers whole rows: 4x faster than gathering column by column)."""
+    """Rows as columns: arrays[i] has the rows as first dimension and is column names[i]."""
 
-    names: tuple[tuple[str, ...], ...]
-    groups: tuple[np.ndarray, ...]
+    names: tuple[str, ...]
+    arrays: tuple[np.ndarray, ...]
     sample_id: np.ndarray  # (rows,) int64
 
     def __len__(self) -> int:
@@ -31,56 +30,27 @@ class Frame:
 
     @classmethod
     def from_table(cls, table: pa.Table, columns: list[str], sample_id: np.ndarray) -> Frame:
-        """The columns of `table` (numeric columns without nulls stacked per Arrow type by pyarrow, in one call per
-        type; any other column its own group, as `column_to_numpy` converts it)."""
-        by_type: dict[pa.DataType, list[str]] = {}
-        names, groups = [], []
-        for c in columns:
-            col = table.column(c)
-            t = col.type
-            if (pa.types.is_integer(t) or pa.types.is_floating(t)) and not col.null_count and table.num_rows:
-                by_type.setdefault(t, []).append(c)
-            else:
-                names.append((c,))
-                groups.append(column_to_numpy(col)[:, None])
-        for same in by_type.values():
-            batch = table.select(same).combine_chunks().to_batches()[0]
-            names.append(tuple(same))
-            # malloc's memory, not Arrow's pool: the array outlives the read by a window or two, and a pool keeps
-            # what it frees (the decoded pages are Arrow's, freed at once and reused by the next read).
-            groups.append(np.asarray(batch.to_tensor(row_major=True, memory_pool=pa.system_memory_pool())))
-        return cls(tuple(names), tuple(groups), sample_id)
+        """The columns of `table`, as `column_to_numpy` converts them (numbers without nulls: no copy)."""
+        return cls(tuple(columns), tuple(column_to_numpy(table.column(c)) for c in columns), sample_id)
 
     @classmethod
     def concat(cls, parts: list[Frame]) -> Frame:
+        """Column by column, as numpy concatenates them (an int column with nulls in one part is float64)."""
+        parts = [p for p in parts if len(p)] or parts[:1]
         if len(parts) == 1:
             return parts[0]
-        if any(p.names != parts[0].names for p in parts):
-            # Grouped differently: a column has nulls in one row group and not in another (or a row group is
-            # empty). Column by column then, as numpy concatenates them (an int column with nulls is float64).
-            parts = [p.per_column() for p in parts]
-        return cls(parts[0].names, tuple(np.concatenate([p.groups[g] for p in parts])
-                                          for g in range(len(parts[0].groups))),
+        return cls(parts[0].names, tuple(np.concatenate([p.arrays[i] for p in parts]) for i in range(len(parts[0].names))),
                    np.concatenate([p.sample_id for p in parts]))
 
-    def per_column(self) -> Frame:
-        """The same rows with every column its own group, in name order."""
-        data = self.columns().data
-        return Frame(tuple((c,) for c in sorted(data)), tuple(data[c][:, None] for c in sorted(data)), self.sample_id)
-
     def slice(self, lo: int, hi: int) -> Frame:
-        return Frame(self.names, tuple(g[lo:hi] for g in self.groups), self.sample_id[lo:hi])
+        return Frame(self.names, tuple(a[lo:hi] for a in self.arrays), self.sample_id[lo:hi])
 
     def take(self, index: np.ndarray) -> Frame:
-        return Frame(self.names, tuple(g.take(index, axis=0) for g in self.groups), self.sample_id.take(index))
+        return Frame(self.names, tuple(a.take(index, axis=0) for a in self.arrays), self.sample_id.take(index))
 
     def columns(self, lo: int = 0, hi: int | None = None) -> Columns:
-        """Rows [lo, hi) as the dict of per-column arrays a task's transform gets: views, no copy (a column that
-        shares its group with others is strided: rows are `len(group)` items apart)."""
-        data: dict[str, np.ndarray] = {}
-        for names, g in zip(self.names, self.groups):
-            data.update(zip(names, g[lo:hi].swapaxes(0, 1)))
-        return Columns(data, self.sample_id[lo:hi])
+        """Rows [lo, hi) as the dict of per-column arrays a task's transform gets: views, no copy."""
+        return Columns(dict(zip(self.names, [a[lo:hi] for a in self.arrays])), self.sample_id[lo:hi])
 
 
 EMPTY = Frame((), (), np.zeros(0, np.int64))

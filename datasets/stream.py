@@ -42,35 +42,47 @@ class BlockReader:
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-        self._last: tuple[int, Frame] | None = None  # a block two windows share is read once
+        self._last: tuple[int, pa.Table] | None = None  # a block two windows share is read once
 
     @property
     def num_blocks(self) -> int:
         return len(self.spec.blocks)
 
-    def read(self, block: int) -> Frame:
-        """The block's rows (converted once, however many windows share the block) and their sample ids (the
+    def read(self, block: int) -> pa.Table:
+        """The block's rows (read once, however many windows share the block), with their sample ids (the
         sample_id column, or the row's index in file order)."""
         if self._last is not None and self._last[0] == block:
             return self._last[1]
-        f, rg, n = self.spec.blocks[block]
-        path = self.spec.files[f]
-        try:
-            table = self._file(f).read_row_group(rg, columns=self.columns, use_threads=False)
-        except (OSError, pa.ArrowException) as e:
-            self._files.pop(f, None)
-            raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row group {rg}: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); it changed or disappeared "
-                            f"after the run started: restore it, or start a new run.name without it") from None
-        if table.num_rows != n:
-            raise DataError(f"data.{self.spec.split}_path: {path} row group {rg} holds {table.num_rows} rows, not the "
-                            f"{n} it held when the run started; restore the file or start a new run.name")
-        ids = (table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False) if self.spec.has_sample_id
-               else np.arange(self.base[block], self.base[block] + n, dtype=np.int64))
-        rows = Frame.from_table(table, [c for c in self.spec.columns if c != SAMPLE_ID], ids)
-        self.rows_read += n
+        rows = self.read_file_blocks([block])[block]
         self._last = (block, rows)
         return rows
+
+    def read_file_blocks(self, blocks: list[int]) -> dict[int, pa.Table]:
+        """Blocks of one file, read in one call: pyarrow sets up a reader per column and call, which cost as much
+        as decoding a 4,096-row group of 34 float columns (one call per file and window reads 1.3x faster)."""
+        f = self.spec.blocks[blocks[0]][0]
+        path, groups = self.spec.files[f], [self.spec.blocks[b][1] for b in blocks]
+        try:
+            table = self._file(f).read_row_groups(groups, columns=self.columns, use_threads=False)
+        except (OSError, pa.ArrowException) as e:
+            self._files.pop(f, None)
+            raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row groups "
+                            f"{', '.join(map(str, groups))}: {str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            f"it changed or disappeared after the run started: restore it, or start a new run.name "
+                            f"without it") from None
+        sizes = [self.spec.blocks[b][2] for b in blocks]
+        if table.num_rows != sum(sizes):
+            raise DataError(f"data.{self.spec.split}_path: {path} row groups {', '.join(map(str, groups))} hold "
+                            f"{table.num_rows} rows, not the {sum(sizes)} they held when the run started; restore the "
+                            f"file or start a new run.name")
+        if not self.spec.has_sample_id:
+            table = table.append_column(SAMPLE_ID, pa.array(np.concatenate(
+                [np.arange(self.base[b], self.base[b] + n, dtype=np.int64) for b, n in zip(blocks, sizes)])))
+        out, lo = {}, 0
+        for b, n in zip(blocks, sizes):  # the order asked for: pyarrow keeps it
+            out[b], lo = table.slice(lo, n), lo + n
+        self.rows_read += lo
+        return out
 
     def _file(self, f: int) -> pq.ParquetFile:
         if f not in self._files:
@@ -111,12 +123,14 @@ def window_positions(order: Order, epoch: int, k: int, rank: int, world_size: in
     return order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
 
 
-def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[Frame]) -> Frame:
+def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[pa.Table]) -> Frame:
     """The rows at `positions` of window k, given the blocks it overlaps (read whole, in sequence order): the
-    window's shuffle, a copy of the rows this rank keeps."""
-    pieces = [rows.slice(first, end) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
+    window's shuffle, a copy of the rows this rank keeps (one Arrow take, the GIL released; see frame.py)."""
+    pieces = [rows.slice(first, end - first) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
     local = plan.window_permutation(k)[positions - plan.window_span(k)[0]]
-    return Frame.concat(pieces).take(local)
+    rows = pa.concat_tables(pieces, promote_options="permissive").take(local)
+    return Frame.from_table(rows, [c for c in rows.column_names if c != SAMPLE_ID],
+                            rows.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False))
 
 
 def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Frame:
@@ -237,33 +251,44 @@ class TrainStream:
                 yield rows.slice(0, whole)
 
     def _windows_in_order(self, micro_step: int, end_micro_step: int | None, read_ahead: int) -> Iterator[Frame]:
-        """This rank's rows, window after window. The read threads read the row groups in sequence order,
-        `read_ahead` windows ahead of the one being cut (pyarrow releases the GIL while it decodes); each is read
-        once, though two windows share it."""
-        reads: dict[tuple[int, int], Future] = {}  # (epoch, slot) -> the block, for the windows in `pending`
-        pending: deque = deque()  # (epoch, window, positions), their reads submitted
-
-        def cut_oldest() -> Frame:
-            epoch, k, positions = pending.popleft()
-            plan = self.order.epoch(epoch)
-            rows = cut_window(plan, k, positions, [reads[epoch, j].result() for j, *_ in plan.window_pieces(k)])
-            keep = {(e, j) for e, w, _ in pending for j, *_ in self.order.epoch(e).window_pieces(w)}
-            for key in [key for key in reads if key not in keep]:
-                del reads[key]
-            return rows
+        """This rank's rows, window after window. The read threads read the row groups `read_ahead` windows ahead
+        of the one being consumed, one call per file and window (pyarrow releases the GIL while it decodes); each
+        block is read once, though two windows share it. The thread that completes a window's last read also cuts
+        it, so the consumer's thread only slices micro-batches."""
+        reads: dict[tuple[int, int], tuple[Future, int]] = {}  # (epoch, slot) -> (its file read, block id)
+        pending: deque[tuple[Future, set]] = deque()  # the cut of each window ahead, and the slots it needs
 
         for epoch, k, start in self._window_jobs(micro_step, end_micro_step):
             positions = window_positions(self.order, epoch, k, self.rank, self.world_size, start)
             if not len(positions):
                 continue
-            for j, block, _, _ in self.order.epoch(epoch).window_pieces(k):
+            plan = self.order.epoch(epoch)
+            pieces = plan.window_pieces(k)
+            by_file: dict[int, list[tuple[int, int]]] = {}
+            for j, block, _, _ in pieces:
                 if (epoch, j) not in reads:
-                    reads[epoch, j] = self._pool.submit(self._read, block)
-            pending.append((epoch, k, positions))
+                    by_file.setdefault(self.spec.blocks[block][0], []).append((j, block))
+            for slots in by_file.values():
+                read = self._pool.submit(self._read, [block for _, block in slots])
+                reads.update({(epoch, j): (read, block) for j, block in slots})
+            needs = [reads[epoch, j] for j, *_ in pieces]
+
+            def cut(plan=plan, k=k, positions=positions, needs=needs) -> Frame:  # bound now, called by a read thread
+                return cut_window(plan, k, positions, [read.result()[block] for read, block in needs])
+
+            pending.append((after({read for read, _ in needs}, cut), {(epoch, j) for j, *_ in pieces}))
             if len(pending) > read_ahead:
-                yield cut_oldest()
+                yield self._take(pending, reads)
         while pending:
-            yield cut_oldest()
+            yield self._take(pending, reads)
+
+    @staticmethod
+    def _take(pending: deque, reads: dict) -> Frame:
+        window, _ = pending.popleft()
+        keep = set().union(*(slots for _, slots in pending))
+        for key in [key for key in reads if key not in keep]:
+            del reads[key]
+        return window.result()
 
     def _window_jobs(self, micro_step: int, end_micro_step: int | None) -> Iterator[tuple[int, int, int]]:
         """(epoch, window, first position) of every window from `micro_step` on; none past the run's last
@@ -279,11 +304,32 @@ class TrainStream:
                 yield epoch, k, start
             epoch, start = epoch + 1, 0
 
-    def _read(self, block: int) -> Frame:
+    def _read(self, blocks: list[int]) -> dict[int, pa.Table]:
         if not hasattr(self._local, "reader"):
             self._local.reader = BlockReader(self.spec)
             self._readers.append(self._local.reader)
-        return self._local.reader.read(block)
+        return self._local.reader.read_file_blocks(blocks)
+
+
+def after(futures: set[Future], fn: Callable[[], object]) -> Future:
+    """A future of `fn()`, called by the thread that completes the last of `futures` (at once, in this thread, if
+    they are all done); a failed future fails it with the same error."""
+    out: Future = Future()
+    left, lock, job = [len(futures)], threading.Lock(), [fn]
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:  # popped: the futures' callbacks must not keep what `fn` holds (the blocks) alive after the call
+            out.set_result(job.pop()())
+        except BaseException as e:  # the consumer's result() raises it
+            out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
 
 
 def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
@@ -295,7 +341,9 @@ def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
 def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[Columns]:
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
     reader = BlockReader(spec)
+    columns = [c for c in spec.columns if c != SAMPLE_ID]
     for b in eval_blocks(reader.num_blocks, rank, world_size):
-        rows = reader.read(b)
+        table = reader.read(b)
+        rows = Frame.from_table(table, columns, table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False))
         for lo in range(0, len(rows), batch):
             yield rows.columns(lo, lo + batch)

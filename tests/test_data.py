@@ -189,10 +189,11 @@ def test_duplicate_sample_ids_are_refused_and_unique_ones_cost_no_read(tmp_path,
         prepare(cfg_for(dup, d, "train.batch_size_per_worker=2"))
 
 
-def test_frame_groups_columns_and_hands_the_task_the_same_values_as_pyarrow():
-    """The read path stacks same-typed numeric columns into one array per type; what a transform gets must still be
-    each column's own values, whatever its type (nulls, lists, strings, booleans), after slicing, gathering and
-    concatenating."""
+def test_frame_hands_the_task_the_same_values_as_pyarrow():
+    """What a transform gets must be each column's own values, whatever its type (nulls, lists, strings, booleans),
+    after slicing, gathering and concatenating; and a window's Arrow gather (stream.cut_window) must agree."""
+    from stride.datasets.order import Order
+    from stride.datasets.stream import cut_window
     from stride.datasets.frame import Frame
     from stride.datasets.parquet import column_to_numpy
 
@@ -208,7 +209,6 @@ def test_frame_groups_columns_and_hands_the_task_the_same_values_as_pyarrow():
     })
     names = table.column_names
     frame = Frame.from_table(table, names, np.arange(n, dtype=np.int64))
-    assert sorted(map(len, frame.names)) == [1, 1, 1, 1, 1, 2]  # a and b share one array
     index = np.random.default_rng(0).permutation(n)[:30]
     got = Frame.concat([frame.slice(0, 20), frame.slice(20, n)]).take(index).columns(5, 25)
     assert list(got.sample_id) == list(index[5:25])
@@ -217,12 +217,25 @@ def test_frame_groups_columns_and_hands_the_task_the_same_values_as_pyarrow():
         assert got.data[c].dtype == want.dtype and got.data[c].shape == want.shape, c
         assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c
 
-    # Row groups grouped differently (nulls in one of them only, an empty one): concatenated column by column.
+    # The same rows gathered by a window's cut, from two blocks (one of them starting mid-block), as a rank gets them.
+    plan = Order((20, 30), seed=3, global_micro_batch=10, window_rows=50).epoch(0)
+    blocks = [table.slice(0, 20).append_column("sample_id", pa.array(np.arange(20))),
+              table.slice(20, 30).append_column("sample_id", pa.array(np.arange(20, 50)))]
+    blocks = [blocks[b] for b in plan.blocks]
+    positions = np.arange(5, 45)
+    cut = cut_window(plan, 0, positions, blocks).columns()
+    rows = np.concatenate([[np.arange(20), np.arange(20, 50)][b] for b in plan.blocks])  # file order -> sequence
+    want_ids = rows[plan.window_permutation(0)[positions]]
+    assert list(cut.sample_id) == list(want_ids)
+    for c in names:
+        want = column_to_numpy(table.column(c))[want_ids]
+        assert cut.data[c].dtype == want.dtype and np.array_equal(cut.data[c], want, equal_nan=want.dtype.kind == "f"), c
+
+    # Parts typed differently (nulls in one of them only, an empty one): concatenated column by column.
     clean, holes = table.slice(0, 25), table.slice(25, 25)
     holes = holes.set_column(0, "a", pa.array([None] + list(range(26, 50)), pa.float32()))
     holes = holes.set_column(2, "k", pa.array([None] + list(range(1, 25)), pa.int64()))
     frames = [Frame.from_table(t, names, np.arange(len(t), dtype=np.int64)) for t in (clean, holes, table.slice(0, 0))]
-    assert frames[0].names != frames[1].names
     got = Frame.concat(frames).columns()
     for c in names:
         want = np.concatenate([column_to_numpy(t.column(c)) for t in (clean, holes)])

@@ -241,3 +241,20 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
         want = np.concatenate([column_to_numpy(t.column(c)) for t in (clean, holes)])
         assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c
     assert np.isnan(got.data["a"][25]) and got.data["k"].dtype == np.float64 and np.isnan(got.data["k"][25])
+
+
+def test_a_column_a_transform_passes_through_becomes_a_tensor_of_its_own():
+    """Window columns are read-only views of Arrow memory; the tensor the loop makes of one is a writable copy."""
+    import warnings
+
+    import torch
+
+    from stride.trainers.loop import to_device
+
+    col = pa.array(np.arange(4, dtype=np.float32)).to_numpy()
+    assert not col.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about (and aliases) a non-writable array
+        t = to_device({"y": col}, torch.device("cpu"), "mlp")["y"]
+    t += 1
+    assert col.tolist() == [0, 1, 2, 3] and t.tolist() == [1, 2, 3, 4]

@@ -118,7 +118,9 @@ def to_device(batch: dict[str, np.ndarray], device: torch.device, task_name: str
         if value.dtype == object:
             raise TrainingError(f"model.name ({task_name}): transform returned '{key}' as Python objects; return "
                                 f"numeric numpy arrays (decode bytes, pad lists) from transform")
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
+        # A column the transform passed through is a view of the window's read-only Arrow memory: torch gets a copy.
+        value = np.ascontiguousarray(value) if value.flags.writeable else value.copy()
+        tensor = torch.from_numpy(value)
         if device.type == "cuda":  # page-locked, so that the copy is asynchronous: the host goes on queueing the step
             tensor = tensor.pin_memory()
         out[key] = tensor.to(device, non_blocking=True)

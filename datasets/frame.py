@@ -39,7 +39,7 @@ class Frame:
         parts = [p for p in parts if len(p)] or parts[:1]
         if len(parts) == 1:
             return parts[0]
-        return cls(parts[0].names, tuple(np.concatenate([p.arrays[i] for p in parts]) for i in range(len(parts[0].names))),
+        return cls(parts[0].names, tuple(np.concatenate(column) for column in zip(*(p.arrays for p in parts))),
                    np.concatenate([p.sample_id for p in parts]))
 
     def slice(self, lo: int, hi: int) -> Frame:

@@ -1,9 +1,10 @@
 """Streaming a split to one rank: row groups read on demand, in the order of datasets/order.py.
 
 A worker holds the row groups of the `read_ahead` windows after the current one (and the blocks they share with
-it), plus the rows it kept of the current window and of the windows already cut ahead, however large the split. Background threads read ahead while the loop trains
-(pyarrow releases the GIL while it decodes). Both runtimes, Ray Train and torchrun, read the files the same way,
-with pyarrow, from a local folder, a shared filesystem or an object store (s3://, gs://).
+it), plus the rows it kept of the current window and of the windows already cut ahead, however large the split.
+Background threads read ahead while the loop trains (pyarrow releases the GIL while it decodes). Both runtimes, Ray
+Train and torchrun, read the files the same way, with pyarrow, from a local folder, a shared filesystem or an
+object store (s3://, gs://).
 
 Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This
 is what makes the order independent of the world size (rank r takes its slice of every global micro-batch); on local
@@ -66,10 +67,10 @@ class BlockReader:
             table = self._file(f).read_row_groups(groups, columns=self.columns, use_threads=False)
         except (OSError, pa.ArrowException) as e:
             self._files.pop(f, None)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row groups "
-                            f"{', '.join(map(str, groups))}: {str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                            f"it changed or disappeared after the run started: restore it, or start a new run.name "
-                            f"without it") from None
+                            f"{', '.join(map(str, groups))}: {why}); it changed or disappeared after the run started: "
+                            f"restore it, or start a new run.name without it") from None
         sizes = [self.spec.blocks[b][2] for b in blocks]
         if table.num_rows != sum(sizes):
             raise DataError(f"data.{self.spec.split}_path: {path} row groups {', '.join(map(str, groups))} hold "
@@ -128,9 +129,13 @@ def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[pa.T
     window's shuffle, a copy of the rows this rank keeps (one Arrow take, the GIL released; see frame.py)."""
     pieces = [rows.slice(first, end - first) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
     local = plan.window_permutation(k)[positions - plan.window_span(k)[0]]
-    rows = pa.concat_tables(pieces, promote_options="permissive").take(local)
-    return Frame.from_table(rows, [c for c in rows.column_names if c != SAMPLE_ID],
-                            rows.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False))
+    return frame_of(pa.concat_tables(pieces, promote_options="permissive").take(local))
+
+
+def frame_of(table: pa.Table) -> Frame:
+    """A table read by BlockReader (the task's columns and sample_id) as numpy arrays, without a copy."""
+    return Frame.from_table(table, [c for c in table.column_names if c != SAMPLE_ID],
+                            table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False))
 
 
 def rank_rows(reader: BlockReader, order: Order, rank: int, world_size: int, micro_step: int, n: int) -> Frame:
@@ -340,9 +345,7 @@ def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
 def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[Columns]:
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
     reader = BlockReader(spec)
-    columns = [c for c in spec.columns if c != SAMPLE_ID]
     for b in eval_blocks(reader.num_blocks, rank, world_size):
-        table = reader.read(b)
-        rows = Frame.from_table(table, columns, table.column(SAMPLE_ID).to_numpy().astype(np.int64, copy=False))
+        rows = frame_of(reader.read(b))
         for lo in range(0, len(rows), batch):
             yield rows.columns(lo, lo + batch)

@@ -217,7 +217,7 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
         assert got.data[c].dtype == want.dtype and got.data[c].shape == want.shape, c
         assert np.array_equal(got.data[c], want, equal_nan=want.dtype.kind == "f"), c
 
-    # The same rows gathered by a window's cut, from two blocks (one of them starting mid-block), as a rank gets them.
+    # The same rows gathered by a window's cut over both blocks (positions 5..44 of it, as a rank keeps them).
     plan = Order((20, 30), seed=3, global_micro_batch=10, window_rows=50).epoch(0)
     blocks = [table.slice(0, 20).append_column("sample_id", pa.array(np.arange(20))),
               table.slice(20, 30).append_column("sample_id", pa.array(np.arange(20, 50)))]
@@ -229,7 +229,8 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
     assert list(cut.sample_id) == list(want_ids)
     for c in names:
         want = column_to_numpy(table.column(c))[want_ids]
-        assert cut.data[c].dtype == want.dtype and np.array_equal(cut.data[c], want, equal_nan=want.dtype.kind == "f"), c
+        assert cut.data[c].dtype == want.dtype, c
+        assert np.array_equal(cut.data[c], want, equal_nan=want.dtype.kind == "f"), c
 
     # Parts typed differently (nulls in one of them only, an empty one): concatenated column by column.
     clean, holes = table.slice(0, 25), table.slice(25, 25)

@@ -106,8 +106,10 @@ def train(config: str, overrides: list[str]) -> int:
             written.add_done_callback(prune)
 
     def prune(written: Future) -> None:
-        if written.exception() is not None:  # a failed write is the loop's to raise; keep every older checkpoint
-            return
+        if written.exception() is None:  # a failed write is the loop's to raise; keep every older checkpoint
+            prune_old()
+
+    def prune_old() -> None:
         for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -124,6 +126,8 @@ def train(config: str, overrides: list[str]) -> int:
     t0 = time.time()
     summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty()))
     if rank == 0:
+        # A future's done-callbacks run after its waiters wake: the last write's prune may not have run yet.
+        prune_old()
         ckpts = complete_checkpoints(run_dir)
         summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
                        config=public_dict(cfg), runtime="torchrun")

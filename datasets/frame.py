@@ -9,7 +9,9 @@ this project's 2-vCPU machine that cost twice the gather it made faster. The tra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +53,14 @@ class Frame:
     def columns(self, lo: int = 0, hi: int | None = None) -> Columns:
         """Rows [lo, hi) as the dict of per-column arrays a task's transform gets: views, no copy."""
         return Columns(dict(zip(self.names, [a[lo:hi] for a in self.arrays])), self.sample_id[lo:hi])
+
+    def batches(self, n: int) -> Iterator[Columns]:
+        """Consecutive n-row batches (len(self) a multiple of n), as `columns` gives them. numpy's C loops make the
+        views (a reshape to (batches, n, ...) and its iteration): a micro-batch of 34 columns costs half of slicing
+        each column in Python, which was the largest share of the training thread's time in the data path."""
+        names, split = self.names, [a.reshape(-1, n, *a.shape[1:]) for a in self.arrays]
+        for sample_id, arrays in zip(self.sample_id.reshape(-1, n), zip(*split) if split else repeat(())):
+            yield Columns(dict(zip(names, arrays)), sample_id)
 
 
 EMPTY = Frame((), (), np.zeros(0, np.int64))

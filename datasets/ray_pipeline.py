@@ -43,8 +43,7 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
     while m < first + n:  # a chunk may run across an epoch's end: read each epoch's part from its windows
         count = min(first + n, (order.position(m)[0] + 1) * order.micro_steps_per_epoch) - m
         rows = rank_rows(reader, order, rank, world_size, m, count)
-        for j in range(count):
-            part = rows.columns(j * per, (j + 1) * per)
+        for j, part in enumerate(rows.batches(per)):
             ids[m - first + j], arrays[m - first + j] = part.sample_id, transform(part, m + j)
         m += count
     return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays}

@@ -213,8 +213,7 @@ class TrainStream:
         self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
-        self._current = EMPTY  # the window being consumed, from _offset on
-        self._offset = 0
+        self._batches: Iterator[Columns] = iter(())  # the micro-batches of the window being consumed
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read")
         self._windows = self._produce(micro_step, end_micro_step, read_ahead)
 
@@ -229,13 +228,14 @@ class TrainStream:
 
     def next(self) -> Columns:
         """The next micro-batch: `per_worker` rows (micro-batches never straddle an epoch: the tail is dropped)."""
-        if self._offset == len(self._current):  # every window holds whole micro-batches (see _produce)
-            self._current, self._offset = next(self._windows, EMPTY), 0
-            if not len(self._current):
+        rows = next(self._batches, None)
+        while rows is None:  # every window holds whole micro-batches (see _produce)
+            window = next(self._windows, None)
+            if window is None:
                 raise EOFError("the stream ended")
-        lo = self._offset
-        self._offset += self.per_worker
-        return self._current.columns(lo, self._offset)
+            self._batches = window.batches(self.per_worker)
+            rows = next(self._batches, None)
+        return rows
 
     def close(self) -> None:
         self._windows.close()

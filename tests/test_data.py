@@ -244,6 +244,27 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
     assert np.isnan(got.data["a"][25]) and got.data["k"].dtype == np.float64 and np.isnan(got.data["k"][25])
 
 
+def test_micro_batches_of_a_window_are_its_consecutive_slices():
+    """The stream's micro-batches (Frame.batches) hold the same values as slicing every column, for columns of any
+    shape and type, and for a frame without task columns (a task that reads only sample ids)."""
+    from stride.datasets.frame import Frame
+
+    n, per = 24, 6
+    table = pa.table({"x": pa.array(np.arange(n, dtype=np.float32)),
+                      "vec": pa.array([[i, -i] for i in range(n)], pa.list_(pa.int64(), 2)),
+                      "text": pa.array([f"row {i}" for i in range(n)])})
+    frame = Frame.from_table(table, table.column_names, np.arange(100, 100 + n, dtype=np.int64))
+    batches = list(frame.batches(per))
+    assert len(batches) == n // per
+    for b, got in enumerate(batches):
+        want = frame.columns(b * per, (b + 1) * per)
+        assert list(got.sample_id) == list(want.sample_id) and list(got.data) == list(want.data)
+        for c in want.data:
+            assert got.data[c].shape == want.data[c].shape and np.array_equal(got.data[c], want.data[c]), c
+    ids_only = [b.sample_id.tolist() for b in Frame((), (), np.arange(n, dtype=np.int64)).batches(per)]
+    assert ids_only == [list(range(lo, lo + per)) for lo in range(0, n, per)]
+
+
 def test_a_column_a_transform_passes_through_becomes_a_tensor_of_its_own():
     """Window columns are read-only views of Arrow memory; the tensor the loop makes of one is a writable copy."""
     import warnings

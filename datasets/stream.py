@@ -289,7 +289,10 @@ class TrainStream:
     @staticmethod
     def _take(pending: deque, reads: dict) -> Frame:
         window, _ = pending.popleft()
-        keep = set().union(*(slots for _, slots in pending))
+        # A window's blocks go once it is cut, except the newest window's: the next window submitted may share one.
+        keep = set().union(*(slots for cut, slots in pending if not cut.done()))
+        if pending:
+            keep |= pending[-1][1]
         for key in [key for key in reads if key not in keep]:
             del reads[key]
         return window.result()

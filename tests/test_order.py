@@ -114,6 +114,20 @@ def test_resume_at_90_percent_reads_about_10_percent_and_continues_exactly(split
         assert s.rows_read < 0.3 * split.num_rows
 
 
+@pytest.mark.parametrize("read_ahead", [1, 2, 4])
+def test_an_epoch_reads_each_row_group_once_however_far_it_reads_ahead(split, read_ahead):
+    """Row groups straddle windows: the one two windows share is read once, even when the first window was cut (and
+    its blocks let go) before the second was submitted."""
+    order = order_of(split, G=8, window=100)
+    stream = TrainStream(split, order, 0, 1, 0, read_ahead=read_ahead, end_micro_step=order.micro_steps_per_epoch)
+    try:
+        ids = np.concatenate([stream.next().sample_id for _ in range(order.micro_steps_per_epoch)])
+        assert len(set(ids.tolist())) == len(ids) == split.num_rows - order.rows_dropped_per_epoch
+        assert stream.rows_read == split.num_rows
+    finally:
+        stream.close()
+
+
 def test_a_window_of_many_blocks_mixes_a_split_sorted_by_label(tmp_path):
     labels = lambda ids: (ids * 4 // 20000).astype(np.int64)  # noqa: E731 - sorted: 4 runs of 5000 rows
     spec = spec_of(write_split(tmp_path / "sorted", [5000] * 4, row_group=250, label_of=labels),

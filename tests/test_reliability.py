@@ -1,17 +1,18 @@
-"""Failures cost nothing but the steps since the last checkpoint: driver SIGKILL, SIGTERM, a killed worker, and
-resuming with a different number of workers. Runs on 2 CPU workers through Ray Train."""
+"""Failures cost nothing but the steps since the last checkpoint: SIGTERM, Ctrl-C, a killed worker, storage errors,
+and resuming with a different number of workers. Runs on 2 CPU workers through Ray Train. The driver's SIGKILL and
+a Ray resume from 2 workers to 1 are tested once, on a user's own task (tests/test_user_task.py), which asserts
+more (MLflow run, evaluations, final weights); the mechanism is the same for the built-in tasks."""
 
 import json
 import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, descendants, free_port, kill_pids, read_jsonl, run_cli, wait_for_step
+from conftest import PYTHON, REPO, descendants, free_port, read_jsonl, run_cli, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -42,28 +43,6 @@ def reference(tmp_path_factory, tabular_data):
     r = run_cli(job_args(tabular_data, storage, "reference"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return storage, train_losses(storage / "reference")
-
-
-def test_driver_sigkill_then_same_command_resumes_exactly(reference, tabular_data):
-    storage, expected = reference
-    proc = start(job_args(tabular_data, storage, "killed"))
-    wait_for_step(storage / "killed" / "metrics.jsonl", 150, proc)
-    tree = descendants(proc.pid)
-    proc.kill()
-    proc.wait()
-    time.sleep(2)
-    kill_pids(tree)  # Ray's agents can outlive a SIGKILLed driver; stop exactly what this run started
-    from stride.trainers import checkpointing
-
-    # The workers may have written (not necessarily registered with Ray) the step-200 checkpoint before they died.
-    newest = checkpointing.read_meta(checkpointing.newest_complete(storage / "killed"))["step"]
-    assert newest in (100, 200)
-    r = run_cli(job_args(tabular_data, storage, "killed"))
-    assert r.returncode == 0, r.stdout[-2000:]
-    s = json.loads((storage / "killed" / "summary.json").read_text())
-    assert s["status"] == "completed" and s["global_step"] == STEPS and s["restarts"] == 1
-    assert f"(step {newest})" in r.stdout and f"at step {newest}" in r.stdout  # the driver's line, rank 0's line
-    assert train_losses(storage / "killed") == expected  # bitwise the uninterrupted run, every step
 
 
 def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, tabular_data):
@@ -239,10 +218,6 @@ def _elastic(tabular_data, tmp_path, first, second):
     epoch0 = _ids_once_per_epoch(log, rows, 128)
     assert len(epoch0) == len(set(epoch0)) == per_epoch * 128  # every sample once, across both world sizes
     assert rows - len(set(epoch0)) < 128
-
-
-def test_elastic_resume_two_workers_to_one(tabular_data, tmp_path):
-    _elastic(tabular_data, tmp_path, ("ray", 2, 64), ("ray", 1, 128))
 
 
 def test_elastic_resume_one_worker_to_two(tabular_data, tmp_path):

@@ -89,9 +89,12 @@ def digest(root: Path) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     cases = json.loads(Path(argv[0]).read_text())
-    # The imports every command shares (torch, pyarrow, pydantic, Stride's config and driver), done once.
+    # The imports every command shares (torch, pyarrow, pydantic, Stride's config, driver and tasks), done once:
+    # torch is imported on the first config check (the task class), about 3 s of each case otherwise.
     import stride.trainers.driver  # noqa: F401
     import stride.trainers.main  # noqa: F401
+    import stride.trainers.task  # noqa: F401
+    import stride.trainers.tasks  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
         results = []

@@ -1,6 +1,6 @@
 """What train.activation_checkpointing and train.compile cost and save on CPU, side by side.
 
-    python benchmarks/blocks_bench.py                      # the default char_gpt and a deeper one, 6 timed steps
+    python benchmarks/blocks_bench.py                      # the default char_gpt and a deeper one, 5 x 6 timed steps
     python benchmarks/blocks_bench.py --smoke --reps 1 --steps 3 --out blocks.json     # tiny models: a logic check
 
 Each variant runs in a fresh process (so that its peak memory is its own): the char_gpt task's model from
@@ -23,8 +23,9 @@ repetitions:
 * a deeper one (12 layers, width 192, context 128, 16 sequences), off / on;
 * the default char_gpt, torch.compile off / on (inductor, mode default).
 
-Printed as JSON (and --out); benchmarks/run.py turns it into ac_memory_ratio, ac_step_time_ratio and
-compile_step_time_ratio.
+`measure` returns the raw runs (one per variant and repetition) for benchmarks/run.py; benchmarks/figures.py turns
+them into ac_memory_ratio, ac_step_time_ratio and compile_step_time_ratio, one sample per repetition (--reps, 5).
+Alone, the script prints those figures and each variant's medians as JSON (--out adds the raw runs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -116,8 +118,10 @@ def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
             "first_steps_s": time.perf_counter() - t_first, "peak_increase_bytes": max(peak[0], rss_bytes()) - base}
 
 
-def measure(reps: int = 2, steps: int = 6, warmup: int = 2, smoke: bool = False, timeout_s: float = 600) -> dict:
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+def measure(reps: int = 5, steps: int = 6, warmup: int = 2, smoke: bool = False, timeout_s: float = 600) -> dict:
+    """Every variant once per repetition, alternating the order; the memory variants once more with the mmap
+    threshold. Returns the raw runs (one per variant and repetition): benchmarks/figures.py makes the figures."""
+    runs: list[dict] = []
     names = list(VARIANTS)
     memory_names = [v for v in names if "compiled" not in v]
     with tempfile.TemporaryDirectory(prefix="stride-blocks-bench-") as tmp:
@@ -133,31 +137,27 @@ def measure(reps: int = 2, steps: int = 6, warmup: int = 2, smoke: bool = False,
             return json.loads(out.read_text())
 
         for rep in range(reps):
+            mine = {}
             for variant in (names if rep % 2 == 0 else names[::-1]):
-                runs[variant].append(child(variant, rep, steps, warmup, {}))
+                mine[variant] = dict(child(variant, rep, steps, warmup, {}), rep=rep)
             for variant in (memory_names if rep % 2 == 0 else memory_names[::-1]):  # two steps reach the peak
-                runs[variant][-1]["allocated_peak_increase_bytes"] = child(
+                mine[variant]["allocated_peak_increase_bytes"] = child(
                     variant, rep, 1, 1, {"MALLOC_MMAP_THRESHOLD_": "65536"})["peak_increase_bytes"]
-    keys = ("step_s", "peak_increase_bytes", "allocated_peak_increase_bytes", "warmup_s")
-    med = {v: {k: statistics.median(r[k] for r in rs) for k in keys if k in rs[0]} for v, rs in runs.items()}
-    ratio = lambda a, b, k: med[a][k] / med[b][k]  # noqa: E731
-    return {
-        "variants": {v: dict(rs[0], **{f"median_{k}": x for k, x in med[v].items()}) for v, rs in runs.items()},
-        "runs": runs,
-        "ac_memory_ratio": {"default": ratio("default_ac", "default", "allocated_peak_increase_bytes"),
-                            "deep": ratio("deep_ac", "deep", "allocated_peak_increase_bytes")},
-        "ac_rss_ratio": {"default": ratio("default_ac", "default", "peak_increase_bytes"),
-                         "deep": ratio("deep_ac", "deep", "peak_increase_bytes")},
-        "ac_step_time_ratio": {"default": ratio("default_ac", "default", "step_s"),
-                               "deep": ratio("deep_ac", "deep", "step_s")},
-        "compile_step_time_ratio": ratio("default_compiled", "default", "step_s"),
-        "compile_warmup_s": med["default_compiled"]["warmup_s"],
-    }
+            runs.extend(mine[v] for v in names)
+    return {"runs": runs}
+
+
+def report(raw: dict) -> dict:
+    """A standalone run's figures, computed as make bench computes them (benchmarks/figures.py, run by path: the
+    repository root is not on sys.path here)."""
+    f = runpy.run_path(str(Path(__file__).with_name("figures.py")))
+    figs = f["blocks_figures"]({"blocks": raw})
+    return {"figures": figs, "goals": f["goals"](figs), "variants": f["blocks_medians"]({"blocks": raw})}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (samples); a verdict needs 5")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="tiny models (a logic check)")
@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         Path(args.result).write_text(json.dumps(one(args.one, args.steps, args.warmup, args.smoke)))
         return 0
-    out = measure(args.reps, args.steps, args.warmup, args.smoke)
-    text = json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1)
-    print(text)
+    raw = measure(args.reps, args.steps, args.warmup, args.smoke)
+    out = report(raw)
+    print(json.dumps(out, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"raw": raw, **out}, indent=1) + "\n")
     return 0
 
 

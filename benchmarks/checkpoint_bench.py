@@ -1,7 +1,7 @@
 """What a checkpoint costs each rank of a 2-worker FSDP run: the earlier rank-0 gather vs DCP shards, side by side.
 
     python benchmarks/checkpoint_bench.py          # char_gpt 24 layers x width 1024, 16 heads: 302.6M parameters
-    python benchmarks/checkpoint_bench.py --layers 2 --width 256 --heads 4 --out ckpt.json   # a quick check
+    python benchmarks/checkpoint_bench.py --layers 2 --width 256 --heads 4 --reps 1 --out ckpt.json   # a check
 
 The default is the largest char_gpt that trains on 2 CPU workers of this 23.5 GiB machine under FSDP
 (docs/fsdp.md#memory); make bench runs it (benchmarks/run.py).
@@ -18,7 +18,9 @@ memory the other left in the heap. Each rank builds the same char_gpt, shards it
   one file per rank in a background thread, rank 0 hashes every file and writes meta.json last.
 
 Per rank: peak RSS above the rank's resident memory just before the checkpoint (sampled every 5 ms by a thread),
-the time training is blocked, and the time until the checkpoint is complete on storage. Printed as JSON (and --out).
+the time training is blocked, and the time until the checkpoint is complete on storage. `measure` returns these raw
+records (one per method, repetition and rank), for benchmarks/run.py; alone, the script prints them as JSON (and
+--out) with the figures benchmarks/figures.py makes of them: a sample per repetition (--reps, 5), DCP / gather.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -155,31 +158,9 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def summarize(raw: dict) -> dict:
-    """Per method and rank: the median over repetitions; the ratios DCP / gather for rank 0 and for the worst rank."""
-    import statistics
-
-    out: dict = {"params": raw["params"], "model": f"char_gpt {raw['layers']} layers x width {raw['width']}",
-                 "world_size": raw["world_size"], "reps": raw["reps"], "per_rank": {}, "runs": raw["runs"],
-                 "failed_launches": raw.get("failed_launches", [])}
-    for method, runs in raw["runs"].items():
-        for rank in sorted({r["rank"] for r in runs}):
-            mine = [r for r in runs if r["rank"] == rank]
-            out["per_rank"].setdefault(method, {})[rank] = {
-                k: statistics.median(r[k] for r in mine) for k in ("peak_increase_bytes", "peak_rss_bytes",
-                                                                   "blocked_s", "complete_s")}
-    g, d = out["per_rank"]["gather"], out["per_rank"]["dcp"]
-    worst = lambda m, k: max(v[k] for v in m.values())  # noqa: E731
-    out["rank0_memory_ratio"] = d[0]["peak_increase_bytes"] / max(g[0]["peak_increase_bytes"], 1)
-    out["max_rank_memory_ratio"] = worst(d, "peak_increase_bytes") / max(worst(g, "peak_increase_bytes"), 1)
-    out["blocked_ratio"] = worst(d, "blocked_s") / worst(g, "blocked_s")
-    out["complete_ratio"] = worst(d, "complete_s") / worst(g, "complete_s")
-    return out
-
-
 def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s: float = 900) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    raw: dict = {"reps": reps, "runs": {"gather": [], "dcp": []}}
+    raw: dict = {"reps": reps, "runs": [], "failed_launches": []}
     for rep in range(reps):
         for method in (("gather", "dcp") if rep % 2 == 0 else ("dcp", "gather")):
             result = tmp / f"{method}_{rep}.json"
@@ -192,15 +173,24 @@ def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s
                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
                 if r.returncode == 0:
                     break
-                raw.setdefault("failed_launches", []).append(
+                raw["failed_launches"].append(
                     {"method": method, "rep": rep, "exit": r.returncode, "stderr_tail": r.stderr[-1500:]})
                 if attempt == 2:
                     raise RuntimeError(f"checkpoint_bench {method} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
                                        f"{r.stderr[-3000:]}")
             one = json.loads(result.read_text())
-            raw.update(params=one["params"], layers=one["layers"], width=one["width"], world_size=one["world_size"])
-            raw["runs"][method].extend(one["ranks"])
-    return summarize(raw)
+            raw.update(params=one["params"], model=f"char_gpt {one['layers']} layers x width {one['width']}",
+                       world_size=one["world_size"])
+            raw["runs"].extend({"method": method, "rep": rep, **r} for r in one["ranks"])
+    return raw
+
+
+def report(raw: dict) -> dict:
+    """A standalone run's figures, computed as make bench computes them (benchmarks/figures.py, run by path: the
+    repository root is not on sys.path here)."""
+    f = runpy.run_path(str(Path(__file__).with_name("figures.py")))
+    figs = f["checkpoint_figures"]({"checkpoint": raw})
+    return {"figures": figs, "goals": f["goals"](figs), "per_rank": f["checkpoint_medians"]({"checkpoint": raw})}
 
 
 def free_port() -> int:
@@ -216,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (samples); a verdict needs 5")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=("gather", "dcp"), help=argparse.SUPPRESS)
@@ -231,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         out = measure(args.layers, args.width, args.heads, args.reps, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(out, indent=1)
+    text = json.dumps({"raw": out, **report(out)}, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -8,13 +8,14 @@ stride.ray_cluster.connect.init_ray), so several measurements share one `ray.ini
 * ingest: the driver checks each Parquet set against its task (stride.trainers.driver.prepare: the task's inspect,
   the columns it reads); then ONE Ray Train worker takes turns, `passes` times, between (a) Stride's streaming path
   end to end from the files, the one the loop uses (datasets/stream.py TrainStream: row groups in the epoch's
-  order, shuffled in windows, read ahead by a thread, cut into micro-batches of numpy arrays) and (b) pyarrow
-  reading the same files in that same process (pq.read_table of each file, the columns as numpy arrays, no
-  shuffle). Same process, same CPU reservation, side by side, nothing pre-loaded. (The task's per-batch transform is
-  not part of either.)
-* scaling: fits of Stride's own trainer (stride.trainers.driver.build_trainer, the real loop) with 1 (and, with
-  "workers": [1, 2], 2) workers at the same per-worker batch, alternating; throughput from
-  each run's metrics.jsonl.
+  order, shuffled in windows, read ahead by READ_THREADS threads, cut into micro-batches of numpy arrays) and (b)
+  pyarrow reading the same files in that same process (pq.read_table of each file, the columns as numpy arrays, no
+  shuffle) with as many threads: Ray sets OMP_NUM_THREADS=1 in its workers, which Arrow's pool follows, so the pool
+  is set to READ_THREADS. Same process, same CPU reservation, side by side, nothing pre-loaded. (The task's
+  per-batch transform is not part of either.)
+* scaling: fits of Stride's own trainer (stride.trainers.driver.build_trainer, the real loop) with 1 and 2 workers
+  at the same per-worker batch, alternating within each repetition; benchmarks/run.py reads each run's
+  metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def ingest_loop(config: dict) -> dict:
 
     from stride.datasets.order import Order
     from stride.datasets.parquet import column_to_numpy
-    from stride.datasets.stream import TrainStream
+    from stride.datasets.stream import READ_THREADS, TrainStream
+
+    pa.set_cpu_count(READ_THREADS)  # pyarrow gets the stream's threads (the worker's OMP_NUM_THREADS=1 gave it one)
 
     def stride_path(spec, cfg) -> int:  # one epoch of the loop's stream, one worker
         order = Order(tuple(n for _, _, n in spec.blocks), 0, cfg["batch"], cfg["window"])
@@ -57,7 +60,8 @@ def ingest_loop(config: dict) -> dict:
         return rows
 
     out: dict = {"threads": {"torch": torch.get_num_threads(), "pyarrow": pa.cpu_count(),
-                             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
+                             "stream_read_threads": READ_THREADS, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                 "sets": {}}
     for name, spec in config["specs"].items():
         runs: dict[str, list[float]] = {"stride": [], "pyarrow": []}
         rows = {}
@@ -68,7 +72,7 @@ def ingest_loop(config: dict) -> dict:
                 t0 = time.perf_counter()
                 rows[label] = fn(spec, config["settings"][name])
                 runs[label].append(time.perf_counter() - t0)
-        out[name] = {"rows": rows, "seconds": runs}
+        out["sets"][name] = {"rows": rows, "seconds": runs}
     return out
 
 
@@ -95,7 +99,8 @@ def ingest(spec: dict, storage: Path) -> dict:
     result = trainer.fit()
     out = dict(result.return_value)
     out["fit_s"] = time.perf_counter() - t0
-    out["files"] = {name: [str(f) for f in s.files] for name, s in specs.items()}
+    for name, s in specs.items():
+        out["sets"][name]["files"] = [str(f) for f in s.files]
     return out
 
 
@@ -108,7 +113,7 @@ def scaling(spec: dict, storage: Path) -> dict:
     specs = {"train": all_specs["train"]}
     runs = []
     for rep in range(spec["reps"]):
-        workers_list = spec.get("workers", [1, 2])
+        workers_list = spec["workers"]
         for workers in (workers_list if rep % 2 == 0 else workers_list[::-1]):
             name = f"scale_w{workers}_r{rep}"
             cfg = load_config(spec["config"], spec["overrides"] + [

@@ -1,38 +1,41 @@
-"""Side-by-side benchmarks of Stride: Ray Train vs torchrun, ingest, scaling, checkpoint blocking.
+"""`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing and compile.
 
-    python benchmarks/run.py --quick            # make bench: 3 repetitions, < 10 minutes on 2 cores
-    python benchmarks/run.py --full             # 5 repetitions, longer runs, a bigger ingest set
-    python benchmarks/run.py --smoke --out DIR  # one tiny repetition (the test suite), results into DIR
+    python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
+    python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
+    python benchmarks/run.py --smoke --out DIR  # one tiny repetition: a check that every part runs (no verdicts)
+    python benchmarks/run.py --render           # rewrite the READMEs' generated blocks from results/latest.json
 
-Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated; the
-JSON holds each repetition, the median and the spread (min, max), the goal and pass/fail, the machine's CPU count
-and load averages. Results: <out>/latest.json and a dated copy <out>/<YYYY-MM-DDTHHMM>.json (default out:
-benchmarks/results).
+Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
+JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
+and table that benchmarks/figures.py computes from them alone (tests/test_bench.py recomputes them from the
+stored raw runs). A figure passes or fails on the median of at least 5 samples. Results: <out>/latest.json
+(default out: benchmarks/results; earlier runs are in git's history), and with the default out the generated
+blocks of benchmarks/README.md and README.md are rewritten from it.
 
-What runs (each launch is a fresh process tree; temporary storage only, never the repo's runs/):
+What runs (each launch is a fresh process tree; temporary storage only, never the repo's runs/ or data/):
 1. pairs, `reps` times, order alternating: `torchrun --nproc-per-node 2 trainers/torchrun.py` and
    `python trainers/main.py` (embedded Ray, 2 CPU workers), same config, same data, same loop:
    -> step_time_ratio, wall_ratio, time_to_first_step_s, data_wait_fraction, ckpt_blocked_fraction
-2. benchmarks/ray_bench.py (one embedded Ray): ingest from the files through Stride's streaming path vs pyarrow
-   (-> ingest_ratio), then Stride fits with 1 and 2 workers alternating (-> scaling_2_over_1).
-3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet (-> memory_growth_ratio).
+2. benchmarks/ray_bench.py (one embedded Ray): ingest from the files through Stride's streaming path vs pyarrow,
+   with the same number of threads (-> ingest_ratio), then Stride fits with 1 and 2 workers, alternating, `reps`
+   times (-> scaling_2_over_1).
+3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet, `reps` times
+   (-> memory_growth_ratio).
 4. benchmarks/checkpoint_bench.py: a 2-worker FSDP char_gpt checkpointed with the earlier rank-0 gather and with DCP
-   shards, alternating (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
-5. benchmarks/blocks_bench.py: train.activation_checkpointing and train.compile on and off, one CPU worker
-   (-> ac_memory_ratio, ac_step_time_ratio, compile_step_time_ratio).
+   shards, alternating, `reps` times (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
+5. benchmarks/blocks_bench.py: train.activation_checkpointing and train.compile on and off, one CPU worker, `reps`
+   times (-> ac_memory_ratio, ac_step_time_ratio, compile_step_time_ratio).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,13 +50,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `python benchmarks/run.py` puts only benchmarks/ on the path
 PY = sys.executable
 
+from benchmarks.figures import BLOCKS, block, ckpt_steps, replay, run_stats, with_block  # noqa: E402
 from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
+
 CONFIG = "trainers/configs/char_gpt.yaml"
+RESULTS = REPO / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
 class Mode:
-    reps: int  # repetitions of every measurement
+    reps: int  # repetitions of every measurement: the samples of each figure (a verdict needs 5)
     steps: int  # optimizer steps of the paired job
     log_every: int
     ckpt_every: int  # one or more checkpoints inside the run (plus the final one)
@@ -65,57 +71,24 @@ class Mode:
     ingest_features: int
     ingest_passes: int
     timeout_s: int  # per launch
-    scale_workers: tuple = (1,)  # (1,): 2-worker throughput from the paired Stride runs; (1, 2): own paired fits
     stream_rows: tuple = (200_000, 4_000_000)  # small / large set of benchmarks/stream_memory.py (~50 MB / ~1 GB raw)
     # benchmarks/checkpoint_bench.py's char_gpt (layers, width, heads): the largest that trains on 2 CPU workers here
     # under FSDP (docs/fsdp.md#memory), 302.6M parameters
     ckpt_model: tuple = (24, 1024, 16)
+    blocks_steps: int = 6  # benchmarks/blocks_bench.py: timed steps and warm-up steps per variant
+    blocks_warmup: int = 2
+    tiny_models: bool = False  # blocks_bench's tiny models (a check that it runs)
 
 
 MODES = {
     "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
                   scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
-                  stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4)),
-    "quick": Mode(reps=3, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
+                  stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4), blocks_steps=3, blocks_warmup=1,
+                  tiny_models=True),
+    "quick": Mode(reps=5, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
                   scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=9, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
-                 scale_warmup_steps=20, ingest_rows=2_000_000, ingest_features=32, ingest_passes=9, timeout_s=900,
-                 scale_workers=(1, 2)),
-}
-
-GOALS = {  # figure: (operator, threshold)
-    "step_time_ratio": ("<=", 1.02),
-    "wall_ratio": ("<=", 1.5),
-    "ingest_ratio": (">=", 1.0),
-    "data_wait_fraction": ("<", 0.02),
-    "ckpt_blocked_fraction": ("<=", 0.2),
-    "memory_growth_ratio": ("<=", 0.35),
-    "checkpoint_rank0_memory_ratio": ("<=", 0.5),
-    "checkpoint_blocked_ratio": ("<", 1.0),
-    "ac_memory_ratio": ("<=", 0.6),
-    "ac_step_time_ratio": ("<=", 1.5),
-    "compile_step_time_ratio": ("<=", 1.0),
-}
-
-WHAT = {
-    "step_time_ratio": "median steady-state step time, Stride on Ray Train / torchrun (same loop, data, config)",
-    "wall_ratio": "wall time launch to exit of the same short job, Stride / torchrun",
-    "time_to_first_step_s": "launch to the end of the first optimizer step (rank 0)",
-    "ingest_ratio": "rows/s from the files, Stride's streaming path on one worker (row groups in the epoch's order, "
-                    "window shuffle, micro-batches of arrays) / pyarrow reading the same files in that process",
-    "data_wait_fraction": "share of step time a worker spends building its next batch (Stride, default job)",
-    "scaling_2_over_1": "Stride throughput (samples/s), 2 workers / 1 worker at the same per-worker batch",
-    "ckpt_blocked_fraction": "training time blocked by a mid-run checkpoint / that checkpoint's total write time (Stride)",
-    "memory_growth_ratio": "(peak PSS of the whole process tree, one epoch on ~1 GB of Parquet - on ~50 MB) / raw "
-                           "bytes of the large set; 2 CPU workers (benchmarks/stream_memory.py)",
-    "checkpoint_rank0_memory_ratio": "rank 0's peak memory rise during a checkpoint of a 2-worker FSDP char_gpt, DCP "
-                                     "shards / the earlier rank-0 gather (benchmarks/checkpoint_bench.py)",
-    "checkpoint_blocked_ratio": "training time blocked by that checkpoint (the slowest rank), DCP shards / rank-0 gather",
-    "ac_memory_ratio": "peak memory rise of a training step, train.activation_checkpointing on / off, a 12-layer "
-                       "char_gpt on one CPU worker, RSS with MALLOC_MMAP_THRESHOLD_=65536 so that it follows the "
-                       "live tensors (benchmarks/blocks_bench.py; glibc's defaults: rss_ratio_glibc_defaults)",
-    "ac_step_time_ratio": "step time, train.activation_checkpointing on / off, the same 12-layer char_gpt",
-    "compile_step_time_ratio": "step time, train.compile on / off (inductor), the default char_gpt on one CPU worker",
+                 scale_warmup_steps=20, ingest_rows=2_000_000, ingest_features=32, ingest_passes=9, timeout_s=900),
 }
 
 
@@ -131,24 +104,6 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def summarize(samples: list[float]) -> dict:
-    xs = [x for x in samples if x is not None and math.isfinite(x)]
-    if not xs:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0, "samples": samples}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": samples}
-
-
-def figure(name: str, samples: list[float], unit: str, goal: tuple[str, float] | None = None, **extra) -> dict:
-    s = summarize(samples)
-    value = s["median"]
-    ok = None
-    if goal is not None and math.isfinite(value):
-        op, thr = goal
-        ok = {"<=": value <= thr, "<": value < thr, ">=": value >= thr, ">": value > thr}[op]
-    return {"value": value, **s, "unit": unit, "goal": f"{goal[0]} {goal[1]:g}" if goal else None,
-            "pass": ok, "what": WHAT.get(name, ""), **extra}
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -261,15 +216,16 @@ def launch(cmd: list[str], log_path: Path, timeout_s: float, sample_log: Path | 
     return Launch(124 if timed_out else proc.returncode, wall, first, left, str(log_path), stamped)
 
 
+
 PHASES = {  # marker in the job's output -> phase that has ended when it appears (first occurrence)
-    "stride": [("ray_init", "stride: Ray dashboard"), ("driver_data_read", "stride: read "),
+    "stride": [("ray_init", "stride: Ray dashboard"), ("driver_ready", "stride: training "),
                ("worker_group_started", "Started training worker group"), ("worker_data_loaded", "INFO data: "),
                ("first_log_step", " INFO step ")],
     "torchrun": [("worker_data_loaded", "INFO data: "), ("first_log_step", " INFO step ")],
 }
 
 
-def phases(runtime: str, stamped: list[tuple[float, str]], first_step: float | None, wall: float, steps: int) -> dict:
+def phase_times(runtime: str, stamped: list[tuple[float, str]], first_step: float | None, wall: float, steps: int) -> dict:
     """Seconds since launch at which each phase ended, from the job's own output lines (first occurrence)."""
     out: dict = {}
     for name, marker in PHASES[runtime]:
@@ -282,55 +238,35 @@ def phases(runtime: str, stamped: list[tuple[float, str]], first_step: float | N
     return out
 
 
-def steady(lines: list[dict], warmup_steps: int, ckpt_steps: list[int]) -> list[dict]:
-    """Log lines of steady-state training: after warm-up, and not touched by a checkpoint (the line after each
-    mid-run checkpoint, and further ones until the line that reports the checkpoint's write as finished)."""
-    train = [x for x in lines if "train_loss" in x]
-    touched: set[int] = set()
-    for c in ckpt_steps:
-        after = [x for x in train if x["step"] > c]
-        if not after:
-            continue
-        done = next((i for i, x in enumerate(after) if "checkpoint_write_s" in x), 0)
-        touched.update(x["step"] for x in after[:done + 1])
-    return [x for x in train if x["step"] > warmup_steps and x["step"] not in touched]
-
-
-def median_of(lines: list[dict], key: str) -> float | None:
-    xs = [x[key] for x in lines if isinstance(x.get(key), (int, float))]
-    return statistics.median(xs) if xs else None
-
-
-def checkpoint_figures(lines: list[dict], ckpt_steps: list[int]) -> list[dict]:
-    """Per mid-run checkpoint: seconds it blocked training (first log line after it) and its total write time
-    (the first line after it that reports a finished write)."""
-    train = [x for x in lines if "train_loss" in x]
-    out = []
-    for c in ckpt_steps:
-        after = [x for x in train if x["step"] > c]
-        blocked = next((x["checkpoint_blocked_s"] for x in after if "checkpoint_blocked_s" in x), None)
-        write = next((x["checkpoint_write_s"] for x in after if "checkpoint_write_s" in x), None)
-        out.append({"step": c, "blocked_s": blocked, "write_s": write,
-                    "fraction": blocked / write if blocked is not None and write else None})
-    return out
+def default_job_data(tmp: Path) -> Path:
+    """The default job's data: the checkout's data/pystdlib if `make train` or `make data` built it (read only),
+    else built under `tmp`: a benchmark writes nothing into the checkout but its results."""
+    built = REPO / "data" / "pystdlib"
+    if (built / "train").exists():
+        return built
+    print("bench: building the default job's data (datasets/prepare.py pystdlib) in the temporary folder", flush=True)
+    subprocess.run([PY, "datasets/prepare.py", "pystdlib", "--out", str(tmp / "pystdlib")], cwd=REPO, check=True,
+                   capture_output=True)
+    return tmp / "pystdlib"
 
 
 # ---------------------------------------------------------------- the paired runs
 
-def job_overrides(mode: Mode, storage: Path, name: str) -> list[str]:
+def job_overrides(mode: Mode, storage: Path, name: str, data: Path) -> list[str]:
     # The default job (char_gpt.yaml: 3 layers, width 128, context 64, 32 sequences per worker, AdamW, fp32), shortened;
     # validation off (it would add the same eval time to both sides), MLflow on for both, into the run's own store.
     return [f"run.name={name}", f"run.storage_path={storage}", f"train.max_steps={mode.steps}",
             f"train.log_every_steps={mode.log_every}", f"train.eval_every_steps={mode.steps}",
-            f"checkpoint.every_steps={mode.ckpt_every}", "data.val_path=null",
+            f"checkpoint.every_steps={mode.ckpt_every}", f"data.train_path={data / 'train'}", "data.val_path=null",
             f"tracking.mlflow_uri=sqlite:///{storage / 'mlflow.db'}"]
 
 
-def run_pair_member(runtime: str, rep: int, mode: Mode, tmp: Path) -> dict:
+def run_pair_member(runtime: str, rep: int, mode: Mode, tmp: Path, data: Path) -> dict:
+    """One run of the pair: its raw record (times, phases, every metrics.jsonl line)."""
     storage = tmp / f"{runtime}_r{rep}"
     storage.mkdir(parents=True)
     name = "bench"
-    over = job_overrides(mode, storage, name)
+    over = job_overrides(mode, storage, name, data)
     if runtime == "stride":
         cmd = [PY, "trainers/main.py", "--config", CONFIG, *over]
     else:
@@ -340,156 +276,71 @@ def run_pair_member(runtime: str, rep: int, mode: Mode, tmp: Path) -> dict:
     load_before = os.getloadavg()
     r = launch(cmd, tmp / f"{runtime}_r{rep}.log", mode.timeout_s, sample_log=storage / "samples")
     run_dir = storage / name
-    lines = read_jsonl(run_dir / "metrics.jsonl")
-    ckpts = [s for s in range(mode.ckpt_every, mode.steps, mode.ckpt_every)]
-    st = steady(lines, mode.warmup_steps, ckpts)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     out = {"runtime": runtime, "rep": rep, "rc": r.rc, "wall_s": r.wall_s, "time_to_first_step_s": r.first_step_s,
-           "phases_s": phases(runtime, r.lines, r.first_step_s, r.wall_s, mode.steps),
-           "steady_steps": [x["step"] for x in st], "step_time_s": median_of(st, "step_time_s"),
-           "samples_per_second": median_of(st, "samples_per_second"),
-           "data_wait_fraction": median_of(st, "data_wait_fraction"), "data_wait_s": median_of(st, "data_wait_s"),
-           "checkpoints": checkpoint_figures(lines, ckpts), "train_wall_s": summary.get("train_wall_s"),
-           "summary_wall_s": summary.get("wall_s"), "status": summary.get("status"),
+           "phases_s": phase_times(runtime, r.lines, r.first_step_s, r.wall_s, mode.steps),
+           "summary": {k: summary.get(k) for k in ("train_wall_s", "wall_s", "status")},
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "leftovers_killed": r.leftovers_killed,
-           "log": r.log, "metrics": lines}
+           "metrics": read_jsonl(run_dir / "metrics.jsonl")}
     if r.rc != 0:
         out["log_tail"] = Path(r.log).read_text()[-3000:]
     return out
 
 
+def run_pairs(mode: Mode, tmp: Path, data: Path) -> list[dict]:
+    pairs = []
+    for rep in range(mode.reps):
+        for runtime in (("torchrun", "stride") if rep % 2 == 0 else ("stride", "torchrun")):
+            p = run_pair_member(runtime, rep, mode, tmp, data)
+            pairs.append(p)
+            st = run_stats(p["metrics"], mode.warmup_steps, ckpt_steps(asdict(mode)))
+            print(f"bench: rep {rep + 1}/{mode.reps} {runtime:8s} exit {p['rc']} wall {p['wall_s']:.1f}s first step "
+                  f"{p['time_to_first_step_s'] or float('nan'):.1f}s steady step {st['step_time_s'] or float('nan'):.3f}s "
+                  f"(load {p['loadavg_after'][0]:.1f})", flush=True)
+            if p["rc"] != 0:
+                raise RuntimeError(f"{runtime} run failed (exit {p['rc']}):\n{p.get('log_tail', '')}")
+    return pairs
+
+
 # ---------------------------------------------------------------- ray_bench (ingest, scaling)
 
-def run_ray_bench(mode: Mode, tmp: Path) -> dict:
+def run_ray_bench(mode: Mode, tmp: Path, data: Path) -> dict:
     ingest_dir = tmp / "ingest_tabular"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(ingest_dir), "--rows", str(mode.ingest_rows),
                     "--features", str(mode.ingest_features), "--classes", "4", "--seed", "0"],
                    cwd=REPO, check=True, capture_output=True)
     scale_over = [f"train.max_steps={mode.scale_steps}", f"train.log_every_steps={mode.scale_log_every}",
                   f"train.eval_every_steps={mode.scale_steps}", f"checkpoint.every_steps={mode.scale_steps}",
-                  "data.val_path=null"]
+                  f"data.train_path={data / 'train'}", "data.val_path=null"]
     spec = {
         "storage": str(tmp / "ray_bench"), "passes": mode.ingest_passes,
         "ingest_sets": {
             "tabular": {"config": "trainers/configs/tabular_mlp.yaml",
                         "overrides": [f"data.train_path={ingest_dir / 'train'}", f"data.val_path={ingest_dir / 'val'}"]},
-            "pystdlib": {"config": CONFIG, "overrides": []},
+            "pystdlib": {"config": CONFIG, "overrides": [f"data.train_path={data / 'train'}", "data.val_path=null"]},
         },
-        "scaling": {"config": CONFIG, "reps": mode.reps, "overrides": scale_over, "workers": list(mode.scale_workers)},
+        # 1 and 2 workers alternating in every repetition: scaling_2_over_1 compares fits taken side by side
+        "scaling": {"config": CONFIG, "reps": mode.reps, "overrides": scale_over, "workers": [1, 2]},
     }
     spec_path, out_path = tmp / "ray_bench_spec.json", tmp / "ray_bench_out.json"
     spec_path.write_text(json.dumps(spec))
-    timeout = mode.timeout_s * (len(mode.scale_workers) * mode.reps + 1)
+    timeout = mode.timeout_s * (2 * mode.reps + 1)
     r = launch([PY, "benchmarks/ray_bench.py", str(spec_path), str(out_path)], tmp / "ray_bench.log", timeout)
     if r.rc != 0 or not out_path.exists():
         raise RuntimeError(f"benchmarks/ray_bench.py failed (exit {r.rc}); log {r.log}:\n"
                            + Path(r.log).read_text()[-3000:])
     out = json.loads(out_path.read_text())
-    out["wall_s"] = r.wall_s
-    for run in out["scaling"]["runs"]:
-        lines = read_jsonl(Path(run["run_dir"]) / "metrics.jsonl")
-        st = steady(lines, mode.scale_warmup_steps, [])
-        run["steady_steps"] = [x["step"] for x in st]
-        run["samples_per_second"] = median_of(st, "samples_per_second")
-        run["step_time_s"] = median_of(st, "step_time_s")
-        run["metrics"] = lines
-    return out
+    scaling = [{"rep": x["rep"], "workers": x["workers"], "fit_s": x["fit_s"], "summary": x["summary"],
+                "loadavg": x["loadavg"], "metrics": read_jsonl(Path(x["run_dir"]) / "metrics.jsonl")}
+               for x in out["scaling"]["runs"]]
+    return {"ingest": out["ingest"], "scaling": scaling,
+            "ray_bench": {"ray_init_s": out["ray_init_s"], "wall_s": r.wall_s}}
 
 
-# ---------------------------------------------------------------- figures
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b not in (None, 0) else None
-
-
-def compute(mode: Mode, pairs: list[dict], rb: dict) -> dict:
-    by = {(p["runtime"], p["rep"]): p for p in pairs}
-    reps = range(mode.reps)
-    s = [by[("stride", i)] for i in reps]
-    t = [by[("torchrun", i)] for i in reps]
-    figs: dict = {}
-    figs["step_time_ratio"] = figure("step_time_ratio", [ratio(a["step_time_s"], b["step_time_s"]) for a, b in zip(s, t)],
-                                     "ratio", GOALS["step_time_ratio"],
-                                     stride_step_time_s=summarize([a["step_time_s"] for a in s]),
-                                     torchrun_step_time_s=summarize([b["step_time_s"] for b in t]))
-    figs["wall_ratio"] = figure("wall_ratio", [ratio(a["wall_s"], b["wall_s"]) for a, b in zip(s, t)], "ratio",
-                                GOALS["wall_ratio"], stride_wall_s=summarize([a["wall_s"] for a in s]),
-                                torchrun_wall_s=summarize([b["wall_s"] for b in t]),
-                                job=f"char_gpt, {mode.steps} steps, no validation, checkpoints at every "
-                                    f"{mode.ckpt_every} steps and the end")
-    figs["time_to_first_step_s"] = {
-        "stride": figure("time_to_first_step_s", [a["time_to_first_step_s"] for a in s], "s"),
-        "torchrun": figure("time_to_first_step_s", [b["time_to_first_step_s"] for b in t], "s"),
-        "goal": None, "what": WHAT["time_to_first_step_s"],
-        "phases_s": {rt: {k: summarize([p["phases_s"].get(k) for p in runs])["median"] for k in runs[0]["phases_s"]}
-                     for rt, runs in (("stride", s), ("torchrun", t))}}
-    ing = rb["ingest"]
-    tab, txt = ing["tabular"], ing["pystdlib"]
-
-    def rows_per_s(block: dict, key: str) -> list[float]:
-        return [block["rows"][key] / x for x in block["seconds"][key]]
-
-    def pass_ratios(block: dict, num: str, den: str) -> list[float]:
-        return [a / b for a, b in zip(rows_per_s(block, num), rows_per_s(block, den))]
-
-    figs["ingest_ratio"] = figure(
-        "ingest_ratio", pass_ratios(tab, "stride", "pyarrow"), "ratio", GOALS["ingest_ratio"],
-        data=f"tabular Parquet, {tab['rows']['pyarrow']} rows x {mode.ingest_features} float32 features + label + "
-             f"sample_id ({len(ing['files']['tabular'])} files), one worker, from the files (nothing pre-loaded)",
-        stride_rows_per_s=summarize(rows_per_s(tab, "stride")), pyarrow_rows_per_s=summarize(rows_per_s(tab, "pyarrow")),
-        default_job_data={"data": f"data/pystdlib/train, {txt['rows']['pyarrow']} rows of tokens + sample_id",
-                          "ingest_ratio": summarize(pass_ratios(txt, "stride", "pyarrow")),
-                          "stride_rows_per_s": summarize(rows_per_s(txt, "stride")),
-                          "pyarrow_rows_per_s": summarize(rows_per_s(txt, "pyarrow"))},
-        threads_in_worker=ing.get("threads"))
-    figs["data_wait_fraction"] = figure("data_wait_fraction", [a["data_wait_fraction"] for a in s], "fraction",
-                                        GOALS["data_wait_fraction"],
-                                        torchrun=summarize([b["data_wait_fraction"] for b in t]),
-                                        stride_data_wait_s=summarize([a["data_wait_s"] for a in s]))
-    sc = {(r["workers"], r["rep"]): r for r in rb["scaling"]["runs"]}
-    one = [sc[(1, i)]["samples_per_second"] for i in reps]
-    if all((2, i) in sc for i in reps):  # --full: 2-worker fits of its own, alternating with the 1-worker ones
-        two, source = [sc[(2, i)]["samples_per_second"] for i in reps], "ray_bench 2-worker fits (paired)"
-    else:  # the paired Stride runs above: same loop, same per-worker batch, steady-state windows
-        two, source = [a["samples_per_second"] for a in s], "the paired trainers/main.py runs (2 workers)"
-    figs["scaling_2_over_1"] = figure(
-        "scaling_2_over_1", [ratio(b, a) for a, b in zip(one, two)], "ratio", None, ideal=2.0,
-        samples_per_second_1=summarize(one), samples_per_second_2=summarize(two), two_worker_source=source,
-        job=f"char_gpt, 32 sequences per worker, 1 torch thread per worker; 1 worker: Stride's trainer "
-            f"(stride.trainers.driver.build_trainer), {mode.scale_steps} steps")
-    ck = [c for a in s for c in a["checkpoints"]]
-    ckt = [c for b in t for c in b["checkpoints"]]
-    figs["ckpt_blocked_fraction"] = figure(
-        "ckpt_blocked_fraction", [c["fraction"] for c in ck], "fraction", GOALS["ckpt_blocked_fraction"],
-        blocked_s=summarize([c["blocked_s"] for c in ck]), write_s=summarize([c["write_s"] for c in ck]),
-        torchrun=summarize([c["fraction"] for c in ckt]),
-        checkpoint_bytes="char_gpt model + AdamW state (about 7.7 MB)")
-    return figs
-
-
-def flat_figures(figs: dict) -> list[tuple[str, dict]]:
-    out = []
-    for name, f in figs.items():
-        if "value" in f:
-            out.append((name, f))
-        else:
-            out.extend((f"{name} ({k})", v) for k, v in f.items() if isinstance(v, dict) and "value" in v)
-    return out
-
-
-def table(figs: dict) -> str:
-    rows = [("figure", "median", "spread (min..max, n)", "goal", "result")]
-    for name, f in flat_figures(figs):
-        fmt = (lambda v: f"{v:.3f}") if f["unit"] != "s" else (lambda v: f"{v:.1f} s")
-        res = "-" if f["pass"] is None else ("PASS" if f["pass"] else "FAIL")
-        rows.append((name, fmt(f["value"]), f"{fmt(f['min'])}..{fmt(f['max'])}, n={f['n']}", f["goal"] or "-", res))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
+# ---------------------------------------------------------------- the whole run
 
 def machine() -> dict:
+    """The machine the figures were measured on (stored with them: a ratio is this machine's)."""
     info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "hostname": socket.gethostname()}
     try:
@@ -514,16 +365,62 @@ def machine() -> dict:
     return info
 
 
+def measure(mode: Mode, tmp: Path) -> dict:
+    """Every benchmark, one after the other: the raw runs figures.py computes the figures from."""
+    data = default_job_data(tmp)
+    raw: dict = {"settings": asdict(mode)}
+    raw["pairs"] = run_pairs(mode, tmp, data)
+    print("bench: ingest and scaling (benchmarks/ray_bench.py)", flush=True)
+    raw.update(run_ray_bench(mode, tmp, data))
+    print(f"bench: ray_bench done in {raw['ray_bench']['wall_s']:.1f}s", flush=True)
+    # Imported here, not at the top: they import this module's helpers.
+    from benchmarks.blocks_bench import measure as blocks_bench
+    from benchmarks.checkpoint_bench import measure as checkpoint_bench
+    from benchmarks.stream_memory import measure as stream_memory
+
+    print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
+    raw["memory"] = stream_memory(*mode.stream_rows, tmp / "stream_memory", reps=mode.reps, timeout_s=mode.timeout_s)
+    print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
+    raw["checkpoint"] = checkpoint_bench(*mode.ckpt_model, reps=mode.reps, tmp=tmp / "checkpoint_bench",
+                                         timeout_s=mode.timeout_s * 2)
+    print("bench: activation checkpointing and torch.compile on CPU (benchmarks/blocks_bench.py)", flush=True)
+    raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
+                                 smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+    return raw
+
+
+def render(result_path: Path) -> list[str]:
+    """Rewrite the generated blocks of benchmarks/README.md and README.md from a stored result. Returns the files
+    that changed."""
+    result = json.loads(result_path.read_text())
+    changed = []
+    for rel, (name, make) in BLOCKS.items():
+        path = REPO / rel
+        text = path.read_text()
+        if block(text, name) is None:
+            raise SystemExit(f"bench: {rel} has no generated block {name!r}")
+        new = with_block(text, name, make(result))
+        if new != text:
+            path.write_text(new)
+            changed.append(rel)
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="3 repetitions, < 10 min (default)")
+    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="5 repetitions (default)")
     g.add_argument("--full", dest="mode", action="store_const", const="full", help="5 repetitions, longer runs")
-    g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="1 tiny repetition (tests)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for latest.json and the dated copy")
+    g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="1 tiny repetition, no verdicts")
+    g.add_argument("--render", nargs="?", const=str(RESULTS / "latest.json"), metavar="RESULT",
+                   help="measure nothing: rewrite the READMEs' generated blocks from RESULT (default: latest.json)")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for latest.json")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary run folders and logs")
     args = ap.parse_args(argv)
+    if args.render:
+        print(f"bench: rewrote {', '.join(render(Path(args.render))) or 'nothing (up to date)'}")
+        return 0
     mode_name = args.mode or "quick"
     mode = MODES[mode_name]
     out_dir = Path(args.out)
@@ -534,86 +431,32 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     print(f"bench: {mode_name}: {mode.reps} repetition(s); temporary runs in {tmp}; load average "
           f"{load_start[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
-    if not (REPO / "data" / "pystdlib" / "train").exists():  # the default job's data, built as `make train` does
-        print("bench: building data/pystdlib (datasets/prepare.py pystdlib)", flush=True)
-        subprocess.run([PY, "datasets/prepare.py", "pystdlib", "--out", "data/pystdlib"], cwd=REPO, check=True)
     try:
-        pairs = []
-        for rep in range(mode.reps):
-            for runtime in (("torchrun", "stride") if rep % 2 == 0 else ("stride", "torchrun")):
-                p = run_pair_member(runtime, rep, mode, tmp)
-                pairs.append(p)
-                print(f"bench: rep {rep + 1}/{mode.reps} {runtime:8s} exit {p['rc']} wall {p['wall_s']:.1f}s first step "
-                      f"{p['time_to_first_step_s'] or float('nan'):.1f}s steady step {p['step_time_s'] or float('nan'):.3f}s "
-                      f"(load {p['loadavg_after'][0]:.1f})", flush=True)
-                if p["rc"] != 0:
-                    raise RuntimeError(f"{runtime} run failed (exit {p['rc']}); log {p['log']}:\n{p.get('log_tail', '')}")
-        print("bench: ingest and scaling (benchmarks/ray_bench.py)", flush=True)
-        rb = run_ray_bench(mode, tmp)
-        print(f"bench: ray_bench done in {rb['wall_s']:.1f}s", flush=True)
-        print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
-        from benchmarks.stream_memory import measure as stream_memory  # here, not at the top: it imports run.py
-        sm = stream_memory(*mode.stream_rows, tmp / "stream_memory", timeout_s=mode.timeout_s)
-        figs = compute(mode, pairs, rb)
-        figs["memory_growth_ratio"] = figure(
-            "memory_growth_ratio", [sm["memory_growth_ratio"]], "ratio", GOALS["memory_growth_ratio"],
-            growth_bytes=sm["growth_bytes"], peak_pss_bytes=sm["peak_pss_bytes"], raw_bytes=sm["raw_bytes"],
-            parquet_bytes=sm["parquet_bytes"], wall_s=sm["wall_s"], lower_bound=sm["lower_bound"])
-        print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
-        from benchmarks.checkpoint_bench import measure as checkpoint_bench
-
-        cb = checkpoint_bench(*mode.ckpt_model, reps=1 if mode_name == "smoke" else 2, tmp=tmp / "checkpoint_bench",
-                              timeout_s=mode.timeout_s * 2)
-        figs["checkpoint_rank0_memory_ratio"] = figure(
-            "checkpoint_rank0_memory_ratio", [cb["rank0_memory_ratio"]], "ratio", GOALS["checkpoint_rank0_memory_ratio"],
-            model=cb["model"], params=cb["params"], per_rank=cb["per_rank"])
-        figs["checkpoint_blocked_ratio"] = figure(
-            "checkpoint_blocked_ratio", [cb["blocked_ratio"]], "ratio", GOALS["checkpoint_blocked_ratio"],
-            complete_ratio=cb["complete_ratio"], max_rank_memory_ratio=cb["max_rank_memory_ratio"])
-        print("bench: activation checkpointing and torch.compile on CPU (benchmarks/blocks_bench.py)", flush=True)
-        from benchmarks.blocks_bench import measure as blocks_bench
-
-        bb = blocks_bench(reps=1 if mode_name == "smoke" else 2, steps=3 if mode_name == "smoke" else 6,
-                          warmup=1 if mode_name == "smoke" else 2, smoke=mode_name == "smoke", timeout_s=mode.timeout_s)
-        v = bb["variants"]
-        figs["ac_memory_ratio"] = figure(
-            "ac_memory_ratio", [bb["ac_memory_ratio"]["deep"]], "ratio", GOALS["ac_memory_ratio"],
-            default_model=bb["ac_memory_ratio"]["default"],
-            allocated_peak_increase_bytes={k: v[k]["median_allocated_peak_increase_bytes"] for k in v
-                                           if "median_allocated_peak_increase_bytes" in v[k]},
-            rss_ratio_glibc_defaults=bb["ac_rss_ratio"],
-            peak_increase_bytes={k: v[k]["median_peak_increase_bytes"] for k in v})
-        figs["ac_step_time_ratio"] = figure(
-            "ac_step_time_ratio", [bb["ac_step_time_ratio"]["deep"]], "ratio", GOALS["ac_step_time_ratio"],
-            default_model=bb["ac_step_time_ratio"]["default"], step_s={k: v[k]["median_step_s"] for k in v})
-        figs["compile_step_time_ratio"] = figure(
-            "compile_step_time_ratio", [bb["compile_step_time_ratio"]], "ratio", GOALS["compile_step_time_ratio"],
-            compile_warmup_s=bb["compile_warmup_s"])
+        raw = measure(mode, tmp)
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+    raw = json.loads(json.dumps(raw, default=str))  # the figures come from the raw runs exactly as stored
     result = {
         "mode": mode_name, "started": started.isoformat(timespec="seconds"),
         "duration_s": time.perf_counter() - t0, "machine": machine(),
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
         "workload": {"model": "char_gpt (trainers/configs/char_gpt.yaml): 3 layers, width 128, 4 heads, context 64, "
                               "fp32, AdamW; 32 sequences per worker, 2 CPU workers of 1 CPU (1 torch thread) each",
-                     "data": "data/pystdlib/train (91k rows of 65 bytes)",
+                     "data": "the default job's data, datasets/prepare.py pystdlib (91k rows of 65 bytes)",
                      "why": "the default job; a step is ~0.1-0.5 s of forward/backward on one core, so Ray's "
-                            "per-step and per-report costs show against real compute, not against an empty loop",
-                     "mode": asdict(mode)},
-        "figures": figs,
-        "runs": {"pairs": pairs, "ray_bench": rb, "stream_memory": sm, "checkpoint_bench": cb, "blocks_bench": bb},
+                            "per-step and per-report costs show against real compute, not against an empty loop"},
+        "raw": raw,
+        **replay(raw),
     }
-    stamp = started.strftime("%Y-%m-%dT%H%M")
-    text = json.dumps(result, indent=1, default=str) + "\n"
-    dated = out_dir / f"{stamp}.json"
-    dated.write_text(text)
-    (out_dir / "latest.json").write_text(text)
+    latest = out_dir / "latest.json"
+    latest.write_text(json.dumps(result, indent=1) + "\n")
     print()
-    print(table(figs))
+    print(result["table"])
     print(f"\nbench: {mode_name} took {result['duration_s']:.0f}s; load average {load_start[0]:.2f} -> "
-          f"{result['loadavg_end'][0]:.2f} on {os.cpu_count()} CPUs; wrote {out_dir / 'latest.json'} and {dated}")
+          f"{result['loadavg_end'][0]:.2f} on {os.cpu_count()} CPUs; wrote {latest}")
+    if out_dir.resolve() == RESULTS.resolve():  # the checkout's results: its READMEs quote them
+        print(f"bench: rewrote {', '.join(render(latest)) or 'nothing'}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """How a training run's memory grows with the size of its data set.
 
     python benchmarks/stream_memory.py                                  # 200k vs 4M rows x 64 features (~1 GB raw)
-    python benchmarks/stream_memory.py --rows-small 20000 --rows-large 200000 --out stream.json   # a quick check
+    python benchmarks/stream_memory.py --reps 1 --rows-small 20000 --rows-large 200000 --out stream.json   # a check
     python benchmarks/stream_memory.py --data data/stream_bench         # keep the generated sets there for reruns
 
 Two synthetic tabular sets (datasets/prepare.py tabular, 64 float32 features, 4 classes): a small one and a large
@@ -15,9 +15,11 @@ holds the RSS sum and the machine's used-memory rise over each run, as cross-che
     memory_growth_ratio = growth / raw bytes of the large set (rows x features x 4; train + val)
     goal                : memory_growth_ratio <= 0.35 (a worker streams its data: memory bounded by a window)
 
-A run whose tree goes over --limit-gib (or that leaves the machine under 1.5 GiB available) is stopped by pid and
-reported as aborted: its peak, and so the ratio, is then a lower bound. Results: printed as JSON (and --out FILE).
-`measure(rows_small, rows_large, tmp)` is the same, for benchmarks/run.py.
+Both runs are repeated --reps times (5; about 2 minutes a repetition here), alternating which goes first: one
+sample per repetition, the figure is their median (benchmarks/figures.py memory_figure). A run whose tree goes over
+--limit-gib (or that leaves the machine under 1.5 GiB available) is stopped by pid and reported as aborted: its peak,
+and so that sample, is then a lower bound, which decides only a goal it is already over. Results: printed as JSON
+(and --out FILE). `measure(rows_small, rows_large, tmp, reps=...)` returns the raw runs, for benchmarks/run.py.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `python benchmarks/stream_memory.py` puts only benchmarks/ on the path
 PY = sys.executable
 
+from benchmarks.figures import GOALS, fmt, memory_figure, spread, verdict  # noqa: E402
 from benchmarks.run import clean_env, kill_exact  # noqa: E402 - run.py defines helpers only; nothing runs at import
 from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table: {pid: {ppid, sid, start_s, cmdline}}
 
 FEATURES = 64
 CLASSES = 4
 VAL_FRACTION = 0.01  # validation is not what is measured: keep it small
-GOAL = ("<=", 0.35)
 SAMPLE_EVERY_S = 0.2
 MIN_AVAILABLE_BYTES = int(1.5 * 2**30)  # the machine is shared: stop our run before it starves everyone else
 GIB, MIB = 2**30, 2**20
@@ -247,50 +249,36 @@ def run_epoch(data: Path, storage: Path, name: str, timeout_s: float, limit_byte
     return out
 
 
-# ---------------------------------------------------------------- the figure
+# ---------------------------------------------------------------- the measurement
 
-def measure(rows_small: int, rows_large: int, tmp: Path, data: Path | None = None, timeout_s: float = 3600,
-            limit_gib: float = 18.0) -> dict:
-    """Generate both sets (under `data`, kept, or under `tmp`), run one epoch on each (small first, one at a time)
-    and compare their peaks. Runs write under `tmp`; the caller owns and removes it."""
+def measure(rows_small: int, rows_large: int, tmp: Path, data: Path | None = None, reps: int = 5,
+            timeout_s: float = 3600, limit_gib: float = 18.0) -> dict:
+    """Generate both sets (under `data`, kept, or under `tmp`), then `reps` times one epoch on each, one run at a
+    time, alternating which goes first. Returns the raw runs; benchmarks/figures.py's memory_figure makes the
+    figure of them (one sample per repetition). Runs write under `tmp`; the caller owns and removes it."""
     tmp, data = Path(tmp), Path(data) if data else Path(tmp) / "data"
     sets = {"small": make_set(data / f"tabular_{rows_small}x{FEATURES}", rows_small),
             "large": make_set(data / f"tabular_{rows_large}x{FEATURES}", rows_large)}
-    runs = {}
-    for which, s in sets.items():
-        print(f"stream_memory: {which}: {s['rows']} rows ({s['raw_bytes'] / MIB:.0f} MiB raw, "
-              f"{s['parquet_bytes'] / MIB:.0f} MiB Parquet), one epoch on 2 workers", file=sys.stderr, flush=True)
-        r = run_epoch(Path(s["path"]), tmp / "runs", which, timeout_s, int(limit_gib * GIB))
-        runs[which] = r
-        print(f"stream_memory: {which}: exit {r['rc']}, peak PSS {r['peak_pss_gib']:.2f} GiB, wall {r['wall_s']:.0f}s"
-              + (f" - ABORTED: {r['aborted']}" if r["aborted"] else ""), file=sys.stderr, flush=True)
-        if r["rc"] != 0 and not r["aborted"]:
-            raise RuntimeError(f"the {which} run failed (exit {r['rc']}); log {r['log']}:\n{r.get('log_tail', '')}")
-        if r["aborted"]:
-            break  # an aborted small run leaves nothing to compare with; an aborted large one gives a lower bound
-    growth = ratio = ok = None
-    lower_bound = bool(runs.get("large", {}).get("aborted"))
-    if "large" in runs and not runs["small"]["aborted"]:
-        growth = runs["large"]["peak_pss_bytes"] - runs["small"]["peak_pss_bytes"]
-        ratio = growth / sets["large"]["raw_bytes"]
-        # An aborted large run's ratio is a lower bound: over the goal it is a real FAIL, under it it says nothing.
-        ok = False if ratio > GOAL[1] else (None if lower_bound else True)
+    out_reps = []
+    for rep in range(reps):
+        runs = {}
+        for which in (("small", "large") if rep % 2 == 0 else ("large", "small")):
+            s = sets[which]
+            print(f"stream_memory: rep {rep + 1}/{reps} {which}: {s['rows']} rows ({s['raw_bytes'] / MIB:.0f} MiB raw, "
+                  f"{s['parquet_bytes'] / MIB:.0f} MiB Parquet), one epoch on 2 workers", file=sys.stderr, flush=True)
+            # Each run is stopped at the limit on its own, so the repetitions go on after an aborted one: an aborted
+            # large run is a lower bound, an aborted small one leaves that repetition without a sample.
+            r = run_epoch(Path(s["path"]), tmp / "runs", f"{which}_r{rep}", timeout_s, int(limit_gib * GIB))
+            runs[which] = r
+            print(f"stream_memory: {which}: exit {r['rc']}, peak PSS {r['peak_pss_gib']:.2f} GiB, "
+                  f"wall {r['wall_s']:.0f}s" + (f" - ABORTED: {r['aborted']}" if r["aborted"] else ""),
+                  file=sys.stderr, flush=True)
+            if r["rc"] != 0 and not r["aborted"]:
+                raise RuntimeError(f"the {which} run failed (exit {r['rc']}); log {r['log']}:\n{r.get('log_tail', '')}")
+        out_reps.append({"rep": rep, **runs})
     return {
-        "figure": "memory_growth_ratio",
-        "what": "(peak PSS of the process tree, one epoch on the large set - on the small set) / raw bytes of the "
-                "large set; 2 CPU workers, embedded local Ray",
-        "memory_growth_ratio": ratio, "goal": f"{GOAL[0]} {GOAL[1]:g}", "pass": ok,
-        "lower_bound": lower_bound,
-        "growth_bytes": growth, "growth_gib": None if growth is None else round(growth / GIB, 3),
-        "raw_bytes": {k: s["raw_bytes"] for k, s in sets.items()},
-        "parquet_bytes": {k: s["parquet_bytes"] for k, s in sets.items()},
-        "peak_pss_bytes": {k: r["peak_pss_bytes"] for k, r in runs.items()},
-        "wall_s": {k: r["wall_s"] for k, r in runs.items()},
-        # Cross-checks, not the figure: RSS counts a shared page once per process that maps it; the machine's used
-        # memory also sees /dev/shm that nobody maps, and whatever else runs meanwhile.
-        "peak_rss_sum_bytes": {k: r["peak_rss_sum_bytes"] for k, r in runs.items()},
-        "system_used_peak_delta_bytes": {k: r["system_used_peak_delta_bytes"] for k, r in runs.items()},
-        "sets": sets, "runs": runs,
+        "sets": {k: {kk: v for kk, v in s.items() if kk != "path"} for k, s in sets.items()},
+        "reps": out_reps,
         "job": f"{CONFIG} " + " ".join(TRAIN_OVERRIDES),
         "sample_every_s": SAMPLE_EVERY_S, "limit_gib": limit_gib,
     }
@@ -303,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-large", type=int, default=4_000_000, help="rows of the large set (4M: ~1 GB raw)")
     ap.add_argument("--data", type=Path, help="folder for the generated sets, kept and reused by later runs")
     ap.add_argument("--out", type=Path, help="also write the JSON result to this file")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (samples); a verdict needs 5")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per training run")
     ap.add_argument("--limit-gib", type=float, default=18.0, help="stop a run whose process tree's PSS goes over this")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (runs, logs, generated sets)")
@@ -311,22 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     tmp = Path(tempfile.mkdtemp(prefix="stride-stream-memory-"))
     try:
-        result = measure(args.rows_small, args.rows_large, tmp, data=args.data, timeout_s=args.timeout_s,
-                         limit_gib=args.limit_gib)
+        raw = measure(args.rows_small, args.rows_large, tmp, data=args.data, reps=args.reps,
+                      timeout_s=args.timeout_s, limit_gib=args.limit_gib)
     finally:
         if args.keep_tmp:
             print(f"stream_memory: kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(result, indent=1, default=str)
+    fig = memory_figure({"memory": raw})
+    result = verdict(fig, GOALS["memory_growth_ratio"])
+    text = json.dumps({"raw": raw, "memory_growth_ratio": fig, "goal": result}, indent=1, default=str)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    ratio, ok = result["memory_growth_ratio"], result["pass"]
-    print(f"stream_memory: memory_growth_ratio {'n/a' if ratio is None else f'{ratio:.3f}'}"
-          f"{' (at least: the large run was stopped)' if result['lower_bound'] else ''} (goal {result['goal']}): "
-          f"{'no result' if ok is None else 'PASS' if ok else 'FAIL'}", file=sys.stderr)
+    print(f"stream_memory: memory_growth_ratio {fmt(fig['median'], 'ratio')} ({spread(fig)}, n={fig['n']}) "
+          f"(goal {result['goal']}): {result['verdict']}", file=sys.stderr)
     return 0
 
 

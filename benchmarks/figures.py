@@ -1,0 +1,500 @@
+"""Every figure of `make bench`, its verdict and its table, computed from the raw runs alone.
+
+    figures(raw) -> {name: figure}          median, spread (min..max), n and samples of each figure
+    goals(figs) -> {name: verdict}          pass/fail on the median of at least MIN_SAMPLES samples
+    table(figs, verdicts) -> str            what benchmarks/run.py prints
+    replay(raw) -> {figures, goals, table}  the three, as benchmarks/run.py stores them beside the raw runs
+    markdown(result), headline(result)      the generated blocks of benchmarks/README.md and README.md
+
+Pure functions of JSON data, standard library only: benchmarks/run.py measures and stores `raw`, and
+tests/test_bench.py replays benchmarks/results/latest.json's raw runs through these functions in milliseconds.
+
+`raw` (what run.py stores under "raw"; every list holds one entry per run or repetition):
+    settings      the mode: reps, steps, ckpt_every, warmup_steps, scale_warmup_steps, ingest_features, ...
+    pairs         [{runtime: stride|torchrun, rep, wall_s, time_to_first_step_s, phases_s, metrics: [log lines]}]
+    ingest        {threads: {pyarrow, stream_read_threads, ...}, sets: {name: {rows, seconds, files}}}
+    scaling       [{workers, rep, metrics: [log lines]}]: Stride's trainer with 1 and 2 workers
+    memory        {sets: {small, large: {raw_bytes, ...}}, reps: [{rep, small, large: {peak_pss_bytes, aborted}}]}
+    checkpoint    {model, params, runs: [{method: gather|dcp, rep, rank, peak_increase_bytes, blocked_s, complete_s}]}
+    blocks        {runs: [{variant, rep, step_s, peak_increase_bytes, allocated_peak_increase_bytes, warmup_s}]}
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+MIN_SAMPLES = 5  # a figure passes or fails on the median of at least this many samples; fewer give no verdict
+
+GOALS = {  # figure: (operator, threshold)
+    "step_time_ratio": ("<=", 1.02),
+    "wall_ratio": ("<=", 1.5),
+    "ingest_ratio": (">=", 1.0),
+    "data_wait_fraction": ("<", 0.02),
+    "ckpt_blocked_fraction": ("<=", 0.2),
+    "memory_growth_ratio": ("<=", 0.35),
+    "checkpoint_rank0_memory_ratio": ("<=", 0.5),
+    "checkpoint_blocked_ratio": ("<", 1.0),
+    "ac_memory_ratio": ("<=", 0.6),
+    "ac_step_time_ratio": ("<=", 1.5),
+    "compile_step_time_ratio": ("<=", 1.0),
+}
+
+# One line per figure for the tables of the READMEs; the JSON's "what" says more.
+LABELS = {
+    "step_time_ratio": "steady-state step time, Stride on Ray Train / torchrun",
+    "wall_ratio": "wall time of a short job, launch to exit, Stride / torchrun",
+    "time_to_first_step_s (stride)": "launch to the end of the first optimizer step, Stride",
+    "time_to_first_step_s (torchrun)": "the same, torchrun",
+    "ingest_ratio": "rows/s from the files in one Ray worker, Stride's stream / pyarrow",
+    "data_wait_fraction": "share of step time a worker waits for its next batch",
+    "scaling_2_over_1": "samples/s, 2 workers / 1 worker, same per-worker batch",
+    "ckpt_blocked_fraction": "time a checkpoint blocks training / its whole write time",
+    "memory_growth_ratio": "peak memory growth, one epoch on ~1 GB vs ~50 MB of Parquet / 1 GB",
+    "checkpoint_rank0_memory_ratio": "rank 0's memory rise during an FSDP checkpoint, DCP / rank-0 gather",
+    "checkpoint_blocked_ratio": "time that checkpoint blocks training, DCP / rank-0 gather",
+    "ac_memory_ratio": "a step's peak live memory, activation checkpointing on / off (12 layers)",
+    "ac_step_time_ratio": "step time, activation checkpointing on / off (12 layers)",
+    "compile_step_time_ratio": "step time, train.compile on / off (default char_gpt)",
+}
+
+
+# ---------------------------------------------------------------- samples and their summary
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def ratio(a, b) -> float | None:
+    return a / b if finite(a) and finite(b) and b != 0 else None
+
+
+def summary(samples: list) -> dict:
+    """Median and spread of the finite samples; a missing sample (None) is kept in `samples` but not counted."""
+    xs = [x for x in samples if finite(x)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0, "samples": list(samples)}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": list(samples)}
+
+
+def figure(samples: list, unit: str, what: str, lower_bound: bool = False, notes: list | None = None, **extra) -> dict:
+    return {**summary(samples), "unit": unit, "what": what, "lower_bound": lower_bound, "notes": notes or [], **extra}
+
+
+def by_rep(runs: list[dict], **match) -> dict[int, dict]:
+    """{rep: run} of the runs whose fields equal `match` (runtime="stride", workers=1, ...)."""
+    return {r["rep"]: r for r in runs if all(r.get(k) == v for k, v in match.items())}
+
+
+# ---------------------------------------------------------------- a training run's metrics.jsonl lines
+
+def ckpt_steps(settings: dict) -> list[int]:
+    """The mid-run checkpoints of a paired job (the final one is after the last log line)."""
+    return list(range(settings["ckpt_every"], settings["steps"], settings["ckpt_every"]))
+
+
+def steady(lines: list[dict], warmup_steps: int, ckpts: list[int]) -> list[dict]:
+    """Log lines of steady-state training: after warm-up, and not touched by a checkpoint (the line after each
+    mid-run checkpoint, and further ones until the line that reports the checkpoint's write as finished)."""
+    train = [x for x in lines if "train_loss" in x]
+    touched: set[int] = set()
+    for c in ckpts:
+        after = [x for x in train if x["step"] > c]
+        if not after:
+            continue
+        done = next((i for i, x in enumerate(after) if "checkpoint_write_s" in x), 0)
+        touched.update(x["step"] for x in after[:done + 1])
+    return [x for x in train if x["step"] > warmup_steps and x["step"] not in touched]
+
+
+def median_of(lines: list[dict], key: str) -> float | None:
+    xs = [x[key] for x in lines if finite(x.get(key))]
+    return statistics.median(xs) if xs else None
+
+
+def checkpoint_costs(lines: list[dict], ckpts: list[int]) -> list[dict]:
+    """Per mid-run checkpoint: seconds it blocked training (first log line after it) and its total write time
+    (the first line after it that reports a finished write)."""
+    train = [x for x in lines if "train_loss" in x]
+    out = []
+    for c in ckpts:
+        after = [x for x in train if x["step"] > c]
+        blocked = next((x["checkpoint_blocked_s"] for x in after if "checkpoint_blocked_s" in x), None)
+        write = next((x["checkpoint_write_s"] for x in after if "checkpoint_write_s" in x), None)
+        out.append({"step": c, "blocked_s": blocked, "write_s": write, "fraction": ratio(blocked, write)})
+    return out
+
+
+def run_stats(lines: list[dict], warmup_steps: int, ckpts: list[int]) -> dict:
+    """A run's steady-state medians (step time, throughput, data wait) and its mid-run checkpoints' costs."""
+    st = steady(lines, warmup_steps, ckpts)
+    return {"steady_steps": [x["step"] for x in st], "step_time_s": median_of(st, "step_time_s"),
+            "samples_per_second": median_of(st, "samples_per_second"),
+            "data_wait_fraction": median_of(st, "data_wait_fraction"), "data_wait_s": median_of(st, "data_wait_s"),
+            "checkpoints": checkpoint_costs(lines, ckpts)}
+
+
+# ---------------------------------------------------------------- the figures, one function per benchmark
+
+def pair_figures(raw: dict) -> dict:
+    """Stride beside torchrun, the same job, `reps` pairs: each sample compares the two runs of one pair."""
+    settings = raw["settings"]
+    ckpts = ckpt_steps(settings)
+    stride, torch_ = by_rep(raw["pairs"], runtime="stride"), by_rep(raw["pairs"], runtime="torchrun")
+    reps = sorted(stride.keys() & torch_.keys())
+    s = [run_stats(stride[i]["metrics"], settings["warmup_steps"], ckpts) for i in reps]
+    t = [run_stats(torch_[i]["metrics"], settings["warmup_steps"], ckpts) for i in reps]
+    sw, tw = [stride[i]["wall_s"] for i in reps], [torch_[i]["wall_s"] for i in reps]
+    ck = [c for x in s for c in x["checkpoints"]]
+    job = (f"char_gpt, {settings['steps']} steps, no validation, checkpoints every {settings['ckpt_every']} steps "
+           f"and at the end")
+    first = {rt: [runs[i]["time_to_first_step_s"] for i in reps]
+             for rt, runs in (("stride", stride), ("torchrun", torch_))}
+    return {
+        "step_time_ratio": figure(
+            [ratio(a["step_time_s"], b["step_time_s"]) for a, b in zip(s, t)], "ratio",
+            "median steady-state step time, Stride on Ray Train / torchrun (same loop, data, config), per pair",
+            stride_step_time_s=summary([a["step_time_s"] for a in s]),
+            torchrun_step_time_s=summary([b["step_time_s"] for b in t])),
+        "wall_ratio": figure([ratio(a, b) for a, b in zip(sw, tw)], "ratio",
+                             "wall time launch to exit of the same short job, Stride / torchrun, per pair",
+                             stride_wall_s=summary(sw), torchrun_wall_s=summary(tw), job=job),
+        "time_to_first_step_s (stride)": figure(first["stride"], "s",
+                                                "launch to the end of rank 0's first optimizer step, Stride"),
+        "time_to_first_step_s (torchrun)": figure(first["torchrun"], "s",
+                                                  "launch to the end of rank 0's first optimizer step, torchrun"),
+        "data_wait_fraction": figure([a["data_wait_fraction"] for a in s], "fraction",
+                                     "share of step time a worker spends waiting for its next batch (Stride)",
+                                     torchrun=summary([b["data_wait_fraction"] for b in t]),
+                                     stride_data_wait_s=summary([a["data_wait_s"] for a in s])),
+        "ckpt_blocked_fraction": figure(
+            [c["fraction"] for c in ck], "fraction",
+            "training time blocked by a mid-run checkpoint / that checkpoint's total write time (Stride), per "
+            "checkpoint",
+            blocked_s=summary([c["blocked_s"] for c in ck]), write_s=summary([c["write_s"] for c in ck]),
+            torchrun=summary([c["fraction"] for x in t for c in x["checkpoints"]])),
+    }
+
+
+def phases(raw: dict) -> dict:
+    """Median seconds since launch at which each phase of a paired job ended, per runtime (the phases a runtime
+    never reported are left out)."""
+    out = {}
+    for rt in ("stride", "torchrun"):
+        runs = [p for p in raw["pairs"] if p["runtime"] == rt]
+        names = [k for k in runs[0]["phases_s"]] if runs else []
+        out[rt] = {k: m for k in names if (m := summary([r["phases_s"].get(k) for r in runs])["median"]) is not None}
+    return out
+
+
+def ingest_figure(raw: dict) -> dict:
+    """One Ray Train worker alternates Stride's stream and pyarrow over the same files: a sample per pass."""
+    ing, features = raw["ingest"], raw["settings"]["ingest_features"]
+
+    def rows_per_s(block: dict, reader: str) -> list:
+        return [ratio(block["rows"][reader], x) for x in block["seconds"][reader]]
+
+    def pass_ratios(block: dict) -> list:
+        return [ratio(a, b) for a, b in zip(rows_per_s(block, "stride"), rows_per_s(block, "pyarrow"))]
+
+    tab, txt = ing["sets"]["tabular"], ing["sets"]["pystdlib"]
+    threads = ing["threads"]
+    pa_threads, stream_threads = threads.get("pyarrow"), threads.get("stream_read_threads")
+    notes = []
+    if pa_threads != stream_threads:
+        notes.append(f"not the same threads: pyarrow read on {pa_threads} thread{'' if pa_threads == 1 else 's'}, "
+                     f"the stream with {stream_threads} read threads")
+    return figure(
+        pass_ratios(tab), "ratio",
+        "rows/s from the files, Stride's streaming path on one worker (row groups in the epoch's order, window "
+        "shuffle, micro-batches of arrays) / pyarrow's read_table of the same files in that process, per pass",
+        notes=notes, threads=threads,
+        data=f"tabular Parquet, {tab['rows']['pyarrow']} rows x {features} float32 features + label + sample_id "
+             f"({len(tab['files'])} files), one worker, from the files (nothing pre-loaded)",
+        stride_rows_per_s=summary(rows_per_s(tab, "stride")), pyarrow_rows_per_s=summary(rows_per_s(tab, "pyarrow")),
+        default_job_data={"data": f"the default job's data, {txt['rows']['pyarrow']} rows of tokens + sample_id",
+                          "ingest_ratio": summary(pass_ratios(txt))})
+
+
+def scaling_figure(raw: dict) -> dict:
+    """Stride's trainer with 1 and with 2 workers, fitted one after the other in each repetition: a sample per
+    repetition that has both."""
+    warmup = raw["settings"]["scale_warmup_steps"]
+    sps = {w: {rep: median_of(steady(r["metrics"], warmup, []), "samples_per_second")
+               for rep, r in by_rep(raw["scaling"], workers=w).items()} for w in (1, 2)}
+    reps = sorted(sps[1].keys() & sps[2].keys())
+    notes = [] if reps else ["no 2-worker fits beside the 1-worker ones in this run: not measured side by side"]
+    return figure([ratio(sps[2][i], sps[1][i]) for i in reps], "ratio",
+                  "Stride throughput (samples/s), 2 workers / 1 worker at the same per-worker batch, fitted side by "
+                  "side in one Ray (stride.trainers.driver.build_trainer), per repetition",
+                  notes=notes, ideal=2.0, samples_per_second_1=summary([sps[1][i] for i in reps]),
+                  samples_per_second_2=summary([sps[2][i] for i in reps]))
+
+
+def memory_figure(raw: dict) -> dict:
+    """One epoch on the small and on the large set per repetition. A stopped (aborted) large run's peak is a lower
+    bound, and so is that sample; a stopped small run leaves nothing to compare with (no sample)."""
+    mem = raw["memory"]
+    large_raw = mem["sets"]["large"]["raw_bytes"]
+    samples, bounded = [], []
+    for r in mem["reps"]:
+        small, large = r.get("small"), r.get("large")
+        if not small or not large or small.get("aborted"):
+            samples.append(None)
+            continue
+        samples.append(ratio(large["peak_pss_bytes"] - small["peak_pss_bytes"], large_raw))
+        if large.get("aborted"):
+            bounded.append(r["rep"])
+    notes = [f"the large run was stopped in repetition(s) {bounded}: those samples are lower bounds"] if bounded else []
+    return figure(samples, "ratio",
+                  "(peak PSS of the whole process tree, one epoch on the large set - on the small set) / raw bytes "
+                  "of the large set; 2 CPU workers (benchmarks/stream_memory.py), per repetition",
+                  lower_bound=bool(bounded), notes=notes, lower_bound_reps=bounded,
+                  raw_bytes={k: s["raw_bytes"] for k, s in mem["sets"].items()},
+                  peak_pss_bytes={k: summary([r.get(k, {}).get("peak_pss_bytes") for r in mem["reps"]])
+                                  for k in ("small", "large")})
+
+
+def checkpoint_medians(raw: dict) -> dict:
+    """{method: {rank: medians over repetitions}} of the checkpoint benchmark's per-rank costs."""
+    out: dict = {}
+    for r in raw["checkpoint"]["runs"]:
+        out.setdefault(r["method"], {}).setdefault(str(r["rank"]), []).append(r)
+    keys = ("peak_increase_bytes", "peak_rss_bytes", "blocked_s", "complete_s")
+    return {m: {rank: {k: summary([x[k] for x in rs])["median"] for k in keys} for rank, rs in sorted(ranks.items())}
+            for m, ranks in sorted(out.items())}
+
+
+def checkpoint_figures(raw: dict) -> dict:
+    """The rank-0 gather and DCP in fresh process pairs, alternating: a sample per repetition."""
+    ck = raw["checkpoint"]
+    per = {m: {} for m in ("gather", "dcp")}
+    for r in ck["runs"]:
+        per[r["method"]].setdefault(r["rep"], {})[r["rank"]] = r
+    reps = sorted(per["gather"].keys() & per["dcp"].keys())
+
+    def worst(ranks: dict, key: str) -> float:  # the slowest (or largest) rank: what the job waits for
+        return max(x[key] for x in ranks.values())
+
+    g, d = [per["gather"][i] for i in reps], [per["dcp"][i] for i in reps]
+    model = f"{ck['model']} ({ck['params'] / 1e6:.1f}M parameters), {ck['world_size']} FSDP workers"
+    return {
+        "checkpoint_rank0_memory_ratio": figure(
+            [ratio(b[0]["peak_increase_bytes"], a[0]["peak_increase_bytes"]) for a, b in zip(g, d)], "ratio",
+            "rank 0's peak memory rise during a checkpoint, DCP shards / the earlier rank-0 gather "
+            "(benchmarks/checkpoint_bench.py), per repetition", model=model,
+            max_rank_memory_ratio=summary([ratio(worst(b, "peak_increase_bytes"), worst(a, "peak_increase_bytes"))
+                                           for a, b in zip(g, d)])),
+        "checkpoint_blocked_ratio": figure(
+            [ratio(worst(b, "blocked_s"), worst(a, "blocked_s")) for a, b in zip(g, d)], "ratio",
+            "training time blocked by that checkpoint (the slowest rank), DCP shards / rank-0 gather, per repetition",
+            model=model, complete_ratio=summary([ratio(worst(b, "complete_s"), worst(a, "complete_s"))
+                                                 for a, b in zip(g, d)])),
+    }
+
+
+def blocks_medians(raw: dict) -> dict:
+    """{variant: medians over repetitions} of the activation-checkpointing and compile benchmark."""
+    out: dict = {}
+    for r in raw["blocks"]["runs"]:
+        out.setdefault(r["variant"], []).append(r)
+    keys = ("step_s", "peak_increase_bytes", "allocated_peak_increase_bytes", "warmup_s")
+    return {v: {"layers": rs[0]["layers"], "width": rs[0]["width"], "context": rs[0]["context"],
+                "batch": rs[0]["batch"], "params": rs[0]["params"],
+                **{k: summary([x.get(k) for x in rs])["median"] for k in keys}} for v, rs in out.items()}
+
+
+def blocks_figures(raw: dict) -> dict:
+    """Each variant in a fresh process, all variants once per repetition: a sample per repetition."""
+    runs = raw["blocks"]["runs"]
+    reps = sorted({r["rep"] for r in runs})
+    v = {name: by_rep(runs, variant=name) for name in {r["variant"] for r in runs}}
+
+    def per_rep(on: str, off: str, key: str) -> list:
+        return [ratio(v[on][i].get(key), v[off][i].get(key)) for i in reps if i in v[on] and i in v[off]]
+
+    return {
+        "ac_memory_ratio": figure(
+            per_rep("deep_ac", "deep", "allocated_peak_increase_bytes"), "ratio",
+            "peak memory rise of a training step, train.activation_checkpointing on / off, a 12-layer char_gpt on "
+            "one CPU worker, RSS with MALLOC_MMAP_THRESHOLD_=65536 so that it follows the live tensors "
+            "(benchmarks/blocks_bench.py), per repetition",
+            default_model=summary(per_rep("default_ac", "default", "allocated_peak_increase_bytes")),
+            rss_ratio_glibc_defaults=summary(per_rep("deep_ac", "deep", "peak_increase_bytes"))),
+        "ac_step_time_ratio": figure(
+            per_rep("deep_ac", "deep", "step_s"), "ratio",
+            "step time, train.activation_checkpointing on / off, the same 12-layer char_gpt, per repetition",
+            default_model=summary(per_rep("default_ac", "default", "step_s"))),
+        "compile_step_time_ratio": figure(
+            per_rep("default_compiled", "default", "step_s"), "ratio",
+            "step time, train.compile on / off (inductor), the default char_gpt on one CPU worker, per repetition",
+            compile_warmup_s=summary([r.get("warmup_s") for r in v.get("default_compiled", {}).values()])),
+    }
+
+
+ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
+         "ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction", "memory_growth_ratio",
+         "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio",
+         "compile_step_time_ratio")
+
+
+def figures(raw: dict) -> dict:
+    """Every figure, in the table's order."""
+    figs = {**pair_figures(raw), "ingest_ratio": ingest_figure(raw), "scaling_2_over_1": scaling_figure(raw),
+            "memory_growth_ratio": memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw)}
+    return {name: figs[name] for name in ORDER}
+
+
+# ---------------------------------------------------------------- verdicts
+
+def met(value: float, op: str, threshold: float) -> bool:
+    return {"<=": value <= threshold, "<": value < threshold, ">=": value >= threshold, ">": value > threshold}[op]
+
+
+def verdict(fig: dict, goal: tuple[str, float] | None) -> dict:
+    """PASS or FAIL on the median of at least MIN_SAMPLES samples; fewer give no verdict. A median that includes
+    lower bounds (samples of stopped runs) can only fail an upper limit it is already over, since the true median is
+    at least as high; within the limit it gives no verdict."""
+    if goal is None:
+        return {"goal": None, "pass": None, "verdict": "-"}
+    op, thr = goal
+    out = {"goal": f"{op} {thr:g}", "pass": None}
+    if fig["n"] < MIN_SAMPLES:
+        return {**out, "verdict": f"no verdict (n={fig['n']} < {MIN_SAMPLES})"}
+    ok = met(fig["median"], op, thr)
+    if fig["lower_bound"]:
+        if op in ("<=", "<") and not ok:
+            return {**out, "pass": False, "verdict": "FAIL (a lower bound over the goal)"}
+        return {**out, "verdict": "no verdict (a lower bound within the goal)"}
+    return {**out, "pass": ok, "verdict": "PASS" if ok else "FAIL"}
+
+
+def goals(figs: dict) -> dict:
+    return {name: verdict(f, GOALS.get(name)) for name, f in figs.items()}
+
+
+# ---------------------------------------------------------------- tables
+
+def fmt(x, unit: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f} s" if unit == "s" else f"{x:.3f}"
+
+
+def spread(f: dict) -> str:
+    """min..max: the spread printed beside every median."""
+    return "-" if f["n"] == 0 else f"{fmt(f['min'], f['unit'])}..{fmt(f['max'], f['unit'])}"
+
+
+def notes(figs: dict) -> list[str]:
+    return [f"{name}: {note}" for name, f in figs.items() for note in f["notes"]]
+
+
+def table(figs: dict, verdicts: dict) -> str:
+    """The plain-text table run.py prints: median, spread, n, goal and verdict of every figure, then the notes."""
+    rows = [("figure", "median", "spread (min..max)", "n", "goal", "result")]
+    for name, f in figs.items():
+        v = verdicts[name]
+        rows.append((name, fmt(f["median"], f["unit"]), spread(f), str(f["n"]), v["goal"] or "-", v["verdict"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"* {n}" for n in notes(figs)])
+
+
+def replay(raw: dict) -> dict:
+    """What run.py stores beside the raw runs, and what the test recomputes from them."""
+    figs = figures(raw)
+    verdicts = goals(figs)
+    return {"figures": figs, "goals": verdicts, "table": table(figs, verdicts)}
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def about(result: dict) -> str:
+    """One sentence: which run, on what machine, under what load."""
+    m = result["machine"]
+    return (f"`benchmarks/run.py --{result['mode']}` started {result['started']} on {m['cpu_count']} CPUs "
+            f"({m.get('cpu_model', '?')}, {m.get('mem_gib', '?')} GiB), torch {m.get('torch', '?')}, Ray "
+            f"{m.get('ray', '?')}; load average {result['loadavg_start'][0]:.1f} at the start, "
+            f"{result['loadavg_end'][0]:.1f} at the end; {result['duration_s'] / 60:.0f} minutes.")
+
+
+GIB = 2**30
+
+
+def markdown(result: dict) -> str:
+    """The results block of benchmarks/README.md, generated from a stored result (latest.json)."""
+    figs, verdicts, raw = result["figures"], result["goals"], result["raw"]
+    out = [about(result), ""]
+    out += md_table(["figure", "what", "median", "spread (min..max)", "n", "goal", "result"],
+                    [[f"`{name}`", LABELS[name], fmt(f["median"], f["unit"]), spread(f), str(f["n"]),
+                      verdicts[name]["goal"] or "-", verdicts[name]["verdict"]] for name, f in figs.items()])
+    extra = notes(figs) + result.get("converted", {}).get("notes", [])
+    if extra:
+        out += ["", "Notes on this run:", ""] + [f"- {n}" for n in extra]
+    ph = phases(raw)
+    names = list(dict.fromkeys(k for rt in ph.values() for k in rt))
+    out += ["", "Seconds since launch at which each phase of the paired job ended (median over its runs):", ""]
+    out += md_table(["phase", "Stride", "torchrun"],
+                    [[f"`{k}`", fmt(ph["stride"].get(k), "s"), fmt(ph["torchrun"].get(k), "s")] for k in names])
+    med = checkpoint_medians(raw)
+    model = figs["checkpoint_blocked_ratio"]["model"]
+    out += ["", f"The checkpoint benchmark per rank, median over repetitions ({model}):", ""]
+    out += md_table(["method", "rank", "memory rise", "peak memory", "blocked", "until complete"],
+                    [[m, rank, f"{x['peak_increase_bytes'] / GIB:.2f} GiB", f"{x['peak_rss_bytes'] / GIB:.2f} GiB",
+                      fmt(x["blocked_s"], "s"), fmt(x["complete_s"], "s")]
+                     for m in ("gather", "dcp") for rank, x in med.get(m, {}).items()])
+    out += ["", "The activation-checkpointing and compile benchmark per variant, median over repetitions (memory: a "
+            "step's peak rise, live tensors / RSS with glibc's defaults):", ""]
+    out += md_table(["variant", "model", "step time", "live memory", "RSS"],
+                    [[f"`{v}`", f"{x['layers']} layers, width {x['width']}, context {x['context']}, batch {x['batch']}",
+                      f"{x['step_s']:.3f} s",
+                      "-" if x["allocated_peak_increase_bytes"] is None else
+                      f"{x['allocated_peak_increase_bytes'] / 2**20:.1f} MiB",
+                      f"{x['peak_increase_bytes'] / 2**20:.1f} MiB"] for v, x in blocks_medians(raw).items()])
+    return "\n".join(out)
+
+
+HEADLINE = ("step_time_ratio", "wall_ratio", "ingest_ratio", "data_wait_fraction", "scaling_2_over_1",
+            "memory_growth_ratio", "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio",
+            "ac_step_time_ratio", "compile_step_time_ratio")
+
+
+def headline(result: dict) -> str:
+    """The figures README.md's Performance section quotes, generated from a stored result (latest.json)."""
+    figs, verdicts = result["figures"], result["goals"]
+    lines = [f"From {about(result)} Median (min..max over n samples), goal, verdict:", ""]
+    for name in HEADLINE:
+        f, v = figs[name], verdicts[name]
+        goal = f", goal {v['goal']}: {v['verdict']}" if v["goal"] else ""
+        note = "".join(f"; {n}" for n in f["notes"])
+        lines.append(f"- `{name}`, {LABELS[name]}: {fmt(f['median'], f['unit'])} ({spread(f)}, n={f['n']}){goal}{note}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the generated blocks of the READMEs
+
+def block_markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}: generated from benchmarks/results/latest.json by benchmarks/run.py --render -->", \
+        f"<!-- end of {name} -->"
+
+
+def block(text: str, name: str) -> str | None:
+    """The generated block `name` of a README's text (between its markers), or None if it has none."""
+    start, end = block_markers(name)
+    if start not in text or end not in text:
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def with_block(text: str, name: str, content: str) -> str:
+    """The README's text with block `name` replaced by `content` (the markers must be there already)."""
+    start, end = block_markers(name)
+    head, rest = text.split(start, 1)
+    return f"{head}{start}\n{content}\n{end}{rest.split(end, 1)[1]}"
+
+
+BLOCKS = {"benchmarks/README.md": ("bench-results", markdown), "README.md": ("bench-headline", headline)}

@@ -20,8 +20,41 @@ from slurm_cluster import slurm_cluster_fixture  # noqa: E402
 
 slurm_cluster = slurm_cluster_fixture()
 
+# One token-auth Ray head for the session (tests/shared_ray.py): `ray_cluster` gives a test its client environment.
+from shared_ray import ray_cluster, shared_ray_head  # noqa: E402, F401
+
 # Ray on a 2-core machine: never inherit a cluster address from the developer's shell.
 os.environ.pop("RAY_ADDRESS", None)
+
+
+# ---- the suite's cost, printed last (make test): wall time and CPU-seconds ---------------------------------
+
+def _machine_cpu_s() -> float:
+    """CPU-seconds every process of this machine used since boot (user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields)
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+_START = (time.monotonic(), _own_cpu_s(), _machine_cpu_s())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """After pytest's table of the slowest tests: what the suite cost. Ray's daemons (heads, raylets) are not
+    pytest's children once they detach, so the machine's total is given too: on a machine that runs nothing
+    else (CI), that is the suite's CPU-seconds, pytest and everything it started."""
+    wall, own, machine = (now - then for now, then in zip((time.monotonic(), _own_cpu_s(), _machine_cpu_s()), _START))
+    terminalreporter.write_sep("=", "suite cost")
+    terminalreporter.write_line(f"wall {wall:.0f} s ({wall / 60:.1f} min); CPU {machine:.0f} s on this machine "
+                                f"({os.cpu_count()} cores), of which {own:.0f} s in pytest and the processes it waited for")
 
 
 def free_port() -> int:

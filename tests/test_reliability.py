@@ -1,5 +1,6 @@
 """Failures cost nothing but the steps since the last checkpoint: SIGTERM, Ctrl-C, a killed worker, storage errors,
-and resuming with a different number of workers. Runs on 2 CPU workers through Ray Train. The driver's SIGKILL and
+and resuming with a different number of workers. Runs on 2 CPU workers through Ray Train, on the session's shared
+head (tests/shared_ray.py); storage retries are the loop's and run under torchrun. The driver's SIGKILL and
 a Ray resume from 2 workers to 1 are tested once, on a user's own task (tests/test_user_task.py), which asserts
 more (MLflow run, evaluations, final weights); the mechanism is the same for the built-in tasks."""
 
@@ -28,8 +29,8 @@ def job_args(data, storage, name, *extra):
             "tracking.mlflow_uri=null", *extra]
 
 
-def start(args, **env):
-    return subprocess.Popen([PYTHON, *args], cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+def start(args, ray_env):
+    return subprocess.Popen([PYTHON, *args], cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **ray_env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -38,16 +39,17 @@ def train_losses(run):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tabular_data):
+def reference(tmp_path_factory, tabular_data, shared_ray_head):
     storage = tmp_path_factory.mktemp("reliability")
-    r = run_cli(job_args(tabular_data, storage, "reference"))
+    r = run_cli(job_args(tabular_data, storage, "reference"), env=shared_ray_head.env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not shared_ray_head.wait_idle()
     return storage, train_losses(storage / "reference")
 
 
-def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, tabular_data):
+def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, tabular_data, ray_cluster):
     storage, expected = reference
-    proc = start(job_args(tabular_data, storage, "term"))
+    proc = start(job_args(tabular_data, storage, "term"), ray_cluster)
     wait_for_step(storage / "term" / "metrics.jsonl", 130, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -56,7 +58,7 @@ def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, ta
     assert s["status"] == "interrupted"
     stopped_at = s["global_step"]
     assert 130 < stopped_at < STEPS and stopped_at % 100  # between two periodic checkpoints
-    r = run_cli(job_args(tabular_data, storage, "term"))
+    r = run_cli(job_args(tabular_data, storage, "term"), env=ray_cluster)
     assert r.returncode == 0, r.stdout[-2000:]
     assert f"at step {stopped_at}" in r.stdout  # resumed from the signal's checkpoint, nothing lost
     s = json.loads((storage / "term" / "summary.json").read_text())
@@ -66,7 +68,7 @@ def test_sigterm_checkpoints_mid_epoch_and_resume_is_bitwise_exact(reference, ta
     assert {k: got[k] for k in expected} == expected  # bitwise equal to the uninterrupted run, every step
 
 
-def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_data):
+def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_data, ray_cluster):
     """A driver killed between a checkpoint's write and Ray's registration of it leaves a complete checkpoint that
     Ray's own pointer misses. Here every checkpoint of the run folder is one Ray never saw (written by the torchrun
     launcher): the Ray run resumes from the newest, at the same global batch on 2 workers instead of 1."""
@@ -76,7 +78,7 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     assert torchrun_main(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=20",
                                   "train.batch_size_per_worker=128")[1:]) == 0
     r = run_cli(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=30",
-                         "train.batch_size_per_worker=64"))
+                         "train.batch_size_per_worker=64"), env=ray_cluster)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "resuming unregistered from checkpoint_00000020 (step 20)" in r.stdout and "at step 20" in r.stdout
     s = json.loads((tmp_path / "unregistered" / "summary.json").read_text())
@@ -112,17 +114,26 @@ if os.environ.get("FLAKY_LOG"):
 """
 
 
-def test_transient_storage_errors_on_ray_are_retried(tmp_path, tabular_data):
+def torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """trainers/torchrun.py with 2 processes instead of trainers/main.py on Ray (args as job_args gives them)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "trainers/torchrun.py", *args[1:]]
+    return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_transient_storage_errors_on_two_ranks_are_retried(tmp_path, tabular_data):
     """The background writer goes through Stride's retries: a storage hiccup on one rank costs every rank another
     try (DCP reports it to all), not the run, and every checkpoint that lands is complete. Storage that stays broken
-    ends the run with a message that names the path."""
+    ends the run with a message that names the path. The loop's own guarantee: 2 ranks under torchrun prove it
+    (the Ray launcher runs the same loop)."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(FLAKY_STORAGE)
     log = tmp_path / "injected.txt"
     small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10", "checkpoint.keep_last=5"]
     env = {"PYTHONPATH": str(hooks), "FLAKY_LOG": str(log), "FLAKY_FAILS": "2"}
-    r = run_cli(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=30"), env=env)
+    r = torchrun(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=30"), env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     injected = log.read_text().splitlines()
     from stride.trainers import checkpointing
@@ -140,7 +151,7 @@ def test_transient_storage_errors_on_ray_are_retried(tmp_path, tabular_data):
     assert json.loads((tmp_path / "flaky" / "summary.json").read_text())["status"] == "completed"
 
     # Storage that stays broken ends the run with the path and what to check; the run's earlier checkpoints stay.
-    r = run_cli(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=40"), env=dict(env, FLAKY_FAILS="9"))
+    r = torchrun(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=40"), dict(env, FLAKY_FAILS="9"))
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert re.search(r"stride: error: .*writing checkpoint to .*/flaky/checkpoint_\S+ failed 4 times \(\[Errno 5\] "
                      r"Input/output error\); check that run.storage_path is writable", r.stdout + r.stderr)
@@ -148,9 +159,9 @@ def test_transient_storage_errors_on_ray_are_retried(tmp_path, tabular_data):
     assert all(checkpointing.verify(c) is None for c in folders)
 
 
-def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_data):
+def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_data, ray_cluster):
     """SIGINT is Stride's, not Ray's: Ray's fit() would abort the run without a checkpoint."""
-    proc = start(job_args(tabular_data, tmp_path, "int"))
+    proc = start(job_args(tabular_data, tmp_path, "int"), ray_cluster)
     wait_for_step(tmp_path / "int" / "metrics.jsonl", 30, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
@@ -164,11 +175,12 @@ def test_ctrl_c_checkpoints_at_the_next_step_and_exits_130(tmp_path, tabular_dat
     assert newest is not None and checkpointing.read_meta(newest)["step"] == s["global_step"]
 
 
-def test_killed_worker_is_restarted_from_the_last_checkpoint(reference, tabular_data):
+def test_killed_worker_is_restarted_from_the_last_checkpoint(reference, tabular_data, ray_cluster, shared_ray_head):
     storage, expected = reference
-    proc = start(job_args(tabular_data, storage, "worker", "scaling.max_failures=1"))
+    proc = start(job_args(tabular_data, storage, "worker", "scaling.max_failures=1"), ray_cluster)
     wait_for_step(storage / "worker" / "metrics.jsonl", 150, proc)
-    workers = [p for p in descendants(proc.pid) if "RayTrainWorker" in _cmdline(p)]
+    # The head's worker processes (this is the only job on it while the test runs).
+    workers = [p for h in shared_ray_head.head.pids() for p in descendants(h) if "RayTrainWorker" in _cmdline(p)]
     assert workers, "no Ray Train worker process found"
     os.kill(workers[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)

@@ -28,13 +28,15 @@ def losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def ray_runs(tmp_path_factory, tabular_data, mlflow_server):
+def ray_runs(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     storage = tmp_path_factory.mktemp("ray_runs")
     mlflow = f"tracking.mlflow_uri={mlflow_server}"
+    ray = shared_ray_head.env()
     a = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS, mlflow)],
-                env={"STRIDE_SAMPLE_LOG": str(storage / "samples_a")})
-    b = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "b", STEPS, "tracking.mlflow_uri=null")])
-    return {"storage": storage, "a": a, "b": b, "mlflow": mlflow_server}
+                env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")})
+    b = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "b", STEPS, "tracking.mlflow_uri=null")], env=ray)
+    assert not shared_ray_head.wait_idle()
+    return {"storage": storage, "a": a, "b": b, "mlflow": mlflow_server, "ray": ray}
 
 
 def test_two_workers_train_and_agree(ray_runs):
@@ -92,10 +94,11 @@ def test_mlflow_records_params_and_metrics(ray_runs):
     assert run.info.status == "FINISHED"
 
 
-def test_resume_continues_at_the_right_step_and_mlflow_run(ray_runs, tabular_data):
+def test_resume_continues_at_the_right_step_and_mlflow_run(ray_runs, tabular_data, ray_cluster):
     storage = ray_runs["storage"]
     before = json.loads((storage / "a" / "summary.json").read_text())
-    r = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS + 20, f"tracking.mlflow_uri={ray_runs['mlflow']}")])
+    r = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS + 20, f"tracking.mlflow_uri={ray_runs['mlflow']}")],
+                env=ray_cluster)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((storage / "a" / "summary.json").read_text())
     assert s["global_step"] == STEPS + 20 and s["restarts"] == 1

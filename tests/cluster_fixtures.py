@@ -23,6 +23,7 @@ PYTHON = sys.executable
 VENV_BIN = Path(PYTHON).parent
 RAY = str(VENV_BIN / "ray")
 from stride.ray_cluster import local, node  # noqa: E402
+from services import unavailable  # noqa: E402
 
 TINY_JOB = ["train.max_steps=20", "train.epochs=null", "scaling.num_workers=1"]
 
@@ -139,7 +140,7 @@ def sshd():
     to a folder of its own so that `ray up` writes nothing into root's real home. Stopped by pid."""
     binary = _sshd_binary()
     if binary is None or shutil.which("ssh") is None or shutil.which("rsync") is None:
-        pytest.skip("sshd, ssh or rsync is not installed (tests/setup_services.sh installs openssh-server and "
+        unavailable("sshd, ssh or rsync is not installed (tests/setup_services.sh installs openssh-server and "
                     "rsync when run as root with apt-get)")
     root = short_tmp("stc-sshd-")
     home = root / "home"
@@ -163,7 +164,7 @@ def sshd():
     while server.ssh("true").returncode != 0:
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            pytest.skip(f"sshd did not start: {(root / 'sshd.log').read_text()[-1000:]}")
+            unavailable(f"sshd did not start: {(root / 'sshd.log').read_text()[-1000:]}")
         time.sleep(0.5)
     yield server
     proc.terminate()

@@ -34,7 +34,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontr
 
 
 class SlurmUnavailable(RuntimeError):
-    """The daemons cannot be installed or started here: the tests that need them skip with this reason."""
+    """The daemons are missing, crashed or did not start: the tests that need them fail with this reason under CI
+    (CI=true, where make test has installed them) and skip with it elsewhere (tests/services.py)."""
 
 
 def _free_ports(n: int) -> list[int]:
@@ -299,16 +300,19 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 
 
 def slurm_cluster_fixture():
-    """A session-scoped pytest fixture `slurm_cluster` (import it into a test module or conftest.py)."""
+    """A session-scoped pytest fixture `slurm_cluster` (import it into a test module or conftest.py). Where the
+    cluster cannot start, its tests fail under CI=true and skip elsewhere, with the reason."""
     import pytest
 
     @pytest.fixture(scope="session")
     def slurm_cluster(tmp_path_factory):
+        from services import unavailable  # tests/services.py: fails under CI=true, skips elsewhere
+
         cluster = SlurmCluster(Path(tmp_path_factory.mktemp("slurm")))
         try:
             cluster.start()
         except SlurmUnavailable as e:
-            pytest.skip(f"no local SLURM cluster: {e}")
+            unavailable(f"no local SLURM cluster: {e}")
         yield cluster
         cluster.stop()
 

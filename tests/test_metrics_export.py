@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from cluster_fixtures import PYTHON, REPO, clean_env, free_ports, short_tmp
+from services import unavailable
 from stride.ray_cluster import local
 
 pytestmark = pytest.mark.slow
@@ -362,7 +363,8 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
     """promtool (from the prometheus package) parses every panel query, as a recording rule."""
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (tests/setup_services.sh installs Debian's prometheus package as root)")
+        unavailable("promtool is not installed (tests/setup_services.sh installs Debian's prometheus package as root)",
+                    required=False)  # optional: apt may have no prometheus
     exprs = [q for q in dashboard_queries() if not q.startswith("label_values(")]
     rules = {"groups": [{"name": "stride", "rules": [{"record": f"stride:panel_{i}", "expr": e.replace("$run", ".+")}
                                                       for i, e in enumerate(exprs)]}]}
@@ -398,7 +400,7 @@ def prom_query_range(url: str, expr: str, start: float, end: float) -> list[dict
 
 def test_prometheus_stores_stride_metrics_and_runs_every_dashboard_query(prometheus, head, request):
     if prometheus.url is None:
-        pytest.skip(prometheus.why_not)
+        unavailable(prometheus.why_not, required=shutil.which("prometheus") is not None)  # installed: must start
     tabular_run, text_run = request.getfixturevalue("tabular_run"), request.getfixturevalue("text_run")
     targets = json.loads(http_get(f"{prometheus.url}/api/v1/targets"))["data"]["activeTargets"]
     assert [t["scrapeUrl"] for t in targets] == [f"http://127.0.0.1:{head.ports['metrics_export']}/metrics"], targets

@@ -1,6 +1,10 @@
-"""ray_cluster/slurm/stride.sbatch on a real two-node SLURM cluster (tests/slurm_cluster.py): a 2-node job trains
-with one worker per node; a SIGUSR1 mid-run checkpoints, requeues and resumes; two jobs share the nodes at once;
-a Ray head that is not the job's survives every job's clean-up. The port scheme and the script's checks are
+"""ray_cluster/slurm/stride.sbatch on a real two-node SLURM cluster (tests/slurm_cluster.py). Two 2-node jobs train,
+at once on the same nodes: the user's project folder (tests/user_project) submitted from that folder, with one
+worker per node, and the built-in tabular task, which a SIGUSR1 mid-run checkpoints, requeues and resumes. They
+prove together that jobs sharing the nodes take apart ports (one of them moving off a port a stranger holds), that
+tokens and node folders are private, that each node's Ray is stopped by its own launcher and nothing of it is left,
+and that the session's shared Ray head, which is not the jobs', survives every job. Two more jobs fail before
+training: a node that cannot start, nodes that do not join in time. The port scheme and the script's checks are
 tested first, without SLURM."""
 
 from __future__ import annotations
@@ -9,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import PYTHON, REPO, read_jsonl  # noqa: E402
 
 from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
+from test_user_task import TASK, assert_reports_accuracy, copy_project, summary  # noqa: E402
 
 SBATCH = "ray_cluster/slurm/stride.sbatch"
 slurm = [pytest.mark.slow, pytest.mark.slurm]
@@ -48,8 +52,9 @@ def test_ports_of_jobs_sharing_a_host_never_overlap():
             for port in ports:
                 assert port not in seen, f"job {job_id} node {local} reuses port {port} of {seen[port]}"
                 seen[port] = (job_id, local)
-    # A requeued job (same id) gets the same ports back.
-    assert scheme.node(7001, 1) == scheme.node(7001, 1)
+    # A requeued job (same id; a new process, maybe on another host) gets the same ports back: they follow from the
+    # job id alone, here slot 7001 % 34 = 31 of 256 ports from 24000, and in it the second node's block of 128.
+    assert (scheme.node(7001, 1)["gcs"], scheme.node(7001, 1)["max_worker_port"]) == (32064, 32191)
 
 
 def test_port_settings_that_cannot_work_name_their_knob():
@@ -83,6 +88,10 @@ def test_sbatch_script_header_and_refusal_outside_slurm():
 
 # ---- helpers for the SLURM tests ----------------------------------------------------------------------
 
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED")
+
+
 def proc_cmdlines() -> dict[int, str]:
     out = {}
     for entry in os.listdir("/proc"):
@@ -102,122 +111,31 @@ def start_time(pid: int) -> str | None:
 
 
 class OutsideHead:
-    """A Ray head started by the test outside SLURM (explicit ports below the jobs' range, own temp dir and
-    token): every job's clean-up must leave it alone. Stopped by pid at the end."""
+    """The session's shared Ray head (tests/shared_ray.py: token auth, ports outside the SLURM jobs' 24000-32767)
+    runs on this host outside SLURM: every job's clean-up must leave it alone. Its daemons (GCS, raylet, dashboard,
+    agents; not its workers, which Ray starts and reaps as it likes) are remembered by pid and start time."""
 
-    def __init__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="sr-out-", dir="/tmp"))
-        token = self.root / "token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(os.urandom(32).hex())
-        ports = free_ports(9)
-        self.gcs_port = ports[0]
-        workers = free_block(10002, 19900, 60)  # Ray's default worker band: outside the SLURM jobs' 24000-32767
-        argv = [str(Path(PYTHON).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-                f"--temp-dir={self.root / 'ray'}", "--num-cpus=1", "--include-dashboard=true",
-                "--dashboard-host=127.0.0.1", f"--port={ports[0]}", f"--dashboard-port={ports[1]}",
-                f"--ray-client-server-port={ports[2]}", f"--node-manager-port={ports[3]}",
-                f"--object-manager-port={ports[4]}", f"--metrics-export-port={ports[5]}",
-                f"--dashboard-agent-listen-port={ports[6]}", f"--dashboard-agent-grpc-port={ports[7]}",
-                f"--runtime-env-agent-port={ports[8]}", f"--min-worker-port={workers}",
-                f"--max-worker-port={workers + 59}", "--object-store-memory=100000000"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-        self.log = open(self.root / "head.log", "w")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 240
-        while not self.gcs_answers():
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"the outside Ray head did not start: {(self.root / 'head.log').read_text()[-1500:]}")
-            time.sleep(1)
-        time.sleep(5)  # let the raylet and agents come up, then remember every process of the head
-        self.pids = {p: start_time(p) for p in [self.proc.pid, *descendants(self.proc.pid)]}
-        assert len(self.pids) >= 4, f"the outside head has only {len(self.pids)} processes"
-
-    def gcs_answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.gcs_port), timeout=2):
-                return True
-        except OSError:
-            return False
+    def __init__(self, shared_ray_head):
+        self.head = shared_ray_head.head
+        cmdlines = proc_cmdlines()
+        self.pids = {p: start_time(p) for p in self.head.pids()
+                     if not re.search(r"default_worker\.py|ray::|setup_worker", cmdlines.get(p, "ray::"))}
+        assert len(self.pids) >= 4, f"the shared Ray head has only {len(self.pids)} daemon processes: {self.pids}"
 
     def assert_alive(self) -> None:
         dead = [p for p, t in self.pids.items() if start_time(p) != t]
         assert not dead, f"processes of the Ray head outside SLURM died: {dead}"
-        assert self.gcs_answers(), "the Ray head outside SLURM stopped answering"
-
-    def stop(self) -> None:
-        tree = [self.proc.pid, *descendants(self.proc.pid)]
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in tree + list(getattr(self, "pids", {})):
-            if start_time(pid) is not None and pid != os.getpid():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if self.proc.poll() is None:
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_block(lo: int, hi: int, size: int) -> int:
-    import random
-
-    for _ in range(100):
-        first = random.randrange(lo, hi - size)
-        ok = True
-        for port in range(first, first + size):
-            with socket.socket() as s:
-                try:
-                    s.bind(("", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return first
-    raise RuntimeError(f"no {size} free ports in {lo}..{hi}")
-
-
-def descendants(pid: int) -> list[int]:
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = [], {pid}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier}
-        out.extend(frontier)
-    return out
+        assert set(self.pids) <= set(self.head.pids()), "the Ray head outside SLURM lost processes"
+        host, port = self.head.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass  # the GCS still answers
 
 
 @pytest.fixture(scope="module")
-def outside_head(slurm_cluster):
-    head = OutsideHead()
+def outside_head(slurm_cluster, shared_ray_head):
+    head = OutsideHead(shared_ray_head)
     yield head
     head.assert_alive()
-    head.stop()
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +152,21 @@ def work(slurm_cluster, tabular_data):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(cluster, work, name: str, sbatch_args: list[str], driver_args: list[str], **knobs: str) -> str:
+def sbatch(cluster, work, name: str, sbatch_args: list[str], driver_args: list[str], cwd: Path = REPO,
+           **knobs: str) -> str:
+    """stride.sbatch (by its path in the checkout) submitted from `cwd`, its output in <root>/<name>.out."""
     env = dict(work["env"], STRIDE_JOB_DIR=str(work["root"] / "jobs" / name), **knobs)
+    return cluster.sbatch([f"--job-name={name}", f"--output={work['root'] / (name + '.out')}", *sbatch_args,
+                           str(REPO / SBATCH), *driver_args], env=env, cwd=cwd)
+
+
+def submit(cluster, work, name: str, sbatch_args: list[str], driver_args: list[str], **knobs: str) -> str:
+    """A job of the built-in tabular task, from the checkout."""
     data = work["data"]
-    return cluster.sbatch([f"--job-name={name}", f"--output={work['root'] / (name + '.out')}", *sbatch_args, SBATCH,
-                           "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train",
-                           f"data.val_path={data}/val", f"run.storage_path={run_dir(work, name).parent}", f"run.name={name}",
-                           "train.epochs=null", "tracking.mlflow_uri=null", "scaling.num_workers=auto", *driver_args],
-                          env=env, cwd=REPO)
+    return sbatch(cluster, work, name, sbatch_args,
+                  ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train",
+                   f"data.val_path={data}/val", f"run.storage_path={run_dir(work, name).parent}", f"run.name={name}",
+                   "train.epochs=null", "tracking.mlflow_uri=null", "scaling.num_workers=auto", *driver_args], **knobs)
 
 
 def run_dir(work, name: str) -> Path:
@@ -261,8 +186,19 @@ def assert_job_cleaned_up(work, job_id: str, temp_dirs_kept: bool = False) -> No
     while (left := {p: c for p, c in proc_cmdlines().items() if marker in c}) and time.time() < deadline:
         time.sleep(1)
     assert not left, f"job {job_id} left Ray processes behind: {left}"
-    if not temp_dirs_kept:
-        assert not list((work["root"] / "r").glob(f"stride-{job_id}-*")), "a node's Ray temp dir was not removed"
+    folders = list((work["root"] / "r").glob(f"stride-{job_id}-*"))
+    if temp_dirs_kept:
+        assert sorted(f.name for f in folders) == [f"stride-{job_id}-n1", f"stride-{job_id}-n2"], folders
+    else:
+        assert not folders, "a node's Ray temp dir was not removed"
+
+
+def assert_ray_stopped_by_usr2(work, name: str) -> None:
+    """Each node's Ray was stopped by its own launcher (SIGUSR2 through srun), not killed with the step."""
+    for node in ("n1", "n2"):
+        log = (work["root"] / "jobs" / name / f"ray-{node}.log").read_text()
+        assert f"node {node}: SIGUSR2: stopping Ray" in log, log[-2000:]
+        assert "still alive after SIGKILL" not in log
 
 
 def wait_done(cluster, job_id: str, work, name: str, timeout_s: float) -> dict:
@@ -272,56 +208,102 @@ def wait_done(cluster, job_id: str, work, name: str, timeout_s: float) -> dict:
         pytest.fail(f"{e}\n--- {name}.out ---\n{output(work, name)[-4000:]}")
 
 
-# ---- two jobs at once, each on both nodes (the 2-node run is one of them) ------------------------------
+def logged_steps(metrics: Path, while_written: bool = False) -> list[int]:
+    """The steps with a train_loss line in metrics.jsonl; while_written: the file is still being written, and a
+    last line not yet complete is not read."""
+    if not metrics.exists():
+        return []
+    if while_written:
+        lines = metrics.read_text().split("\n")[:-1]  # only lines that end with a newline
+        return [r["step"] for r in map(json.loads, filter(str.strip, lines)) if "train_loss" in r]
+    return [r["step"] for r in read_jsonl(metrics) if "train_loss" in r]
+
+
+# ---- the two jobs that train, at once on both nodes ------------------------------------------------------
+#
+# U: the user's project folder (tests/user_project) submitted from that folder, 1 SLURM CPU per node but
+#    STRIDE_CPUS_PER_NODE=2 (Ray gets 2 per node, so num_workers=auto could pack both workers on one node: it must
+#    not), STRIDE_KEEP_RAY_TMP=1 (its nodes' Ray logs show where the workers ran).
+# P: the built-in tabular task, 400 steps, SIGUSR1 after its first logged steps: checkpoint, requeue, resume. It is
+#    held until a socket that is not Ray holds one of its n2's worker ports: that node must move to a free block.
+# Both jobs' Ray heads run on n1 and both their second Ray nodes on n2, at once; their ids differ by one (adjacent
+# port slots).
+
+P_STEPS, P_LOG_EVERY = 400, 5
+
 
 @pytest.fixture(scope="module")
-def two_jobs(slurm_cluster, work, outside_head):
-    """Jobs A and B, 1 CPU per node each, on n1+n2 at the same time: both heads on n1, both workers on n2.
-    A keeps its Ray temp dirs so that the test can see where the training workers ran."""
-    t0 = time.time()
+def user_project(work) -> Path:
+    return copy_project(work["root"] / "p")
+
+
+@pytest.fixture(scope="module")
+def pair(slurm_cluster, work, user_project, outside_head):
+    cluster, root = slurm_cluster, work["root"]
     common = ["--nodes=2", "--cpus-per-task=1"]
-    args = ["train.max_steps=40", "train.log_every_steps=10"]
-    ids = {"A": submit(slurm_cluster, work, "A", common, args, STRIDE_CPUS_PER_NODE="2", STRIDE_KEEP_RAY_TMP="1"),
-           "B": submit(slurm_cluster, work, "B", [*common, "--hold"], args, STRIDE_CPUS_PER_NODE="2")}
-    # Something that is not Ray holds one of the ports B's n2 would get: n2 must move to a free block.
-    taken = PortScheme().node(int(ids["B"]), local_index=1)["min_worker_port"] + 3
+    ids = {"U": sbatch(cluster, work, "U", common,
+                       ["--config", "signal.yaml", f"run.storage_path={root / 'runs' / 'U'}",
+                        "scaling.num_workers=auto", "tracking.mlflow=false", "train.max_steps=20",
+                        "train.eval_every_steps=10"],
+                       cwd=user_project, STRIDE_CPUS_PER_NODE="2", STRIDE_KEEP_RAY_TMP="1")}
+    ids["P"] = submit(cluster, work, "P", [*common, "--hold"],
+                      [f"train.max_steps={P_STEPS}", f"train.log_every_steps={P_LOG_EVERY}",
+                       "checkpoint.every_steps=1000", "train.eval_every_steps=1000"], STRIDE_CPUS_PER_NODE="2")
+    # Something that is not Ray holds one of the ports P's n2 would get: n2 must move to a free block.
+    taken = PortScheme().node(int(ids["P"]), local_index=1)["min_worker_port"] + 3
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     blocker.bind(("0.0.0.0", taken))
     blocker.listen()
-    assert slurm_cluster.run(["scontrol", "release", ids["B"]]).returncode == 0
+    metrics = run_dir(work, "P") / "metrics.jsonl"
+    last_seen = None  # P's last logged step when it got SIGUSR1
     both_running = False
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        states = {k: slurm_cluster.job(j).get("JobState") for k, j in ids.items()}
-        both_running |= all(s == "RUNNING" for s in states.values())
-        if all(s not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None) for s in states.values()):
-            break
-        time.sleep(1)
-    blocker.close()
-    info = {k: wait_done(slurm_cluster, j, work, k, 5) for k, j in ids.items()}
-    yield {"ids": ids, "info": info, "both_running": both_running, "wall_s": time.time() - t0, "taken": taken}
-    shutil.rmtree(work["root"] / "r" / f"stride-{ids['A']}-n1", ignore_errors=True)
-    shutil.rmtree(work["root"] / "r" / f"stride-{ids['A']}-n2", ignore_errors=True)
+    states: dict[str, str | None] = {}
+    try:
+        assert cluster.run(["scontrol", "release", ids["P"]]).returncode == 0
+        deadline, polled = time.time() + 1500, 0.0
+        while time.time() < deadline:
+            if time.time() - polled >= 1:
+                polled = time.time()
+                states = {k: cluster.job(j).get("JobState") for k, j in ids.items()}
+                both_running |= all(s == "RUNNING" for s in states.values())
+                if last_seen is None and states["P"] not in ("PENDING", "RUNNING", "CONFIGURING", None):
+                    pytest.fail(f"P ended before it trained ({states['P']}): {output(work, 'P')[-4000:]}")
+                if last_seen is not None and all(s in FINISHED for s in states.values()):
+                    break
+            if last_seen is None and len(seen := logged_steps(metrics, while_written=True)) >= 2:
+                last_seen = seen[-1]
+                r = cluster.run(["scancel", "--signal=USR1", "--batch", ids["P"]])
+                assert r.returncode == 0, r.stderr
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"jobs not done within 1500 s ({states}, P signalled after step {last_seen})\n"
+                        f"--- U.out ---\n{output(work, 'U')[-3000:]}\n--- P.out ---\n{output(work, 'P')[-3000:]}")
+    finally:
+        blocker.close()
+    info = {k: wait_done(cluster, j, work, k, 30) for k, j in ids.items()}
+    yield {"ids": ids, "info": info, "both_running": both_running, "last_seen": last_seen, "taken": taken}
+    for node in ("n1", "n2"):
+        shutil.rmtree(root / "r" / f"stride-{ids['U']}-{node}", ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_two_node_job_trains_and_completes(two_jobs, work, outside_head):
-    job = two_jobs["ids"]["A"]
-    out = output(work, "A")
-    assert two_jobs["info"]["A"]["JobState"] == "COMPLETED", out[-4000:]
-    summary = json.loads((run_dir(work, "A") / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["global_step"] == 40
-    assert summary["world_size"] == 2
-    assert "training A on 2 CPU worker(s); cluster 4 CPUs, 0 GPUs, 2 node(s)" in out
+def test_sbatch_from_the_project_folder_trains_the_users_task(pair, work, outside_head):
+    """sbatch runs the batch script in the submit directory and starts the driver there (SLURM_SUBMIT_DIR): the
+    user's task module and the relative data paths of signal.yaml are found in the user's folder. The 2-node job
+    trains with one worker per node, its token and node folders are private, and each node's Ray is stopped by
+    its own launcher."""
+    job, out = pair["ids"]["U"], output(work, "U")
+    assert pair["info"]["U"]["JobState"] == "COMPLETED", out[-4000:]
+    run = work["root"] / "runs" / "U" / "signal"
+    s = summary(run)
+    assert s["status"] == "completed" and s["global_step"] == 20 and s["world_size"] == 2 and s["task"] == TASK
+    assert_reports_accuracy(run, s)
+    assert "training signal on 2 CPU worker(s); cluster 4 CPUs, 0 GPUs, 2 node(s)" in out, out[-3000:]
     assert "all 2 node(s) joined: n1 n2" in out
-    # Each node's Ray was stopped by its own launcher (SIGUSR2 through srun), not killed with the step.
-    for node in ("n1", "n2"):
-        log = (work["root"] / "jobs" / "A" / f"ray-{node}.log").read_text()
-        assert f"node {node}: SIGUSR2: stopping Ray" in log, log[-2000:]
-        assert "still alive after SIGKILL" not in log
-    token = work["root"] / "jobs" / "A" / "ray_token"
+    assert_ray_stopped_by_usr2(work, "U")
+    token = work["root"] / "jobs" / "U" / "ray_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
     for node in ("n1", "n2"):  # kept (keep_tmp): each node's folder is private, Ray's world-writable one inside it
@@ -333,12 +315,13 @@ def test_two_node_job_trains_and_completes(two_jobs, work, outside_head):
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_auto_workers_run_one_per_node(two_jobs, work):
-    """scaling.num_workers=auto on CPU nodes means one worker per node: the two training workers' pids (from the
-    driver's output) must be Ray workers of different nodes (each node's Ray logs are kept for job A)."""
-    job = two_jobs["ids"]["A"]
-    pids = re.findall(r"\(ip=[^,]+, pid=(\d+)\) world_rank=\d", output(work, "A"))
-    assert len(pids) == 2, output(work, "A")[-3000:]
+def test_auto_workers_run_one_per_node(pair, work):
+    """scaling.num_workers=auto on CPU nodes means one worker per node, although Ray has 2 CPUs on each: the two
+    training workers' pids (from the driver's output) must be Ray workers of different nodes (U keeps its nodes'
+    Ray logs)."""
+    job, out = pair["ids"]["U"], output(work, "U")
+    pids = re.findall(r"\(ip=[^,]+, pid=(\d+)\) world_rank=\d", out)
+    assert len(pids) == 2, out[-3000:]
     where = {}
     for pid in pids:
         hits = list((work["root"] / "r").glob(f"stride-{job}-*/ray/session_*/logs/python-core-worker-*_{pid}.log"))
@@ -350,27 +333,60 @@ def test_auto_workers_run_one_per_node(two_jobs, work):
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_two_jobs_share_the_nodes_without_port_clashes(two_jobs, work, outside_head):
-    ids = two_jobs["ids"]
-    assert two_jobs["both_running"], "the two jobs never ran at the same time"
+def test_two_jobs_share_the_nodes_without_port_clashes(pair, work, outside_head):
+    ids = pair["ids"]
+    assert pair["both_running"], "the two jobs never ran at the same time"
     for name, job in ids.items():
-        assert two_jobs["info"][name]["JobState"] == "COMPLETED", output(work, name)[-4000:]
-        assert two_jobs["info"][name]["NodeList"] == "n[1-2]"
-        summary = json.loads((run_dir(work, name) / "summary.json").read_text())
-        assert summary["status"] == "completed" and summary["global_step"] == 40
-        assert_job_cleaned_up(work, job, temp_dirs_kept=name == "A")
+        assert pair["info"][name]["JobState"] == "COMPLETED", output(work, name)[-4000:]
+        assert pair["info"][name]["NodeList"] == "n[1-2]"
     plans = {k: json.loads((work["root"] / "jobs" / k / "plan.json").read_text()) for k in ids}
     ports = {k: set().union(*(all_ports(n["ports"]) for n in p["nodes"])) for k, p in plans.items()}
-    assert not ports["A"] & ports["B"]
+    assert not ports["U"] & ports["P"]
     # Both of a job's nodes live on 127.0.0.1: they took different port blocks.
-    assert [n["local_index"] for n in plans["A"]["nodes"]] == [0, 1]
-    # B's n2 found one of its ports taken by a stranger and moved to the block of another slot.
-    log = (work["root"] / "jobs" / "B" / "ray-n2.log").read_text()
-    assert f"worker port {two_jobs['taken']}" in log and "using the block of port slot" in log, log[-2000:]
+    for plan in plans.values():
+        assert [(n["name"], n["local_index"]) for n in plan["nodes"]] == [("n1", 0), ("n2", 1)], plan["nodes"]
+    # P's n2 found one of its ports taken by a stranger and moved to the block of another slot (in both runs).
+    log = (work["root"] / "jobs" / "P" / "ray-n2.log").read_text()
+    assert f"worker port {pair['taken']}" in log and "using the block of port slot" in log, log[-2000:]
     outside_head.assert_alive()
 
 
-# ---- a node that cannot start: the job fails at once and names it -------------------------------------
+# ---- preemption: USR1 -> checkpoint -> requeue -> resume -> completion ----------------------------------
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_usr1_checkpoints_requeues_and_resumes(pair, work, outside_head):
+    job, out, info = pair["ids"]["P"], output(work, "P"), pair["info"]["P"]
+    assert info["JobState"] == "COMPLETED", out[-5000:]
+    assert int(info["Restarts"]) >= 1, info
+    assert "received SIGUSR1: forwarding it to the driver" in out
+    assert "stride: preempted: step" in out and "preempted: requeueing job" in out, out[-5000:]
+    m = re.search(r"resumed from \S+ at step (\d+)", out)
+    assert m, out[-5000:]
+    ckpt_step = int(m.group(1))
+    # The checkpoint holds every step logged before the signal (at most the step in flight is redone).
+    assert pair["last_seen"] <= ckpt_step < P_STEPS, (pair["last_seen"], ckpt_step)
+    # The requeued run (same job id) got the same head ports back.
+    slots = re.findall(rf"job {job}: head n1, 2 node\(s\) \[n1 n2\]; GCS \S+, dashboard \S+ \(port slot \d+ of \d+\)",
+                       out)
+    assert len(slots) == 2 and slots[0] == slots[1], slots
+    assert out.count("training P on 2 CPU worker(s); cluster 4 CPUs, 0 GPUs, 2 node(s)") == 2, out[-5000:]
+
+    done = summary(run_dir(work, "P"))
+    assert done["status"] == "completed" and done["global_step"] == P_STEPS and done["world_size"] == 2
+    assert done["restarts"] >= 1
+    logged = logged_steps(run_dir(work, "P") / "metrics.jsonl")
+    assert logged == sorted(set(logged)), "metrics.jsonl repeats or reorders steps after the resume"
+    assert ckpt_step in logged and logged[-1] == P_STEPS
+    after = [s for s in logged if s > ckpt_step]
+    first_after = (ckpt_step // P_LOG_EVERY + 1) * P_LOG_EVERY
+    assert after == list(range(first_after, P_STEPS + 1, P_LOG_EVERY)), after[:5]
+    assert_ray_stopped_by_usr2(work, "P")
+    assert_job_cleaned_up(work, job)  # not kept: each node's temp dir is removed
+    outside_head.assert_alive()
+
+
+# ---- jobs that fail before training: a node that cannot start, nodes that do not join in time ----------
 
 @pytest.mark.slow
 @pytest.mark.slurm
@@ -408,7 +424,7 @@ def test_a_node_that_cannot_start_fails_the_job_naming_it(slurm_cluster, work, o
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_nodes_that_do_not_join_in_time_fail_the_job_naming_them(slurm_cluster, work):
+def test_nodes_that_do_not_join_in_time_fail_the_job_naming_them(slurm_cluster, work, outside_head):
     job = submit(slurm_cluster, work, "T", ["--nodes=2", "--cpus-per-task=1"], ["train.max_steps=10"],
                  STRIDE_JOIN_TIMEOUT_S="3")
     info = wait_done(slurm_cluster, job, work, "T", 300)
@@ -417,54 +433,4 @@ def test_nodes_that_do_not_join_in_time_fail_the_job_naming_them(slurm_cluster, 
     assert re.search(r"not in the Ray cluster after 3s .*nodes missing: (n1, )?n2 ", out), out[-3000:]
     assert "raise STRIDE_JOIN_TIMEOUT_S" in out and "starting the driver" not in out
     assert_job_cleaned_up(work, job)  # Ray stopped mid-start-up leaves nothing behind either
-
-
-# ---- preemption: USR1 -> checkpoint -> requeue -> resume -> completion ----------------------------------
-
-@pytest.mark.slow
-@pytest.mark.slurm
-def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, work, outside_head):
-    steps, log_every = 400, 5
-    job = submit(slurm_cluster, work, "P", ["--nodes=2", "--cpus-per-task=2"],
-                 [f"train.max_steps={steps}", f"train.log_every_steps={log_every}", "checkpoint.every_steps=1000",
-                  "train.eval_every_steps=1000"])
-    metrics = run_dir(work, "P") / "metrics.jsonl"
-    deadline = time.time() + 600
-    seen: list[int] = []
-    while time.time() < deadline:
-        if metrics.exists():
-            seen = [r["step"] for r in read_jsonl(metrics) if "train_loss" in r]
-            if len(seen) >= 2:
-                break
-        if slurm_cluster.job(job).get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING"):
-            pytest.fail(f"job ended before it trained: {output(work, 'P')[-4000:]}")
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"no training steps within 600 s: {output(work, 'P')[-4000:]}")
-    last_seen = seen[-1]
-    r = slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
-    assert r.returncode == 0, r.stderr
-
-    info = wait_done(slurm_cluster, job, work, "P", 900)
-    out = output(work, "P")
-    assert info["JobState"] == "COMPLETED", out[-5000:]
-    assert int(info["Restarts"]) >= 1, info
-    assert "received SIGUSR1: forwarding it to the driver" in out
-    assert "stride: preempted: step" in out and "preempted: requeueing job" in out, out[-5000:]
-    m = re.search(r"resumed from \S+ at step (\d+)", out)
-    assert m, out[-5000:]
-    ckpt_step = int(m.group(1))
-    # The checkpoint holds every step logged before the signal (at most the step in flight is redone).
-    assert last_seen <= ckpt_step < steps, (last_seen, ckpt_step)
-
-    summary = json.loads((run_dir(work, "P") / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["global_step"] == steps
-    assert summary["restarts"] >= 1
-    logged = [r["step"] for r in read_jsonl(metrics) if "train_loss" in r]
-    assert logged == sorted(set(logged)), "metrics.jsonl repeats or reorders steps after the resume"
-    assert ckpt_step in logged and logged[-1] == steps
-    after = [s for s in logged if s > ckpt_step]
-    first_after = (ckpt_step // log_every + 1) * log_every
-    assert after == list(range(first_after, steps + 1, log_every)), after[:5]
-    assert_job_cleaned_up(work, job)
     outside_head.assert_alive()

@@ -1,6 +1,8 @@
-"""Sweeps (tune/): the space parser and sweep file (pure), then real sweeps through `python tune/main.py` on an
-embedded Ray: two trials at a time on 2 CPUs, ASHA stopping bad trials, MLflow parent/child runs on a real
-`mlflow server`, usage errors in seconds, and a SIGKILLed sweep that resumes without rerunning finished trials."""
+"""Sweeps (tune/): the space parser, the sweep file and the cluster's resources (pure: the gangs a cluster can hold
+are a function of what ray.nodes() answers), then real sweeps through the command on the session's test Ray head
+(tests/shared_ray.py, 2 CPUs on any machine): two trials at a time, ASHA stopping a bad trial, MLflow parent/child
+runs on a real `mlflow server`, usage errors in seconds, and a SIGKILLed sweep over a user's own task field that
+resumes without rerunning its finished trial."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli
-from tune_fixtures import events, max_overlap, stop_session, wait_for, write_sweep
+from conftest import PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli
+from tune_fixtures import (USER_TASK, copy_user_project, events, fake_cluster, max_overlap, signal_param_bytes,
+                           wait_for, write_sweep)
 from stride.trainers.config import ConfigError
 from stride.tune.space import build_sweep, load_sweep, parse_space
 
@@ -249,7 +252,62 @@ def test_a_repair_never_restores_a_copy_that_names_a_deleted_checkpoint(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. the driver: usage errors exit 2 in seconds, with one line
+# 2. the cluster's resources: trials at once, and the worker gangs refused (functions of what Ray reports)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _concurrency(monkeypatch, nodes: list[dict], base: dict, **sweep) -> tuple[int, int, bool]:
+    """tune/main.py's resolve_concurrency for a sweep with `base`, on a cluster of `nodes` (no Ray started)."""
+    from stride.tune.main import resolve_concurrency
+
+    fake_cluster(monkeypatch, *nodes)
+    built = build_sweep(_raw({"optim.lr": {"loguniform": [1e-4, 1e-1]}}, base=base, **sweep))
+    return resolve_concurrency(built, built.base_cfg())
+
+
+@pytest.mark.parametrize("nodes,base,sweep,expected", [
+    ([{"CPU": 2}], {"scaling.num_workers": 1}, {}, (2, 1, False)),  # the test head: two 1-worker trials at once
+    ([{"CPU": 2}, {"CPU": 3}], {"scaling.num_workers": 2}, {}, (2, 2, False)),  # 5 one-CPU bundles: 2 gangs of 2
+    ([{"CPU": 2}, {"CPU": 2}], {"scaling.num_workers": "auto"}, {}, (2, 2, False)),  # auto on CPU: one per node
+    ([{"CPU": 4}], {"scaling.num_workers": 1, "scaling.cpus_per_worker": 1.5}, {}, (2, 1, False)),
+    ([{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 2}], {"scaling.num_workers": 1, "scaling.use_gpu": True}, {},
+     (3, 1, True)),  # the GPUs bound it, not the 16 CPUs
+    ([{"CPU": 8, "GPU": 2}], {"scaling.num_workers": 1, "scaling.use_gpu": "auto"}, {}, (2, 1, True)),
+    ([{"CPU": 2}], {"scaling.num_workers": 1}, {"max_concurrent_trials": 1}, (1, 1, False)),
+], ids=["head", "two-nodes", "auto-workers", "fractional-cpus", "gpus-bound", "gpu-auto", "fixed"])
+def test_trials_at_once_are_the_gangs_that_fit(monkeypatch, nodes, base, sweep, expected):
+    assert _concurrency(monkeypatch, nodes, base, **sweep) == expected
+
+
+def test_more_trials_at_once_than_fit_wait_for_resources(monkeypatch, capsys):
+    assert _concurrency(monkeypatch, [{"CPU": 2}], {"scaling.num_workers": 1}, max_concurrent_trials=4) == (4, 1, False)
+    assert "sweep.max_concurrent_trials (4) > the 2 trial gangs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("nodes,base,words", [
+    ([{"CPU": 2}], {"scaling.use_gpu": True}, ["base.scaling.use_gpu", "GPUs", "none"]),
+    ([{"CPU": 8, "GPU": 1}], {"scaling.num_workers": 2, "scaling.use_gpu": True},
+     ["base.scaling.num_workers (2)", "needs 2 GPUs", "has 1"]),
+    ([{"CPU": 2}], {"scaling.num_workers": 3}, ["base.scaling.num_workers (3)", "3 CPUs", "the cluster's 2 CPUs"]),
+    ([{"CPU": 2}, {"CPU": 2}], {"scaling.num_workers": 1, "scaling.cpus_per_worker": 3},
+     ["base.scaling.cpus_per_worker (3)", "largest node's 2 CPUs"]),
+    # Enough CPUs in all, but no node holds two 1-CPU workers: the gang never fits.
+    ([{"CPU": 1.5}, {"CPU": 1.5}], {"scaling.num_workers": 3},
+     ["worker gang (3 worker(s) x 1 CPU) does not fit", "3 CPUs, 0 GPUs on 2 node(s)", "base.scaling.num_workers"]),
+    ([{"CPU": 64}], {"scaling.num_workers": [1, 2]}, ["base.scaling.num_workers ([1, 2])", "elastic", "fixed"]),
+], ids=["gpu-none", "gpu-short", "cpus", "cpus-per-worker", "fragmented", "elastic"])
+def test_a_gang_the_cluster_cannot_hold_is_refused(monkeypatch, nodes, base, words):
+    from stride.ray_cluster.connect import UsageError
+
+    with pytest.raises(UsageError) as e:
+        _concurrency(monkeypatch, nodes, base)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. the driver: usage errors exit 2 in seconds, with one line
 # ---------------------------------------------------------------------------------------------------------------
 
 def _one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -271,36 +329,32 @@ def test_unknown_space_key_exits_2_quickly(tmp_path, tabular_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base,words", [
-    ({"scaling.use_gpu": True}, ["base.scaling.use_gpu", "GPUs", "none"]),
-    ({"scaling.num_workers": 3}, ["base.scaling.num_workers (3)", "3 CPUs", "2 CPUs"]),
-    ({"scaling.num_workers": [1, 2]}, ["base.scaling.num_workers ([1, 2])", "elastic", "fixed"]),
-], ids=["gpu", "cpu", "elastic"])
-def test_infeasible_gang_exits_2_quickly(tmp_path, tabular_data, base, words):
-    if base.get("scaling.num_workers") == 3 and (os.cpu_count() or 1) >= 3:
-        pytest.skip("the embedded cluster has as many CPUs as this machine's cores; 3 workers fit here")
+def test_a_gang_bigger_than_the_cluster_exits_2_quickly(tmp_path, tabular_data, ray_cluster):
+    """The one refusal of the cluster's resources through the command (the others are the function's, above):
+    3 one-CPU workers against the test head's 2 CPUs, read from the cluster the driver joined."""
     cfg = write_sweep(tmp_path / "s.yaml", tabular_data, tmp_path / "runs", sweep={"name": "gang", "num_samples": 2},
-                      base=base, space={"optim.lr": {"loguniform": [1e-4, 1e-1]}})
+                      base={"scaling.num_workers": 3}, space={"optim.lr": {"loguniform": [1e-4, 1e-1]}})
     t0 = time.time()
-    proc = run_cli(["tune/main.py", "--config", str(cfg)], timeout=120)
-    line = _one_line_error(proc)
+    line = _one_line_error(run_cli(["tune/main.py", "--config", str(cfg)], timeout=120, env=ray_cluster))
     assert time.time() - t0 < 30, f"took {time.time() - t0:.0f} s"
-    for w in words:
+    for w in ("base.scaling.num_workers (3)", "3 CPUs", "the cluster's 2 CPUs"):
         assert w in line, line
     assert not list((tmp_path / "runs" / "gang").glob("*_0000*")), "no trial may start"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. a real sweep: 4 trials, 2 at a time, ASHA, MLflow server
+# 4. a real sweep on the test head: 3 trials, 2 at a time, ASHA, MLflow server
 # ---------------------------------------------------------------------------------------------------------------
 
-ASHA_STEPS = 300
+ASHA_STEPS = 150
+GOOD_LR = 3.0e-2
 
 
 @pytest.fixture(scope="module")
-def asha_sweep(tmp_path_factory, tabular_data, mlflow_server):
-    """One grid sweep shared by the tests below: lr 3e-2 learns, lr 1e-6..3e-6 cannot move the loss in 300 steps,
-    so whichever bad trial reaches ASHA's first rung after the good one must be stopped there."""
+def asha_sweep(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
+    """One grid sweep on the test head (2 CPUs), shared by the tests below: lr 3e-2 learns, lr 1e-6 and 2e-6 cannot
+    move the loss in 150 steps. The first two trials train side by side; the third starts when one of them ends,
+    after the good trial recorded ASHA's first rung (step 10), so that at the latest the third is stopped there."""
     root = tmp_path_factory.mktemp("asha")
     experiment = f"tune-test-{uuid.uuid4().hex[:8]}"
     cfg = write_sweep(root / "asha.yaml", tabular_data, root / "runs",
@@ -308,11 +362,15 @@ def asha_sweep(tmp_path_factory, tabular_data, mlflow_server):
                              "grace_period_steps": 10, "reduction_factor": 2},
                       base={"train.max_steps": ASHA_STEPS, "tracking.mlflow_uri": mlflow_server,
                             "tracking.experiment": experiment},
-                      space={"optim.lr": {"grid": [3.0e-2, 1.0e-6, 2.0e-6, 3.0e-6]}})
+                      space={"optim.lr": {"grid": [GOOD_LR, 1.0e-6, 2.0e-6]}})
+    left = shared_ray_head.wait_idle()
+    assert not left, f"the test head is busy, the sweep would not get its 2 CPUs: {left}"
     t0 = time.time()
-    proc = run_cli(["tune/main.py", "--config", str(cfg)], timeout=480)
+    proc = run_cli(["tune/main.py", "--config", str(cfg)], timeout=480, env=shared_ray_head.env())
     wall = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    left = shared_ray_head.wait_idle()
+    assert not left, f"the sweep left on the test head: {left}"
     sweep_dir = root / "runs" / "asha"
     summary = json.loads((sweep_dir / "sweep_summary.json").read_text())
     return {"proc": proc, "summary": summary, "dir": sweep_dir, "uri": mlflow_server, "experiment": experiment,
@@ -324,10 +382,10 @@ def test_sweep_runs_two_trials_at_a_time_on_two_cpus(asha_sweep):
     s = asha_sweep["summary"]
     assert s["max_concurrent_trials"] == 2 and s["workers_per_trial"] == 1
     trials = s["trials"]
-    assert len(trials) == 4
+    assert len(trials) == 3
     for t in trials:
         assert t["started_at"] and t["ended_at"] and t["started_at"] < t["ended_at"]
-    # Tune never holds more than 2 trials at once ...
+    # Tune never holds more than 2 trials at once (3 were ready) ...
     assert max_overlap([(t["started_at"], t["ended_at"]) for t in trials]) == 2
     # ... and two worker gangs really trained side by side: a trial's first result came before the other ended.
     assert max_overlap([(t["first_result_at"], t["ended_at"]) for t in trials if t["first_result_at"]]) == 2
@@ -344,7 +402,7 @@ def test_asha_stops_a_bad_trial_early(asha_sweep):
         assert not (run_dir / "summary.json").exists()  # killed mid-run
         logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
         assert max(logged) < ASHA_STEPS
-    good = [t for t in trials.values() if t["params"]["optim.lr"] == 3.0e-2]
+    good = [t for t in trials.values() if t["params"]["optim.lr"] == GOOD_LR]
     assert good[0]["status"] == "completed" and good[0]["steps"] == ASHA_STEPS
 
 
@@ -353,9 +411,9 @@ def test_summary_best_trial_has_the_best_metric(asha_sweep):
     s = asha_sweep["summary"]
     assert s["metric"] == "val_loss" and s["mode"] == "min" and s["status"] == "completed"
     finished = [t for t in s["trials"] if t["status"] in ("completed", "early_stopped")]
-    assert len(finished) == 4
+    assert len(finished) == 3
     best = min(finished, key=lambda t: t["metric"])
-    assert s["best_metric"] == best["metric"] and s["best_config"] == best["params"] == {"optim.lr": 3.0e-2}
+    assert s["best_metric"] == best["metric"] and s["best_config"] == best["params"] == {"optim.lr": GOOD_LR}
     assert s["best_trial_id"] == best["trial_id"]
     # The number is the trial's own: its summary.json and the last evaluation in its metrics.jsonl.
     own = json.loads((Path(best["run_dir"]) / "summary.json").read_text())
@@ -377,13 +435,13 @@ def test_mlflow_server_has_one_parent_and_a_child_per_trial(asha_sweep):
     runs = client.search_runs([exp.experiment_id], max_results=100)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == 4
+    assert len(parents) == 1 and len(children) == 3
     parent = parents[0]
     assert parent.info.run_id == s["mlflow_parent_run_id"] and parent.info.status == "FINISHED"
     assert parent.data.tags["mlflow.runName"] == "asha" and parent.data.tags["stride.sweep"] == "true"
     assert parent.data.params["sweep.metric"] == "val_loss" and parent.data.params["space.optim.lr"].startswith("grid")
     assert math.isclose(parent.data.metrics["best_val_loss"], s["best_metric"], rel_tol=1e-9)
-    assert parent.data.params["best.optim.lr"] == "0.03"
+    assert parent.data.params["best.optim.lr"] == str(GOOD_LR)
     by_trial = {t["trial_id"]: t for t in s["trials"]}
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -420,88 +478,129 @@ def test_changed_sweep_refuses_to_resume(asha_sweep, tmp_path):
     cfg = tmp_path / "changed.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     t0 = time.time()
-    line = _one_line_error(run_cli(["tune/main.py", "--config", str(cfg)], timeout=60))
+    line = _one_line_error(run_cli(["tune/main.py", "--config", str(cfg)], timeout=60))  # refused before Ray starts
     assert time.time() - t0 < 30
     assert "different settings" in line and "space" in line and "new sweep.name" in line
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. an interrupted sweep resumes
+# 5. a killed sweep over a user's own task resumes
 # ---------------------------------------------------------------------------------------------------------------
 
+SIGNAL_STEPS, SIGNAL_EVERY = 1000, 50  # about 10 s of training after the first checkpoint: the kill lands there
+USER_SWEEP = f"""\
+# Sweep the task's own field model.channels: 2 trials of 1 worker each, one after the other.
+# Launch:   python -m stride.tune.main --config sweep.yaml      (from this folder)
+sweep:
+  name: signal_sweep
+  base_config: signal.yaml
+  storage_path: ./runs
+  metric: val_accuracy
+  mode: max
+  num_samples: 1
+  search: grid
+  scheduler: fifo
+  max_concurrent_trials: 1
+  seed: 0
+base:
+  scaling.num_workers: 1
+  train.max_steps: {SIGNAL_STEPS}
+  train.log_every_steps: {SIGNAL_EVERY}
+  train.eval_every_steps: {SIGNAL_EVERY}
+  checkpoint.every_steps: {SIGNAL_EVERY}
+space:
+  model.channels: {{choice: [8, 16]}}
+"""
+
+
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tabular_data):
-    """SIGKILL the driver while the second pair of trials trains (the first pair finished), run the same command
-    again: the finished pair is not run again, the killed pair resumes from its checkpoints into the same MLflow
-    child runs (one of them through a truncated Ray Train snapshot), and the sweep completes."""
-    steps = 300
-    # Run from the test folder with a relative storage_path, as a user runs from their project folder.
-    cfg = write_sweep(tmp_path / "s.yaml", tabular_data, Path("runs"), sweep={"name": "res", "num_samples": 4},
-                      base={"train.max_steps": steps}, space={"optim.lr": {"loguniform": [1.0e-3, 3.0e-2]}})
-    sweep_dir = tmp_path / "runs" / "res"
-    driver = str(REPO / "tune" / "main.py")
-    log = open(tmp_path / "first.log", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([PYTHON, driver, "--config", str(cfg)], cwd=tmp_path, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        def second_pair_training():
-            evs = events(sweep_dir)
-            ended = {e["trial_id"] for e in evs if e["event"] == "end"}
-            reporting = {e["trial_id"] for e in evs if e["event"] == "result"} - ended
-            return (ended, reporting) if len(ended) >= 2 and reporting else None
+def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(tmp_path, ray_cluster, shared_ray_head):
+    """A sweep over a user's own task field (model.channels of tests/user_project's signal_task:SignalTask, a module
+    found in the working directory), run as a user runs it: `python -m stride.tune.main` from their folder, with a
+    relative storage_path. SIGKILL the driver while the second trial trains (the first finished) and run the same
+    command again: the finished trial is not run again, the killed one resumes from its checkpoint (through a
+    truncated Ray Train snapshot) into the same MLflow child run, and the sweep completes both trials of the task."""
+    from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY
 
-        ended, reporting = wait_for(second_pair_training, timeout=360, proc=proc, what="a second-wave trial's result")
-        finished_stamp = {t: (sweep_dir / t / "summary.json").stat().st_mtime_ns for t in ended}
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
+    project = copy_user_project(tmp_path / "signal_project")
+    (project / "sweep.yaml").write_text(USER_SWEEP)
+    sweep_dir = project / "runs" / "signal_sweep"
+    command = ["-m", "stride.tune.main", "--config", "sweep.yaml"]
+    log_path = tmp_path / "first.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([PYTHON, *command], cwd=project, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **ray_cluster))
+        try:
+            def second_trial_checkpointed():
+                evs = events(sweep_dir)
+                ended = {e["trial_id"] for e in evs if e["event"] == "end"}
+                training = {e["trial_id"] for e in evs if e["event"] == "result"} - ended
+                saved = {t for t in training if (sweep_dir / t / SNAPSHOT_COPY).exists()}
+                return (ended, saved) if ended and saved else None
+
+            ended, killed = wait_for(second_trial_checkpointed, timeout=480, proc=proc,
+                                     what="a checkpoint of the second trial")
+            finished_stamp = {t: (sweep_dir / t / "summary.json").stat().st_mtime_ns for t in ended}
+        finally:
+            tree = descendants(proc.pid)  # the driver's own processes only: the head's are not below it
+            proc.kill()
             proc.wait(timeout=30)
-        stop_session(proc.pid)
-        log.close()
+            kill_pids(tree)
+    first = log_path.read_text()
+    assert len(ended) == 1 and len(killed) == 1, first[-3000:]
+    (killed_id,) = killed
+    assert not (sweep_dir / killed_id / "summary.json").exists(), "the second trial ended before the kill"
     assert not (sweep_dir / "sweep_summary.json").exists()
-    checkpointed = {t for t in reporting if list((sweep_dir / t).glob("checkpoint_*"))}
-    assert checkpointed, "the killed trials had reported with a checkpoint"
-    # A kill while Ray Train rewrites its snapshot leaves it empty (seen in this test): make sure it happened once.
-    truncated = sorted(checkpointed)[0]
-    (sweep_dir / truncated / "checkpoint_manager_snapshot.json").write_text("")
+    left = shared_ray_head.wait_idle()  # the head removes a dead driver's actors, groups and CPUs by itself
+    assert not left, f"the killed sweep's job left on the head: {left}"
+    # A kill while Ray Train rewrites its snapshot leaves it empty (seen in CI): make sure it happened.
+    (sweep_dir / killed_id / SNAPSHOT).write_text("")
 
-    proc2 = run_cli([driver, "--config", str(cfg)], timeout=420, cwd=tmp_path)
+    proc2 = run_cli(command, timeout=420, cwd=project, env=ray_cluster)
     assert proc2.returncode == 0, proc2.stdout[-4000:] + proc2.stderr[-4000:]
     assert "resuming" in proc2.stdout
-    assert f"stride: trial {truncated}: " in (sweep_dir / "worker.log").read_text()
+    assert f"stride: trial {killed_id}: " in (sweep_dir / "worker.log").read_text()  # the snapshot was repaired
     s = json.loads((sweep_dir / "sweep_summary.json").read_text())
-    assert len(s["trials"]) == 4 and all(t["status"] == "completed" for t in s["trials"]), s["trials"]
-    for t in s["trials"]:  # every trial is a whole Stride run in its own folder under the sweep
-        assert t["steps"] == steps and Path(t["run_dir"]).parent == sweep_dir
-        assert json.loads((sweep_dir / t["trial_id"] / "summary.json").read_text())["global_step"] == steps
-        assert read_jsonl(sweep_dir / t["trial_id"] / "metrics.jsonl")[-1]["step"] == steps
-    starts = {}
+    assert s["status"] == "completed" and s["metric"] == "val_accuracy" and s["mode"] == "max"
+    assert sorted(t["params"]["model.channels"] for t in s["trials"]) == [8, 16]
+    for t in s["trials"]:  # each trial: a whole Stride run of the user's task in its own folder under the sweep
+        run_dir = sweep_dir / t["trial_id"]
+        channels = t["params"]["model.channels"]
+        assert t["status"] == "completed" and t["steps"] == SIGNAL_STEPS and Path(t["run_dir"]) == run_dir, t
+        own = json.loads((run_dir / "summary.json").read_text())
+        assert own["status"] == "completed" and own["global_step"] == SIGNAL_STEPS and own["task"] == USER_TASK
+        assert own["config"]["model"]["channels"] == channels
+        assert own["param_bytes_per_worker"] == [signal_param_bytes(channels)]  # the trials really differ
+        assert own["val_accuracy"] == pytest.approx(t["metric"])
+        assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == SIGNAL_STEPS
+    best = max(s["trials"], key=lambda t: t["metric"])
+    assert s["best_trial_id"] == best["trial_id"] and s["best_metric"] == best["metric"]
+    assert s["best_config"] == best["params"]
+
+    starts: dict[str, int] = {}
     for e in events(sweep_dir):
         if e["event"] == "start":
             starts[e["trial_id"]] = starts.get(e["trial_id"], 0) + 1
-    for t in ended:  # finished before the kill: never started again, summary untouched
-        assert starts[t] == 1
-        assert (sweep_dir / t / "summary.json").stat().st_mtime_ns == finished_stamp[t]
-        assert f"stride: trial {t} started" not in proc2.stdout
+    (finished_id,) = ended
+    # Finished before the kill: never started again, its summary untouched.
+    assert starts[finished_id] == 1 and f"stride: trial {finished_id} started" not in proc2.stdout
+    assert (sweep_dir / finished_id / "summary.json").stat().st_mtime_ns == finished_stamp[finished_id]
+    # Killed: started again, and continued from its checkpoint rather than from step 0.
+    assert starts[killed_id] == 2
+    assert json.loads((sweep_dir / killed_id / "summary.json").read_text())["restarts"] >= 1
+
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=s["mlflow_uri"])
+    client = MlflowClient(tracking_uri=s["mlflow_uri"])  # the default store beside the sweep: runs/mlflow.db
+    parent = client.get_run(s["mlflow_parent_run_id"])
+    assert parent.info.status == "FINISHED"
     by_trial = {t["trial_id"]: t for t in s["trials"]}
-    for t in checkpointed:  # resumed from a checkpoint: the loop continued the trial's MLflow child run
-        assert starts[t] == 2
-        own = json.loads((sweep_dir / t / "summary.json").read_text())
-        assert own["restarts"] >= 1
-        runs = client.search_runs([client.get_run(s["mlflow_parent_run_id"]).info.experiment_id],
-                                  filter_string=f"tags.`mlflow.runName` = '{t}'")
-        assert [r.info.run_id for r in runs] == [by_trial[t]["mlflow_run_id"]]
-        assert runs[0].info.status == "FINISHED"
-        assert runs[0].data.tags["mlflow.parentRunId"] == s["mlflow_parent_run_id"]
-        history = [m.step for m in client.get_metric_history(runs[0].info.run_id, "val_loss")]
-        assert max(history) == steps
-    assert client.get_run(s["mlflow_parent_run_id"]).info.status == "FINISHED"
+    for trial_id, t in by_trial.items():  # one child run per trial, the killed one continued, not replaced
+        runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.runName` = '{trial_id}'")
+        assert [r.info.run_id for r in runs] == [t["mlflow_run_id"]]
+        assert runs[0].info.status == "FINISHED" and runs[0].data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert runs[0].data.params["model.channels"] == str(t["params"]["model.channels"])
+        history = [m.step for m in client.get_metric_history(runs[0].info.run_id, "val_accuracy")]
+        assert max(history) == SIGNAL_STEPS
     state = json.loads((sweep_dir / "stride_sweep.json").read_text())
     assert state["mlflow_parent_run_id"] == s["mlflow_parent_run_id"]  # one parent across both runs

@@ -1,11 +1,12 @@
-"""Helpers for tests/test_tune.py: sweep files around the test data, the driver's event log, stopping a killed
-driver's leftovers by pid."""
+"""Helpers for tests/test_tune.py: sweep files around the test data, the user's project (tests/user_project), the
+driver's event log, a fake cluster for the resource checks."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,33 +58,38 @@ def wait_for(predicate, timeout: float, proc=None, what: str = "condition"):
     raise AssertionError(f"no {what} within {timeout} s")
 
 
-def session_pids(sid: int) -> list[int]:
-    """Processes in session `sid` (a driver started with start_new_session=True, and the Ray it started)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after the command: state, ppid, pgrp, session
-            out.append(int(stat.parent.name))
-    return out
+def fake_cluster(monkeypatch, *nodes: dict[str, float]) -> None:
+    """What ray.nodes() and ray.cluster_resources() answer, without Ray: `nodes` alive, and one dead node with
+    plenty of everything, which no check may count (Ray lists a dead node until it is forgotten)."""
+    import ray
+
+    alive = [{"Alive": True, "Resources": dict(n)} for n in nodes]
+    dead = {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}
+    total: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n.items():
+            total[k] = total.get(k, 0.0) + v
+    monkeypatch.setattr(ray, "nodes", lambda: [*alive, dead])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(total))
 
 
-def stop_session(sid: int, timeout: float = 30) -> None:
-    """A SIGKILLed driver leaves Ray's agents behind (they outlive their raylet for a while): stop each one by pid."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pids = session_pids(sid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-    raise AssertionError(f"processes of session {sid} still alive: {session_pids(sid)}")
+# ---- the user's own project (tests/user_project): a task module found in the working directory ----
+
+USER_PROJECT = Path(__file__).resolve().parent / "user_project"
+USER_TASK = "signal_task:SignalTask"
+
+
+def copy_user_project(dst: Path) -> Path:
+    """The user's folder, as a user has it: its three files, then `python make_data.py` run there."""
+    shutil.copytree(USER_PROJECT, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "runs", "data"))
+    r = subprocess.run([sys.executable, "make_data.py"], cwd=dst, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dst
+
+
+def signal_param_bytes(channels: int, depth: int = 3, classes: int = 4) -> int:
+    """float32 bytes of signal_task's SignalCNN: stem conv (kernel 7), `depth` convs (kernel 3), linear head."""
+    return 4 * ((channels * 7 + channels) + depth * (channels * channels * 3 + channels) + channels * classes + classes)
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:

@@ -80,15 +80,41 @@ def test_a_failed_write_is_retried_then_names_the_folder(tmp_path, monkeypatch):
     assert not (tmp_path / "broken" / checkpointing.META).exists()
 
 
-def test_a_rewrite_of_the_same_step_unmarks_the_stale_folder_first(tmp_path):
-    """A run killed while writing checkpoint_<step> over an older complete one of that name must not leave the old
-    meta.json vouching for a mix of old and new files."""
+def test_a_rewrite_of_the_same_step_unmarks_the_stale_folder_first(tmp_path, monkeypatch):
+    """A run killed while rewriting checkpoint_<step> over an older complete one of that name must not leave the old
+    meta.json vouching for a mix of old and new files. From the rewrite's start until its own marker, the folder is no
+    checkpoint: not to a resume, and not to torchrun's pruning, which re-hashes a folder only when its marker changes
+    (so a stale marker it verified once would keep the torn folder and prune the good one before it)."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from stride.trainers.torchrun import complete_checkpoints
+
+    older, folder = checkpointing.checkpoint_folder(tmp_path, 1), checkpointing.checkpoint_folder(tmp_path, 2)
     writer = checkpointing.CheckpointWriter(0)
-    writer.save(tmp_path / "c", {"model": {"w": torch.ones(5)}}, {"step": 1}).result()
-    pending = writer.save(tmp_path / "c", {"model": {"w": torch.zeros(5)}}, {"step": 1})
-    pending.result()
-    assert torch.equal(checkpointing.load_model_state(tmp_path / "c")["w"], torch.zeros(5))
-    assert checkpointing.verify(tmp_path / "c") is None
+    writer.save(older, {"model": {"w": torch.ones(5)}}, {"step": 1}).result()
+    writer.save(folder, {"model": {"w": torch.ones(5)}}, {"step": 2}).result()
+    assert complete_checkpoints(tmp_path) == [older, folder]  # both hashed, and remembered as complete
+    real, files_in, release = dcp.save, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):  # the new files are written, the marker is not: where a kill leaves the folder
+        real(*args, **kwargs)
+        files_in.set()
+        release.wait(60)
+
+    monkeypatch.setattr(dcp, "save", held)
+    rewrite = writer.save(folder, {"model": {"w": torch.zeros(5)}}, {"step": 2})
+    assert files_in.wait(60)
+    try:
+        assert not (folder / checkpointing.META).exists()
+        assert checkpointing.newest_complete(tmp_path) == older and complete_checkpoints(tmp_path) == [older]
+    finally:
+        release.set()
+    assert rewrite.result() == folder  # then the rewrite completes: marked again, with the new tensors
+    assert checkpointing.verify(folder) is None and complete_checkpoints(tmp_path) == [older, folder]
+    assert torch.equal(checkpointing.load_model_state(folder)["w"], torch.zeros(5))
+    writer.close()
 
 
 def _to_earlier_format(folder, cfg_args) -> None:

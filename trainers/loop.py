@@ -223,15 +223,17 @@ class Trainer:
     def apply_block_settings(self, model: torch.nn.Module) -> None:
         """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""
         t, blocks = self.cfg.train, self.task.blocks(model)
+        self.block_settings = {"activation_checkpointed_blocks": 0, "compiled_modules": 0}  # what they did: summary.json
         if t.activation_checkpointing:
             if not blocks and self.rank0:
                 log.warning("train.activation_checkpointing=true: %s's task names no repeated blocks (Task.blocks), "
                             "so nothing is recomputed; override blocks() in the task", self.cfg.model.name)
-            n = trainer_blocks.checkpoint_activations(blocks, t.activation_checkpointing_every)
+            n = self.block_settings["activation_checkpointed_blocks"] = trainer_blocks.checkpoint_activations(
+                blocks, t.activation_checkpointing_every)
             if self.rank0:
                 log.info("activation checkpointing: %d of %d blocks recompute their activations", n, len(blocks))
         if t.compile:
-            n = trainer_blocks.compile_blocks(model, blocks, t.compile_mode)
+            n = self.block_settings["compiled_modules"] = trainer_blocks.compile_blocks(model, blocks, t.compile_mode)
             if self.rank0:
                 log.info("torch.compile (mode %s): %d module(s); compiled at the first training and evaluation "
                          "forwards", t.compile_mode, n)
@@ -544,7 +546,7 @@ class Trainer:
             "samples_per_second": trained * self.global_micro * self.cfg.train.grad_accum_steps / max(wall, 1e-9)
             if trained else None,
             "train_wall_s": wall, "mlflow_run_id": s.mlflow_run_id, "restarts": s.restarts,
-            "precision": self.precision_name, "strategy": self.strategy,
+            "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, _ in per_rank], "param_bytes_per_worker": [b for _, b in per_rank],
         }
 

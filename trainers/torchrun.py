@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from stride.datasets.parquet import DataError  # noqa: E402
+from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
 from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
@@ -56,8 +57,9 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, a checkpoint
-    of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed stop."""
+    """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, GPUs this node
+    lacks, a checkpoint of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed
+    stop."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="torchrun ... trainers/torchrun.py")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return train(args.config, args.overrides)
-    except (ConfigError, DataError, checkpointing.UnsafeCheckpointError) as e:
+    except (ConfigError, DataError, UsageError, checkpointing.UnsafeCheckpointError) as e:
         print(f"stride: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (TrainingError, checkpointing.CheckpointWriteError) as e:
@@ -80,7 +82,14 @@ def train(config: str, overrides: list[str]) -> int:
     task, specs = prepare(cfg, world_size)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and cfg.scaling.use_gpu is not False
+    # scaling.use_gpu as on Ray, against this node's devices (one per process): refused (exit 2) before anything is
+    # written, never quietly trained on the CPU.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if problem := gpu_shortfall(cfg.scaling.use_gpu, local_world_size, gpus, workers_key="--nproc-per-node",
+                                where="this node"):
+        raise UsageError(problem)
+    use_cuda = gpus > 0 and cfg.scaling.use_gpu is not False
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -138,11 +138,15 @@ def init_ray(log_to_driver: bool = True) -> bool:
 
 
 def resolve_scaling(cfg) -> tuple[int, bool, dict]:
-    """num_workers/use_gpu 'auto' -> numbers, checked against what the cluster has. Raises UsageError."""
+    """num_workers/use_gpu 'auto' -> numbers, checked against what the connected cluster has. Raises UsageError."""
     import ray
 
-    total = ray.cluster_resources()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return plan_scaling(cfg, ray.cluster_resources(), [n for n in ray.nodes() if n.get("Alive")])
+
+
+def plan_scaling(cfg, total: dict, nodes: list[dict]) -> tuple[int, bool, dict]:
+    """resolve_scaling for a cluster of `total` resources and these live nodes (ray.nodes() entries): a pure
+    function of the config and the cluster, so that every refusal is tested without starting one."""
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     use_gpu = cfg.scaling.use_gpu if cfg.scaling.use_gpu != "auto" else gpus > 0
     if cfg.scaling.num_workers == "auto":
@@ -152,11 +156,8 @@ def resolve_scaling(cfg) -> tuple[int, bool, dict]:
     else:
         num_workers = cfg.scaling.num_workers
     need_cpu = num_workers * cfg.scaling.cpus_per_worker
-    if use_gpu and gpus < num_workers:
-        raise UsageError(f"scaling.num_workers ({num_workers}) with scaling.use_gpu=true needs {num_workers} GPUs but the "
-                         f"cluster has {gpus:g}; use scaling.num_workers={int(gpus)} or scaling.use_gpu=false"
-                         if gpus else f"scaling.use_gpu (true) needs GPUs but the cluster has none; "
-                         f"set scaling.use_gpu=false (or auto)")
+    if problem := gpu_shortfall(cfg.scaling.use_gpu, num_workers, gpus):
+        raise UsageError(problem)
     biggest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
     if cfg.scaling.cpus_per_worker > biggest:
         raise UsageError(f"scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker:g}) exceeds the largest node's "
@@ -168,6 +169,22 @@ def resolve_scaling(cfg) -> tuple[int, bool, dict]:
                          + (f"scaling.cpus_per_worker={fit:.2g}" if fit >= 0.1 else f"scaling.num_workers={max(1, int(cpus))}")
                          + " or a bigger cluster")
     return num_workers, bool(use_gpu), {"CPU": cpus, "GPU": gpus, "nodes": len(nodes)}
+
+
+def gpu_shortfall(use_gpu: bool | str, num_workers: int, gpus: float, *, workers_key: str = "scaling.num_workers",
+                  where: str = "the cluster") -> str | None:
+    """The one line refusing scaling.use_gpu (true, false or auto) for `num_workers` workers when `where` has `gpus`
+    GPUs; None when each worker gets one, or none is asked for. Both launchers ask it, so that neither trains on the
+    CPU when GPUs were asked for: the Ray driver of the cluster (resolve_scaling), trainers/torchrun.py of its node's
+    CUDA devices. `workers_key`: what sets the worker count there."""
+    if not (gpus > 0 if use_gpu == "auto" else use_gpu):
+        return None
+    if not gpus:
+        return f"scaling.use_gpu (true) needs GPUs but {where} has none; set scaling.use_gpu=false (or auto)"
+    if gpus < num_workers:
+        return (f"{workers_key} ({num_workers}) with scaling.use_gpu={str(use_gpu).lower()} needs {num_workers} GPUs "
+                f"but {where} has {gpus:g}; use {workers_key}={int(gpus)} or scaling.use_gpu=false")
+    return None
 
 
 def elastic(cfg) -> tuple[int, int] | None:

@@ -4,6 +4,7 @@ the fix, before anything is written or destroyed; or, for problems training can 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from pathlib import Path
 
@@ -11,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster_fixtures import head_factory  # noqa: F401 - fixture
 from conftest import free_port, run_cli
 
 TABULAR = ["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml"]
@@ -110,26 +110,82 @@ def test_unreachable_ray_address_fails_in_seconds(tmp_path, tabular_data):
     assert time.time() - t0 < 60
 
 
-# ---- refused after connecting: the cluster cannot run the gang (one embedded Ray each) ----------------------
+# ---- refused after connecting: the cluster cannot run the gang ----------------------------------------------
+# The refusals are functions of the config and the cluster's resources (connect.plan_scaling,
+# driver.choose_pipeline): tested as functions, and once end to end on the shared 2-CPU head.
+
+def _node(cpus: float, gpus: float = 0.0) -> dict:
+    return {"Alive": True, "Resources": {"CPU": cpus, "GPU": gpus}}
+
+
+def _scaling_cfg(*overrides: str):
+    from stride.trainers.config import load_config
+
+    return load_config("trainers/configs/tabular_mlp.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, nodes, must_name", [
+    (["scaling.num_workers=3"], [_node(2)], ["scaling.num_workers (3)", "exceeds the cluster's 2 CPUs",
+                                             "scaling.cpus_per_worker=0.67"]),
+    (["scaling.num_workers=30"], [_node(2)], ["scaling.num_workers (30)", "use scaling.num_workers=2"]),
+    (["scaling.use_gpu=true"], [_node(2)], ["scaling.use_gpu (true) needs GPUs but the cluster has none",
+                                            "scaling.use_gpu=false"]),
+    (["scaling.use_gpu=true", "scaling.num_workers=4"], [_node(8, 2)], ["scaling.num_workers (4)", "needs 4 GPUs",
+                                                                         "has 2", "scaling.num_workers=2"]),
+    (["scaling.cpus_per_worker=8"], [_node(2), _node(4)], ["scaling.cpus_per_worker (8)", "largest node's 4 CPUs",
+                                                           "scaling.cpus_per_worker=4"]),
+    (["scaling.num_workers=[3,4]", "train.batch_size_per_worker=60"], [_node(2)], ["scaling.num_workers (3)", "the cluster's 2 CPUs"]),  # elastic min
+])
+def test_a_gang_the_cluster_cannot_hold_is_refused_naming_the_fix(overrides, nodes, must_name):
+    from stride.ray_cluster.connect import UsageError, plan_scaling
+
+    total = {"CPU": sum(n["Resources"]["CPU"] for n in nodes), "GPU": sum(n["Resources"]["GPU"] for n in nodes)}
+    with pytest.raises(UsageError) as e:
+        plan_scaling(_scaling_cfg(*overrides), total, nodes)
+    assert "\n" not in str(e.value)
+    for text in must_name:
+        assert text in str(e.value), str(e.value)
+
+
+def test_a_gang_that_fits_is_planned_and_auto_takes_what_the_cluster_has():
+    from stride.ray_cluster.connect import plan_scaling
+
+    assert plan_scaling(_scaling_cfg("scaling.num_workers=2"), {"CPU": 2.0}, [_node(2)])[:2] == (2, False)
+    assert plan_scaling(_scaling_cfg("scaling.num_workers=[1,4]", "train.batch_size_per_worker=60"), {"CPU": 2.0}, [_node(2)])[:2] == (1, False)
+    two_gpu_nodes = [_node(8, 1), _node(8, 1)]
+    assert plan_scaling(_scaling_cfg("scaling.num_workers=auto", "scaling.use_gpu=auto"), {"CPU": 16.0, "GPU": 2.0},
+                        two_gpu_nodes)[:2] == (2, True)
+    assert plan_scaling(_scaling_cfg("scaling.num_workers=auto", "scaling.use_gpu=auto"), {"CPU": 16.0},
+                        [_node(8), _node(8)])[:2] == (2, False)  # one CPU worker per node
+
+
+def test_ray_data_needs_cpus_beside_the_gang():
+    from stride.ray_cluster.connect import UsageError
+    from stride.trainers.driver import choose_pipeline
+
+    cfg = _scaling_cfg("data.pipeline=ray_data", "scaling.num_workers=2")
+    with pytest.raises(UsageError, match=r"data.pipeline \(ray_data\) needs CPUs beside the worker gang.*"
+                                         r"data.pipeline=thread"):
+        choose_pipeline(cfg, 2, False, {"CPU": 2.0})
+    assert choose_pipeline(cfg, 2, False, {"CPU": 3.0}) == ("ray_data", 0.5)
+    auto = _scaling_cfg("data.pipeline=auto", "scaling.num_workers=2")
+    assert choose_pipeline(auto, 2, False, {"CPU": 8.0})[0] == "thread"  # CPU workers keep their own thread
+    assert choose_pipeline(auto, 2, True, {"CPU": 8.0, "GPU": 2.0})[0] == "ray_data"
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, must_name", [
-    ("scaling.num_workers=3", "scaling.num_workers (3)"),
-    ("scaling.use_gpu=true", "scaling.use_gpu (true)"),
-    ("scaling.cpus_per_worker=8", "scaling.cpus_per_worker (8)"),
-])
-def test_a_gang_the_cluster_cannot_hold_is_refused(tmp_path, tabular_data, override, must_name):
+def test_a_gang_the_cluster_cannot_hold_is_refused_in_seconds_end_to_end(tmp_path, tabular_data, ray_cluster):
     t0 = time.time()
     r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={tmp_path}/runs", override], timeout=180)
-    _one_line_usage_error(r, must_name)
-    assert time.time() - t0 < 120  # not left PENDING
+                 f"run.storage_path={tmp_path}/runs", "scaling.num_workers=3"], env=ray_cluster, timeout=180)
+    _one_line_usage_error(r, "scaling.num_workers (3)", "the cluster's 2 CPUs")
+    assert time.time() - t0 < 120  # refused, not left PENDING
     assert not list((tmp_path / "runs").glob("*/checkpoint_*"))
 
 
 @pytest.mark.slow
-def test_wrong_token_is_refused_naming_the_token_file(tmp_path, tabular_data, head_factory):
-    (head,) = head_factory(1)
+def test_wrong_token_is_refused_naming_the_token_file(tmp_path, tabular_data, shared_ray_head):
+    head = shared_ray_head.head
     wrong = tmp_path / "wrong_token"
     wrong.write_text("0" * 64)
     wrong.chmod(0o600)
@@ -142,12 +198,12 @@ def test_wrong_token_is_refused_naming_the_token_file(tmp_path, tabular_data, he
 # ---- problems training can live with ---------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path):
+def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path, ray_cluster):
     data = _nan_data(tmp_path / "data")
     dead = f"http://127.0.0.1:{free_port()}"
     r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val", "data.nan_policy=impute",
                  f"run.storage_path={tmp_path}/runs", f"tracking.mlflow_uri={dead}", "train.precision=bf16", "scaling.preflight=true", *TINY],
-                timeout=300)
+                env=ray_cluster, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert out.count("training continues without MLflow") == 1, out[-4000:]
@@ -158,7 +214,7 @@ def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path):
     summary = json.loads((tmp_path / "runs" / "tabular_mlp" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == 6
     assert summary["mlflow_run_id"] is None
-    assert summary["val_loss"] == summary["val_loss"]  # imputed features give a finite loss, not NaN
+    assert math.isfinite(summary["val_loss"])  # imputed features give a finite loss, not NaN
 
 
 class _Payload:

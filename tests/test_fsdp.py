@@ -1,10 +1,13 @@
 """train.strategy=fsdp (FSDP2) on 2 CPU workers with gloo, launched with torchrun (faster than Ray; the loop is
 the same): training, the loss curve against DDP, parameter memory per worker, exact resume, an FSDP checkpoint
-in a 1-worker run, bf16, gradient accumulation and non-finite gradients; one Ray run (slow)."""
+in a 1-worker run, bf16, gradient accumulation, non-finite gradients, activation checkpointing and torch.compile;
+one Ray run. Every test that launches torchrun or Ray is slow. Last, without a launch: the torchrun launcher refuses
+GPUs it does not have, by the rule Ray's driver applies."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -19,17 +22,20 @@ STEPS = 20
 
 def tiny_args(data, storage, name, steps=STEPS, *extra):
     # optim.warmup_steps > steps: the lr depends on the step only (not on max_steps), so a run stopped at step 10
-    # and resumed to 20 follows the same schedule as one that ran 20 steps.
+    # and resumed to 20 follows the same schedule as one that ran 20 steps. scaling.use_gpu=false: CPU workers with
+    # gloo (deterministic, bitwise comparable) on a machine with GPUs too.
     return ["--config", "trainers/configs/char_gpt.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
             f"run.storage_path={storage}", f"run.name={name}", "model.n_layers=2", "model.width=32", "model.n_heads=2",
             "model.context=32", "train.batch_size_per_worker=8", f"train.max_steps={steps}", "train.log_every_steps=1",
             "train.eval_every_steps=10", "checkpoint.every_steps=10", "optim.warmup_steps=50",
-            "train.deterministic=true", "tracking.mlflow=false", *extra]
+            "train.deterministic=true", "tracking.mlflow=false", "scaling.use_gpu=false", *extra]
 
 
-def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py") -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py",
+             env: dict | None = None) -> subprocess.CompletedProcess:
     r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                        str(free_port()), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        str(free_port()), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, **(env or {})))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -70,11 +76,16 @@ def runs(tmp_path_factory, small_text):
     # (without: inductor draws its own random numbers, so a compiled run's dropout masks are not eager's).
     for name, extra in (("drop", []), ("drop_ac", ["train.activation_checkpointing=true"])):
         torchrun(2, tiny_args(small_text, storage, name, 10, "train.strategy=fsdp", "model.dropout=0.1", *extra))
+    # An empty inductor cache of its own: what inductor generates for this run shows that it compiled (a shared,
+    # warm cache could hold kernels from another run).
+    inductor = storage / "inductor"
     torchrun(2, tiny_args(small_text, storage, "compiled", 10, "train.strategy=fsdp", "train.compile=true",
-                          "train.activation_checkpointing=true", "train.activation_checkpointing_every=2"))
-    return {"storage": storage, "resumed_stdout": resumed.stdout}
+                          "train.activation_checkpointing=true", "train.activation_checkpointing_every=2"),
+             env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)})
+    return {"storage": storage, "resumed_stdout": resumed.stdout, "inductor": inductor}
 
 
+@pytest.mark.slow
 def test_fsdp_trains_char_gpt_and_checkpoints_one_shard_file_per_rank(runs):
     run = runs["storage"] / "fsdp"
     s = summary(run)
@@ -102,6 +113,7 @@ def test_fsdp_trains_char_gpt_and_checkpoints_one_shard_file_per_rank(runs):
     assert model["tok_emb.weight"].shape == (256, 32) and torch.equal(model["head.weight"], model["tok_emb.weight"])
 
 
+@pytest.mark.slow
 def test_fsdp_loss_curve_matches_ddp(runs):
     """Same seed, data and init. With 2 ranks both strategies average gradients exactly ((a+b)/2 either way); what
     differs is the order of reductions: FSDP's gradient norm (for clipping) sums per-shard partial norms across
@@ -118,6 +130,7 @@ def test_fsdp_loss_curve_matches_ddp(runs):
     assert b["param_checksums"][0] == pytest.approx(a["param_checksums"][0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_parameter_memory_per_worker_is_half_of_ddp(runs):
     from stride.trainers.models import CharGPT
 
@@ -129,6 +142,7 @@ def test_parameter_memory_per_worker_is_half_of_ddp(runs):
     assert all(abs(b - full / 2) <= 0.01 * full for b in sharded), (sharded, full)
 
 
+@pytest.mark.slow
 def test_fsdp_resume_continues_at_the_exact_step(runs):
     run = runs["storage"] / "resumed"
     assert "resumed from" in runs["resumed_stdout"] and "at step 10" in runs["resumed_stdout"]
@@ -141,6 +155,7 @@ def test_fsdp_resume_continues_at_the_exact_step(runs):
     assert s["val_loss"] == summary(runs["storage"] / "fsdp")["val_loss"]
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_path):
     """The FSDP checkpoint of step 10 (2 workers x 8) resumed by 1 worker x 16 without FSDP: the same samples per
     step, and the 16-sample mean gradient is the mean of the two ranks' 8-sample means, so the losses follow the
@@ -164,6 +179,7 @@ def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_pat
         ".metadata", "__0_0.distcp"]
 
 
+@pytest.mark.slow
 def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
     """The other direction: DDP's checkpoint (each replicated tensor written once, by one of the ranks) read into
     FSDP's shards: each rank reads its slice."""
@@ -187,6 +203,7 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
         assert got[step] == pytest.approx(ddp[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp_path):
     """trainers/export.py: the 2-rank FSDP checkpoint of the run's last step, as one file that loads without Stride
     and into the task's model with load_state_dict: the run's final weights exactly."""
@@ -214,19 +231,31 @@ def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_fsdp_gives_bitwise_the_same_losses(runs):
     """Every block recomputes its activations (dropout included) in the backward pass: on CPU the run is bitwise
-    the one that kept them."""
+    the one that kept them. That a checkpointed block really runs its forward again under FSDP, replaying its
+    dropout, is checked inside the step (STEP_CHECKS, 4); here, that the run applied it."""
+    # Both of char_gpt's blocks were checkpointed, none in the run that kept them: the equality below compares two
+    # ways of computing the gradients, not one run with itself.
+    assert summary(runs["storage"] / "drop_ac")["activation_checkpointed_blocks"] == 2
+    assert summary(runs["storage"] / "drop")["activation_checkpointed_blocks"] == 0
     plain, checked = losses(runs["storage"] / "drop"), losses(runs["storage"] / "drop_ac")
     assert sorted(plain) == list(range(1, 11)) and checked == plain
     assert summary(runs["storage"] / "drop_ac")["param_checksums"] == summary(runs["storage"] / "drop")["param_checksums"]
     assert summary(runs["storage"] / "drop_ac")["val_loss"] == summary(runs["storage"] / "drop")["val_loss"]
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_fsdp_train_like_eager(runs):
     """train.compile=true (inductor on CPU) with every other block checkpointed: the eager FSDP run's first 10 steps
     (the schedule depends on the step only) up to the float rounding of fused kernels, and checkpoints with the same
     tensor names (a compiled run's checkpoint is any run's)."""
+    # Both switches reached the model (2 blocks compiled, 1 of 2 checkpointed) and inductor generated code for this
+    # run: an eager run would pass the comparison below as well.
+    s = summary(runs["storage"] / "compiled")
+    assert s["compiled_modules"] == 2 and s["activation_checkpointed_blocks"] == 1
+    assert list(runs["inductor"].rglob("*.py")), "inductor generated no code: nothing was compiled"
     eager, compiled = losses(runs["storage"] / "fsdp"), losses(runs["storage"] / "compiled")
     assert sorted(compiled) == list(range(1, 11))
     for step in compiled:
@@ -235,6 +264,7 @@ def test_compiled_blocks_under_fsdp_train_like_eager(runs):
     assert names(runs["storage"] / "compiled") == names(runs["storage"] / "fsdp")
 
 
+@pytest.mark.slow
 def test_bf16_with_accumulation_under_fsdp_trains(runs):
     run = runs["storage"] / "bf16"
     s = summary(run)
@@ -252,7 +282,7 @@ def test_bf16_with_accumulation_under_fsdp_trains(runs):
 STEP_CHECKS = r'''
 import math, sys
 import torch, torch.distributed as dist
-from stride.trainers import fsdp
+from stride.trainers import blocks, fsdp
 from stride.trainers.models import CharGPT
 from stride.trainers.step import Precision, train_step
 
@@ -313,10 +343,40 @@ mb.reshard()
 assert all(p.dtype == torch.float32 for p in mb.parameters())
 r = train_step(ce, mb, torch.optim.AdamW(mb.parameters(), lr=1e-3), bf16.grad_scaler(), bf16, micro, 1.0)
 assert r.finite
+
+# 4. Activation checkpointing under FSDP (every other block, as train.activation_checkpointing_every=2): the checked
+# block runs its forward again in the backward pass (FSDP all-gathers its parameters for that), the other does not;
+# dropout replays its draws there, so the gradients are bitwise those of the model that kept its activations.
+def dropout_model(every):
+    torch.manual_seed(0)
+    m = CharGPT(256, 16, 2, 2, 32, dropout=0.1)
+    if every:
+        assert blocks.checkpoint_activations(list(m.blocks), every) == 1
+    # Calls into each block's inner modules. Pre-hooks: the recomputation stops once it has what the backward needs
+    # (torch's early stop), so a module's forward may be entered again without returning.
+    calls = [0] * len(m.blocks)
+    for i, block in enumerate(m.blocks):
+        for inner in block.modules():
+            if inner is not block:
+                inner.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return fsdp.shard_model(m, list(m.blocks), cpu, 2, None), calls
+
+grads = []
+for every in (None, 2):
+    m, calls = dropout_model(every)
+    torch.manual_seed(2)
+    loss = ce(m, micro[0])
+    forward = list(calls)
+    loss.backward()
+    again = [c - f for c, f in zip(calls, forward)]
+    assert (again[0] > 0 if every else again[0] == 0) and again[1] == 0, (every, forward, again)
+    grads.append([p.grad.to_local().clone() for p in m.parameters()])
+assert len(grads[0]) == len(grads[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
 print(f"rank {rank} ok", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_accumulation_nonfinite_shard_and_bf16_inside_the_step(tmp_path):
     script = tmp_path / "step_checks.py"
     script.write_text(STEP_CHECKS)
@@ -350,14 +410,14 @@ def test_optimizer_state_converts_between_positions_and_names():
 
 
 @pytest.mark.slow
-def test_ray_fsdp_run_matches_torchrun_and_resumes(runs, small_text, tmp_path):
-    """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 steps, then the same command with
-    20 resumes from the FSDP checkpoint (through the driver's check_resume) and ends where torchrun's run did."""
-    args = ["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", 10, "train.strategy=fsdp", "scaling.num_workers=2")]
-    r = run_cli(args)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_a_torchrun_fsdp_checkpoint_resumes_on_ray_and_ends_where_torchrun_did(runs, small_text, tmp_path,
+                                                                                ray_cluster):
+    """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 FSDP steps under torchrun, then the
+    same run on 2 Ray workers resumes from that checkpoint (through the driver's check_resume) to 20 and ends where
+    torchrun's uninterrupted run did."""
+    torchrun(2, tiny_args(small_text, tmp_path, "ray", 10, "train.strategy=fsdp"))
     r = run_cli(["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", STEPS, "train.strategy=fsdp",
-                                                "scaling.num_workers=2")])
+                                                "scaling.num_workers=2")], env=ray_cluster)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "at step 10" in r.stdout
     s, ref = summary(tmp_path / "ray"), summary(runs["storage"] / "fsdp")
@@ -370,13 +430,15 @@ def test_ray_fsdp_run_matches_torchrun_and_resumes(runs, small_text, tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
+@pytest.mark.slow
 def test_mlp_under_fsdp_matches_ddp(tabular_data, tmp_path):
     """The tabular MLP: hidden Linears sharded one group each, the output layer with the root."""
     def args(name, *extra):
         return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
                 f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", f"run.name={name}",
                 "train.epochs=null", "train.max_steps=30", "train.log_every_steps=10", "train.eval_every_steps=30",
-                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow=false", *extra]
+                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow=false",
+                "scaling.use_gpu=false", *extra]
 
     torchrun(2, args("ddp"))
     torchrun(2, args("fsdp", "train.strategy=fsdp"))
@@ -388,3 +450,33 @@ def test_mlp_under_fsdp_matches_ddp(tabular_data, tmp_path):
     assert max(b["param_bytes_per_worker"]) <= 0.51 * a["param_bytes_per_worker"][0]
     for step, loss in losses(tmp_path / "ddp").items():
         assert losses(tmp_path / "fsdp")[step] == pytest.approx(loss, rel=1e-5)
+
+
+# ---- scaling.use_gpu: the torchrun launcher refuses what Ray's driver refuses -------------------------------------
+
+def test_both_launchers_share_one_gpu_rule():
+    """ray_cluster.connect.gpu_shortfall: Ray's driver asks it of the cluster, trainers/torchrun.py of its node's
+    CUDA devices (one per process)."""
+    from stride.ray_cluster.connect import gpu_shortfall
+
+    assert gpu_shortfall(False, 4, 0) is None and gpu_shortfall("auto", 4, 0) is None  # the CPU: asked for, or allowed
+    assert gpu_shortfall(True, 2, 2) is None and gpu_shortfall("auto", 1, 8) is None  # a GPU for each worker
+    assert gpu_shortfall(True, 2, 0) == ("scaling.use_gpu (true) needs GPUs but the cluster has none; set "
+                                         "scaling.use_gpu=false (or auto)")
+    assert gpu_shortfall("auto", 4, 2, workers_key="--nproc-per-node", where="this node") == (
+        "--nproc-per-node (4) with scaling.use_gpu=auto needs 4 GPUs but this node has 2; use --nproc-per-node=2 or "
+        "scaling.use_gpu=false")
+
+
+def test_torchrun_refuses_use_gpu_on_a_machine_without_cuda(tmp_path, tabular_data):
+    """Ray's driver refuses it (exit 2); without the same check the torchrun launcher would train on the CPU. One
+    process (no launcher needed): refused before anything is written."""
+    r = run_cli(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
+                 f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={tmp_path}/runs", "scaling.use_gpu=true", "train.epochs=null", "train.max_steps=5",
+                 "tracking.mlflow=false"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert lines[0] == ("stride: error: scaling.use_gpu (true) needs GPUs but this node has none; set "
+                        "scaling.use_gpu=false (or auto)")
+    assert not (tmp_path / "runs").exists()  # nothing written: no run folder, no checkpoint, no summary

@@ -45,18 +45,21 @@ train: $(STAMP) $(DATA)/pystdlib/train
 
 # pytest's own script, not `python -m pytest`: that would put the checkout on sys.path, and its datasets/ would
 # hide Hugging Face `datasets` (Stride is imported as the installed `stride` package).
-# It ends with the 25 slowest tests and the suite's wall time and CPU-seconds (tests/conftest.py).
+# It ends with the 25 slowest tests and the suite's wall time and CPU-seconds (tests/conftest.py). The tests write
+# nothing into the checkout: no bytecode caches (every process they start inherits the setting), no .pytest_cache.
+TEST_ENV := PYTHONDONTWRITEBYTECODE=1
+PYTEST := $(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider
 test: $(STAMP)
 	bash tests/setup_services.sh
-	$(VENV)/bin/pytest -m "not system" $(PYTEST_ARGS)
+	$(PYTEST) -m "not system" $(PYTEST_ARGS)
 
 # The tier to run while you work: no Ray, no torchrun, no servers, no SLURM.
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow and not system" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow and not system" $(PYTEST_ARGS)
 
 # The default job's 500 steps and the quality they reach (make test runs make train on a short run only).
 test-system: $(STAMP)
-	$(VENV)/bin/pytest -m system $(PYTEST_ARGS)
+	$(PYTEST) -m system $(PYTEST_ARGS)
 
 # docs/configuration.md is generated from the config's field descriptions (a test fails when it is stale).
 docs: $(STAMP)

@@ -26,8 +26,14 @@ HEAD_CPUS = 2
 # A driver that exits (or is killed) has its actors and placement groups removed by the GCS within seconds; a
 # loaded 2-core machine has been seen to take 20.
 SETTLE_S = 60
-# Ray's own detached singletons, which live as long as the cluster by design (get_if_exists): not a test's leak.
-RAY_SINGLETONS = {"AutoscalingCoordinator"}  # Ray Data's and Train's autoscaling coordinator (holds no CPU)
+
+
+def _cluster_singleton(actor: dict) -> bool:
+    """Ray Data's and Ray Train's own named, detached, CPU-less actors (stats, usage, autoscaling coordinator,
+    Train's state actor) are created once per cluster (get_if_exists) and live as long as it by design: not a
+    test's leak. Anything that holds a CPU is caught by the reserved-CPU check whatever it is."""
+    return bool(actor.get("is_detached") and actor.get("name")
+                and not (actor.get("required_resources") or {}).get("CPU"))
 
 
 class SharedHead:
@@ -46,9 +52,9 @@ class SharedHead:
     def leftovers(self) -> list[str]:
         """What a finished test left on the head: live actors, placement groups, CPUs still reserved."""
         out = []
-        actors = self._get("/api/v0/actors?limit=10000&detail=false")["result"]["result"]
+        actors = self._get("/api/v0/actors?limit=10000&detail=true")["result"]["result"]
         out += [f"actor {a.get('class_name')} ({a['state']})" for a in actors
-                if a["state"] != "DEAD" and a.get("name") not in RAY_SINGLETONS]
+                if a["state"] != "DEAD" and not _cluster_singleton(a)]
         groups = self._get("/api/v0/placement_groups?limit=10000")["result"]["result"]
         out += [f"placement group {g.get('name') or g['placement_group_id'][:8]} ({g['state']})"
                 for g in groups if g["state"] != "REMOVED"]

@@ -15,22 +15,23 @@ from test_examples import check, example, read_jsonl
 pytestmark = pytest.mark.slow
 
 
-def train(folder, name, *overrides):
+def train(folder, name, ray_env, *overrides):
     proc = run_cli(["-m", "stride", "--config", "image_classifier.yaml", "tracking.mlflow=false", f"run.name={name}",
                     "train.max_steps=12", "train.log_every_steps=1", "train.eval_every_steps=12",
                     "checkpoint.every_steps=12", "train.batch_size_per_worker=16", "train.grad_accum_steps=2",
-                    "scaling.num_workers=2", "scaling.cpus_per_worker=0.5", *overrides], timeout=600, cwd=folder)
+                    "scaling.num_workers=2", "scaling.cpus_per_worker=0.5", *overrides], timeout=600, cwd=folder,
+                   env=ray_env)
     check(proc, f"python -m stride ({name})")
     run_dir = folder / "runs" / name
     return proc.stdout, json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "metrics.jsonl")
 
 
-def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(tmp_path):
+def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(tmp_path, ray_cluster):
     # The image example decodes PNGs and augments them with np.random in transform: the stream that moves into
     # Ray Data tasks must draw exactly what the training thread draws, micro-batch after micro-batch.
     folder = example("image_classifier", tmp_path, "--train", "800", "--val", "200")
-    out_t, thread, lines_t = train(folder, "thread", "data.pipeline=thread")
-    out_r, ray_data, lines_r = train(folder, "ray_data", "data.pipeline=ray_data")
+    out_t, thread, lines_t = train(folder, "thread", ray_cluster, "data.pipeline=thread")
+    out_r, ray_data, lines_r = train(folder, "ray_data", ray_cluster, "data.pipeline=ray_data")
     assert "data pipeline thread" in out_t and "data pipeline ray_data" in out_r
     assert thread["status"] == ray_data["status"] == "completed"
     losses = lambda lines: [(x["step"], x["train_loss"]) for x in lines if "train_loss" in x]  # noqa: E731
@@ -39,12 +40,13 @@ def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(tmp_path):
     assert thread["val_loss"] == ray_data["val_loss"]
 
 
-def test_ray_data_without_free_cpus_is_refused_in_seconds(tmp_path):
+def test_ray_data_without_free_cpus_is_refused_in_seconds(tmp_path, ray_cluster):
+    # The shared head has 2 CPUs whatever the machine has: a 2 x 1-CPU gang leaves none for Ray Data.
     folder = example("image_classifier", tmp_path, "--train", "100", "--val", "20")
     t0 = time.time()
     proc = run_cli(["-m", "stride", "--config", "image_classifier.yaml", "tracking.mlflow=false",
                     "data.pipeline=ray_data", "scaling.num_workers=2", "scaling.cpus_per_worker=1"],
-                   timeout=300, cwd=folder)
+                   timeout=300, cwd=folder, env=ray_cluster)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("stride: error: data.pipeline (ray_data) needs CPUs beside the worker gang")

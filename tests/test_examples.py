@@ -31,11 +31,12 @@ def check(proc, what: str) -> None:
     assert proc.returncode == 0, f"{what} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
 
-def train(folder: Path, *overrides: str, ray: bool = False, timeout: float = 300) -> dict:
-    """Train the example's YAML in its folder; returns summary.json."""
-    entry = ["-m", "stride"] if ray else [TORCHRUN]
+def train(folder: Path, *overrides: str, ray_env: dict | None = None, timeout: float = 300) -> dict:
+    """Train the example's YAML in its folder (on the Ray cluster ray_env names, else in one process); returns
+    summary.json."""
+    entry = ["-m", "stride"] if ray_env else [TORCHRUN]
     proc = run_cli([*entry, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
-                   timeout=timeout, cwd=folder)
+                   timeout=timeout, cwd=folder, env=ray_env)
     check(proc, " ".join(entry))
     run_dir = folder / "runs" / folder.name
     assert read_jsonl(run_dir / "metrics.jsonl"), "no metrics were written"
@@ -54,6 +55,7 @@ def test_example_yaml_loads_and_states_its_commands(name):
     assert (folder / "README.md").is_file() and (folder / "prepare.py").is_file()
 
 
+@pytest.mark.slow  # trains for tens of seconds: make test, not make test-fast
 def test_regression_example_reaches_5_percent_of_its_initial_loss(tmp_path):
     s = train(example("regression", tmp_path))
     assert s["status"] == "completed" and s["global_step"] == 400
@@ -62,12 +64,14 @@ def test_regression_example_reaches_5_percent_of_its_initial_loss(tmp_path):
     assert s["val_abs_error"] <= 0.25, s  # in y's units (y's std is 1.6, the noise's 0.1)
 
 
+@pytest.mark.slow  # trains for tens of seconds: make test, not make test-fast
 def test_image_classifier_example_reaches_95_percent(tmp_path):
     s = train(example("image_classifier", tmp_path), "train.max_steps=150", "train.eval_every_steps=150")
     assert s["status"] == "completed"
     assert s["val_accuracy"] >= 0.95, s  # chance: 1/3; about 1.0 after 150 steps
 
 
+@pytest.mark.slow  # trains for tens of seconds: make test, not make test-fast
 def test_hf_causal_lm_example_learns_and_generates(tmp_path):
     folder = example("hf_causal_lm", tmp_path)
     s = train(folder, "train.max_steps=150", "train.eval_every_steps=150")
@@ -82,8 +86,8 @@ def test_hf_causal_lm_example_learns_and_generates(tmp_path):
 
 
 @pytest.mark.slow
-def test_regression_example_trains_on_ray_with_two_workers(tmp_path):
-    s = train(example("regression", tmp_path), ray=True, timeout=600)
+def test_regression_example_trains_on_ray_with_two_workers(tmp_path, ray_cluster):
+    s = train(example("regression", tmp_path), ray_env=ray_cluster, timeout=600)
     assert s["status"] == "completed" and s["world_size"] == 2
     assert s["val_loss"] <= 0.1 * s["initial_val_loss"], s
     assert s["val_abs_error"] <= 0.3, s

@@ -1,4 +1,5 @@
-"""`ray job submit` of a Stride job to a head from ray_cluster.local: runs with the token, refused without."""
+"""`ray job submit` of a Stride job to a head from ray_cluster.local (the session's shared head,
+tests/shared_ray.py): runs with the token, refused without."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ import json
 
 import pytest
 
-from cluster_fixtures import RAY, REPO, TINY_JOB, clean_env, cluster_tabular_data, head_factory, run  # noqa: F401
+from cluster_fixtures import RAY, REPO, TINY_JOB, clean_env, cluster_tabular_data, run  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def head(head_factory):  # noqa: F811
-    (head,) = head_factory(1)
-    return head
+def head(shared_ray_head):
+    return shared_ray_head.head
 
 
 def submit_env(head, **extra):
@@ -23,7 +23,7 @@ def submit_env(head, **extra):
                      RAY_RUNTIME_ENV_IGNORE_GITIGNORE="1", RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES="", **extra)
 
 
-def test_job_with_the_token_succeeds_and_logs_stride_progress(head, cluster_tabular_data, tmp_path):  # noqa: F811
+def test_job_with_the_token_succeeds_and_logs_stride_progress(head, cluster_tabular_data, tmp_path, ray_cluster):  # noqa: F811
     data = cluster_tabular_data
     result = run([RAY, "job", "submit", "--address", head.dashboard_url, "--working-dir", str(REPO),
                   "--submission-id", "stride-tiny", "--",
@@ -42,7 +42,7 @@ def test_job_with_the_token_succeeds_and_logs_stride_progress(head, cluster_tabu
 
     # The uploaded working dir, unpacked on the head: the code without data/, runs/ or .venv/.
     (package,) = [p for p in (head.temp_dir / "ray" / "session_latest" / "runtime_resources" / "working_dir_files").iterdir()
-                  if p.is_dir()]
+                  if (p / "trainers" / "main.py").exists()]
     assert (package / "trainers" / "main.py").exists()
     for excluded in ("data", "runs", ".venv", ".git"):
         assert not (package / excluded).exists(), f"{excluded}/ was uploaded with the job"

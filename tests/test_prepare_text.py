@@ -263,20 +263,23 @@ def test_char_gpt_on_bytes_is_unchanged(tmp_path, corpus):
 
 
 @pytest.fixture(scope="module")
-def bpe_data(tmp_path_factory, corpus) -> Path:
+def bpe_data(tmp_path_factory, corpus, shared_ray_head) -> Path:
+    """prepare.py on Ray Data (the shared head)."""
     out = tmp_path_factory.mktemp("prepared") / "bpe"
     r = run_cli(["datasets/prepare.py", "text", "--input", str(corpus), "--out", str(out), "--tokenizer", "bpe",
-                 "--vocab-size", "300", "--seq-len", "33", "--val-fraction", "0.2", "--shards", "3"], timeout=300)
+                 "--vocab-size", "300", "--seq-len", "33", "--val-fraction", "0.2", "--shards", "3"], timeout=300,
+                env=shared_ray_head.env())
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not shared_ray_head.wait_idle()
     assert "train rows" in r.stdout and "model.vocab_size=300" in r.stdout, r.stdout
     return out
 
 
 @pytest.mark.slow
-def test_ray_prepare_is_deterministic_and_matches_the_local_functions(tmp_path, corpus, bpe_data):
+def test_ray_prepare_is_deterministic_and_matches_the_local_functions(tmp_path, corpus, bpe_data, ray_cluster):
     r = run_cli(["datasets/prepare.py", "text", "--input", str(corpus), "--out", str(tmp_path / "again"),
                  "--tokenizer", "bpe", "--vocab-size", "300", "--seq-len", "33", "--val-fraction", "0.2",
-                 "--shards", "3"], timeout=300)
+                 "--shards", "3"], timeout=300, env=ray_cluster)
     assert r.returncode == 0, r.stderr[-3000:]
     assert same_data(bpe_data, tmp_path / "again")
     local, _ = build(tmp_path, corpus, "local", tokenizer="bpe")
@@ -284,10 +287,10 @@ def test_ray_prepare_is_deterministic_and_matches_the_local_functions(tmp_path, 
 
 
 @pytest.mark.slow
-def test_ray_prepare_bytes_and_a_bad_jsonl_line(tmp_path, corpus):
+def test_ray_prepare_bytes_and_a_bad_jsonl_line(tmp_path, corpus, ray_cluster):
     out = tmp_path / "bytes"
     r = run_cli(["datasets/prepare.py", "text", "--input", str(corpus), "--out", str(out), "--seq-len", "33",
-                 "--val-fraction", "0.2", "--shards", "3"], timeout=300)
+                 "--val-fraction", "0.2", "--shards", "3"], timeout=300, env=ray_cluster)
     assert r.returncode == 0, r.stderr[-3000:]
     local, _ = build(tmp_path, corpus, "local")
     assert same_data(out, local)
@@ -295,7 +298,8 @@ def test_ray_prepare_bytes_and_a_bad_jsonl_line(tmp_path, corpus):
     shutil.copytree(corpus, bad)
     with open(bad / "notes.jsonl", "a") as f:
         f.write('{"id": 999}\n')
-    r = run_cli(["datasets/prepare.py", "text", "--input", str(bad), "--out", str(tmp_path / "out")], timeout=300)
+    r = run_cli(["datasets/prepare.py", "text", "--input", str(bad), "--out", str(tmp_path / "out")], timeout=300,
+                env=ray_cluster)
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("prepare: error:")]
     assert len(errors) == 1 and "notes.jsonl:122: no 'text' field" in errors[0] and "Traceback" not in r.stderr, r.stderr

@@ -1,8 +1,10 @@
 """A user's own task, in a project folder outside Stride's packages (tests/user_project: signal_task.py, a 1-D CNN
 over a fixed-length float signal; make_data.py; signal.yaml), through every way Stride runs it: 2 Ray workers
-(`python -m stride`, MLflow), torchrun DDP and FSDP, bf16/fp16 on CPU, gradient accumulation, exact resume after a
-SIGKILLed driver, a 2-worker checkpoint resumed by 1 worker, a Tune sweep over the task's own field, `ray job submit`
-of the folder to a token-auth head, and SLURM's stride.sbatch.
+(`python -m stride`, MLflow) on the session's shared head, torchrun DDP and FSDP, bf16/fp16 on CPU, gradient
+accumulation, one run stopped four ways (SIGTERM, Ctrl-C, a SIGKILLed driver, a killed worker) that each time resumes
+exactly, a 2-worker checkpoint resumed by 1 worker, and `ray job submit` of the folder to a token-auth head. A Tune
+sweep over the task's own field is tests/test_tune.py's killed-and-resumed sweep; SLURM's stride.sbatch from the
+project folder is in tests/test_slurm.py.
 
 Each test copies the project into a temporary folder and runs from there (the task module is found in the working
 directory, as a user's is); nothing is written into the repository. The module itself asserts that `import
@@ -14,16 +16,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster_fixtures import RAY, clean_env, head_factory  # noqa: F401 - head_factory: a fixture used below
+from cluster_fixtures import RAY, clean_env
 from conftest import PYTHON, REPO, descendants, free_port, kill_pids, read_jsonl, run_cli, wait_for_step
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
@@ -33,10 +36,10 @@ FACTS = {"num_classes": 4, "signal_length": 64}
 # The model of signal.yaml (channels 16, depth 3, 4 classes): stem 16*7+16, 3 blocks of 16*16*3+16, head 16*4+4.
 PARAM_BYTES = (16 * 7 + 16 + 3 * (16 * 16 * 3 + 16) + 16 * 4 + 4) * 4
 
-# The shared 2-worker Ray run, also the uninterrupted reference of the SIGKILL test: about ten seconds of training
-# (10 ms steps), so that the step-100 checkpoint has landed long before the end even on a loaded machine (with 300
-# steps the run once ended 1.5 s after step 110, before that checkpoint's background write was complete).
-RAY_STEPS = 1000
+# The shared 2-worker Ray run, also the uninterrupted reference of the run stopped four ways: about twenty seconds
+# of training (10 ms steps), so that each stop lands, and each periodic checkpoint's background write completes,
+# long before the end even on a loaded machine (300 steps once ended 1.5 s after step 110).
+RAY_STEPS = 2000
 RAY_ARGS = [f"train.max_steps={RAY_STEPS}", "train.batch_size_per_worker=128", "checkpoint.every_steps=100",
             "train.log_every_steps=10", "train.eval_every_steps=100"]
 
@@ -52,13 +55,14 @@ def copy_project(dst: Path) -> Path:
 
 
 def stride(project: Path, *overrides: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    """`python -m stride --config signal.yaml ...` from the user's folder (embedded local Ray)."""
+    """`python -m stride --config signal.yaml ...` from the user's folder (on the Ray cluster env names; without
+    RAY_ADDRESS, an embedded local Ray)."""
     return run_cli(["-m", "stride", "--config", "signal.yaml", *overrides], cwd=project, env=env, timeout=timeout)
 
 
-def start_stride(project: Path, *overrides: str) -> subprocess.Popen:
+def start_stride(project: Path, *overrides: str, env: dict) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, "-m", "stride", "--config", "signal.yaml", *overrides], cwd=project,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -129,9 +133,10 @@ def test_config_takes_the_tasks_fields_and_refuses_unknown_ones(project):
 # ---- 1. two Ray workers, MLflow ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_run(project):
-    r = stride(project, "run.name=ray2", *RAY_ARGS)
+def ray_run(project, shared_ray_head):
+    r = stride(project, "run.name=ray2", *RAY_ARGS, env=shared_ray_head.env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert not shared_ray_head.wait_idle()
     return {"dir": project / "runs" / "ray2", "stdout": r.stdout}
 
 
@@ -232,24 +237,49 @@ def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutral(torchrun_runs):
+def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutral(torchrun_runs, project):
     """The user's task names no blocks: Stride finds its repeated conv blocks (Task.blocks' default) and recomputes
     their activations; DDP's losses are bitwise the run's that kept them."""
     s = summary(torchrun_runs / "ddp_ac")
     assert s["status"] == "completed" and s["strategy"] == "ddp"
+    # The switch reached the model: the run checkpointed all 3 blocks, the one it is compared with none (else the
+    # equality below would compare one way of computing the gradients with itself).
+    assert s["activation_checkpointed_blocks"] == 3
+    assert summary(torchrun_runs / "ddp")["activation_checkpointed_blocks"] == 0
     assert train_losses(torchrun_runs / "ddp_ac") == train_losses(torchrun_runs / "ddp")
     assert s["param_checksums"] == summary(torchrun_runs / "ddp")["param_checksums"]
+    # And checkpointing those blocks recomputes them: the user's model, built by their task from the run's config
+    # (in their folder, as the run did), with the loop's checkpoint_activations on Task.blocks: in one training step
+    # the backward pass enters every block's modules again (pre-hooks count the calls: the recomputation stops once
+    # it has what the backward needs, so a module may be entered without returning).
+    probe = subprocess.run([PYTHON, "-c", "import json, torch; from stride.trainers import blocks; "
+                            "from stride.trainers.config import from_dict; from stride.trainers.tasks import make_task; "
+                            f"s = json.load(open({str(torchrun_runs / 'ddp_ac' / 'summary.json')!r})); "
+                            "cfg = from_dict(s['config']); task = make_task(cfg, s['facts']); "
+                            "model = task.build_model(); units = task.blocks(model); "
+                            "blocks.checkpoint_activations(units, cfg.train.activation_checkpointing_every); "
+                            "calls = [0] * len(units); [m.register_forward_pre_hook("
+                            "lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)) "
+                            "for i, u in enumerate(units) for m in u.modules() if m is not u]; "
+                            "loss = model(torch.randn(8, s['facts']['signal_length'])).sum(); forward = list(calls); "
+                            "loss.backward(); print(json.dumps([forward, [c - f for c, f in zip(calls, forward)]]))"],
+                           cwd=project, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    forward, again = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert len(forward) == 3 and all(f > 0 for f in forward) and all(a > 0 for a in again), probe.stdout
 
 
 @pytest.mark.slow
-def test_ray_workers_compile_and_checkpoint_the_users_blocks(project, torchrun_runs, tmp_path):
-    """2 Ray workers (DDP) with train.compile=true and activation checkpointing on the user's task: the same
-    training as torchrun's eager DDP run, up to the rounding of inductor's fused kernels."""
-    r = stride(project, f"run.storage_path={tmp_path}", "run.name=compiled", "tracking.mlflow=false",
-               "train.log_every_steps=1", "scaling.num_workers=2", "train.compile=true",
-               "train.activation_checkpointing=true")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "torch.compile (mode default)" in r.stdout and "activation checkpointing: 3 of 3 blocks" in r.stdout
+def test_compile_and_activation_checkpointing_of_the_users_blocks_train_like_eager(project, torchrun_runs, tmp_path):
+    """2 DDP processes with train.compile=true and activation checkpointing on the user's task: both are applied to
+    its 3 blocks, and the training is torchrun's eager DDP run, up to the rounding of inductor's fused kernels. (The
+    loop's guarantee: the Ray launcher runs the same loop.)"""
+    r = torchrun(project, 2, f"run.storage_path={tmp_path}", "run.name=compiled", "tracking.mlflow=false",
+                 "train.log_every_steps=1", "train.compile=true", "train.activation_checkpointing=true")
+    out = r.stdout + r.stderr
+    assert "torch.compile (mode default)" in out and "activation checkpointing: 3 of 3 blocks" in out, out[-3000:]
+    s = summary(tmp_path / "compiled")
+    assert s["compiled_modules"] == 3 and s["activation_checkpointed_blocks"] == 3, s
     got, eager = train_losses(tmp_path / "compiled"), train_losses(torchrun_runs / "ddp")
     assert sorted(got) == sorted(eager) == list(range(1, 41))
     for step in eager:
@@ -293,55 +323,107 @@ def test_accumulating_two_micro_batches_equals_one_batch_twice_as_big(project, t
     assert sa["val_accuracy"] == pytest.approx(sb["val_accuracy"], abs=2 / 512)  # at most a sample or two flips
 
 
-# ---- 6. a SIGKILLed driver: the same command resumes exactly ----------------------------------------------------
+# ---- 6. every way a Ray run stops, then resumes: one run, bitwise the uninterrupted one ----------------------
 
-@pytest.mark.slow
-def test_driver_sigkill_then_same_command_resumes_exactly(project, ray_run):
+def _stop_at(proc: subprocess.Popen, metrics: Path, step: int, signum: int) -> str:
+    """Once metrics.jsonl shows `step`, send the driver `signum`; returns its output when it has exited."""
+    wait_for_step(metrics, step, proc)
+    proc.send_signal(signum)
+    return proc.communicate(timeout=180)[0]
+
+
+def _kill_driver_after_checkpoint(proc: subprocess.Popen, run: Path, after: int) -> str:
+    """SIGKILL the driver once a periodic checkpoint past step `after` has landed (written in the background)."""
     from stride.trainers import checkpointing
 
-    run = project / "runs" / "killed"
-    args = ["run.name=killed", *RAY_ARGS]
-    proc = start_stride(project, *args)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        newest = checkpointing.newest_complete(run)
+        if newest is not None and checkpointing.read_meta(newest)["step"] > after:
+            break
+        time.sleep(0.05)
+    tree = descendants(proc.pid)
+    proc.kill()
+    proc.wait()
+    kill_pids(tree)  # anything the driver itself started; the head removes the dead job's actors
     try:
-        wait_for_step(run / "metrics.jsonl", 110, proc)
-        deadline = time.time() + 60  # the step-100 checkpoint is uploaded in the background: wait until it landed
-        while checkpointing.newest_complete(run) is None and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-    finally:
-        tree = descendants(proc.pid)
-        proc.kill()
-        proc.wait()
-        time.sleep(2)
-        kill_pids(tree)  # Ray's agents can outlive a SIGKILLed driver; stop exactly what this run started
-        try:
-            out = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            out = "(output not readable: a process still holds the pipe)"
-    newest = checkpointing.newest_complete(run)
-    assert newest is not None, out[-3000:]
-    step = checkpointing.read_meta(newest)["step"]
-    assert step % 100 == 0 and 100 <= step < RAY_STEPS, out[-3000:]  # killed between two checkpoints, before the end
-    assert not (run / "summary.json").exists()
-    mlflow_run_id = checkpointing.read_meta(newest)["mlflow_run_id"]
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        return "(output not readable: a process still holds the pipe)"
 
-    r = stride(project, *args)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"resuming killed from {newest.name} (step {step})" in r.stdout and f"at step {step}" in r.stdout
+
+@pytest.mark.slow
+def test_sigterm_sigint_driver_sigkill_and_a_killed_worker_each_resume_exactly(project, ray_run, ray_cluster,
+                                                                                  shared_ray_head):
+    """One run of the user's task on 2 Ray workers is stopped four ways, and each time the same command carries on
+    from where it stopped: SIGTERM (checkpoint now, exit 143), Ctrl-C (checkpoint at the next step, exit 130), a
+    SIGKILLed driver (from the last periodic checkpoint), and a killed worker with scaling.max_failures=1 (Ray
+    restarts the group from the last checkpoint, the run completes). Every logged loss, the evaluations after the
+    last resume and the final weights are bitwise the uninterrupted run's, in one MLflow run."""
+    from stride.trainers import checkpointing
+
+    run, metrics = project / "runs" / "stopped", project / "runs" / "stopped" / "metrics.jsonl"
+    args = ["run.name=stopped", *RAY_ARGS]
+
+    proc = start_stride(project, *args, env=ray_cluster)
+    out = _stop_at(proc, metrics, 130, signal.SIGTERM)
+    assert proc.returncode == 143, out[-3000:]
     s = summary(run)
-    assert s["status"] == "completed" and s["global_step"] == RAY_STEPS and s["restarts"] == 1
-    assert s["mlflow_run_id"] == mlflow_run_id  # the same MLflow run continues
-    # Every logged step equals the uninterrupted run's, bitwise; the evaluations and final weights too.
-    assert train_losses(run) == train_losses(ray_run["dir"])
-    ref = summary(ray_run["dir"])
-    assert [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(run) if e["step"] > step] == \
-           [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(ray_run["dir"]) if e["step"] > step]
+    assert s["status"] == "interrupted" and 130 <= s["global_step"] < RAY_STEPS, out[-3000:]
+    term_step, mlflow_run_id = s["global_step"], s["mlflow_run_id"]
+
+    proc = start_stride(project, *args, env=ray_cluster)
+    out = _stop_at(proc, metrics, term_step + 150, signal.SIGINT)
+    assert proc.returncode == 130 and "received SIGINT: checkpointing at the next step" in out, out[-3000:]
+    assert f"at step {term_step}" in out  # resumed from SIGTERM's checkpoint
+    s = summary(run)
+    assert s["status"] == "interrupted" and s["global_step"] >= term_step + 150 and s["restarts"] == 1
+    int_step = s["global_step"]
+    assert checkpointing.read_meta(checkpointing.newest_complete(run))["step"] == int_step
+
+    proc = start_stride(project, *args, env=ray_cluster)
+    out = _kill_driver_after_checkpoint(proc, run, int_step)
+    killed_at = checkpointing.read_meta(checkpointing.newest_complete(run))["step"]
+    assert killed_at % 100 == 0 and int_step < killed_at < RAY_STEPS - 300, out[-3000:]
+    assert summary(run)["global_step"] == int_step  # the killed driver wrote no summary
+    assert not shared_ray_head.wait_idle(), "the killed driver's job left actors on the cluster"
+
+    proc = start_stride(project, *args, "scaling.max_failures=1", env=ray_cluster)
+    wait_for_step(metrics, killed_at + 100, proc)
+    workers = [p for h in shared_ray_head.head.pids() for p in descendants(h) if "RayTrainWorker" in _cmdline(p)]
+    assert workers, "no Ray Train worker process found"
+    os.kill(workers[-1], signal.SIGKILL)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resuming stopped from checkpoint_{killed_at:08d} (step {killed_at})" in out and f"at step {killed_at}" in out
+
+    # Two starts from a checkpoint in this last run: the driver's resume, then Ray's restart of the worker group
+    # (from the step-killed_at checkpoint or a newer one, depending on which Ray had registered when the worker died).
+    starts = re.findall(r"resumed from \S+ at step (\d+) .*restart (\d+)", out)
+    assert len(starts) == 2 and int(starts[0][0]) == killed_at and int(starts[1][0]) >= killed_at, starts
+    s, ref = summary(run), summary(ray_run["dir"])
+    assert s["status"] == "completed" and s["global_step"] == RAY_STEPS
+    assert s["restarts"] == int(starts[1][1]) and s["restarts"] in (3, 4)  # TERM, INT, KILL resumes + the restart
+    assert s["mlflow_run_id"] == mlflow_run_id  # one MLflow run throughout
+    losses, expected = train_losses(run), train_losses(ray_run["dir"])
+    assert set(losses) == set(expected) | {term_step, int_step}  # the stop steps are logged too
+    assert {k: losses[k] for k in expected} == expected  # bitwise, every logged step
+    assert [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(run) if e["step"] > killed_at] == \
+           [(e["step"], e["val_loss"], e["val_accuracy"]) for e in evals(ray_run["dir"]) if e["step"] > killed_at]
     assert s["param_checksums"] == ref["param_checksums"] and s["val_accuracy"] == ref["val_accuracy"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ") + open(f"/proc/{pid}/comm").read()
+    except OSError:
+        return ""
 
 
 # ---- 7. a 2-worker checkpoint resumed by 1 worker ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(project, tmp_path):
+def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(project, tmp_path, ray_cluster):
     """Ray, 2 workers x 64 rows for 10 steps, then the same run on 1 worker x 128 rows (the same global batch) to
     the end of the epoch: every training row is seen exactly once in epoch 0 (STRIDE_SAMPLE_LOG)."""
     log = tmp_path / "samples"
@@ -349,7 +431,7 @@ def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(proj
     per_epoch = rows // 128
     common = [f"run.storage_path={tmp_path}", "run.name=elastic", "tracking.mlflow=false", "checkpoint.every_steps=10",
               "train.log_every_steps=2", "train.eval_every_steps=100"]
-    env = {"STRIDE_SAMPLE_LOG": str(log)}
+    env = {**ray_cluster, "STRIDE_SAMPLE_LOG": str(log)}
     r = stride(project, *common, "scaling.num_workers=2", "train.batch_size_per_worker=64", "train.max_steps=10",
                env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -371,64 +453,15 @@ def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(proj
     assert losses[per_epoch] < first[2]
 
 
-# ---- 8. a Tune sweep over the task's own field ------------------------------------------------------------------
-
-SWEEP = """\
-# Sweep the task's own field model.channels: 2 trials of 1 worker each, side by side on 2 CPUs.
-# Launch:   python -m stride.tune.main --config sweep.yaml      (from this folder)
-sweep:
-  name: signal_sweep
-  base_config: signal.yaml
-  storage_path: ./runs
-  metric: val_accuracy
-  mode: max
-  num_samples: 1
-  search: grid
-  scheduler: fifo
-  max_concurrent_trials: auto
-  seed: 0
-base:
-  scaling.num_workers: 1
-  train.max_steps: 30
-  train.eval_every_steps: 30
-  checkpoint.every_steps: 30
-space:
-  model.channels: {choice: [8, 16]}
-"""
-
-
-@pytest.mark.slow
-def test_sweep_over_a_task_field_runs_both_trials(tmp_path):
-    project = copy_project(tmp_path / "signal_project")
-    (project / "sweep.yaml").write_text(SWEEP)
-    r = run_cli(["-m", "stride.tune.main", "--config", "sweep.yaml"], cwd=project, timeout=400)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    s = json.loads((project / "runs" / "signal_sweep" / "sweep_summary.json").read_text())
-    assert s["status"] == "completed" and s["metric"] == "val_accuracy" and len(s["trials"]) == 2
-    assert sorted(t["params"]["model.channels"] for t in s["trials"]) == [8, 16]
-    bytes_by_channels = {}
-    for t in s["trials"]:
-        assert t["status"] == "completed" and t["steps"] == 30, t
-        own = summary(Path(t["run_dir"]))
-        assert own["status"] == "completed" and own["task"] == TASK
-        assert own["config"]["model"]["channels"] == t["params"]["model.channels"]
-        assert own["val_accuracy"] == pytest.approx(t["metric"])
-        bytes_by_channels[t["params"]["model.channels"]] = own["param_bytes_per_worker"][0]
-    assert bytes_by_channels[16] == PARAM_BYTES and bytes_by_channels[8] < bytes_by_channels[16]  # really different
-    best = max(s["trials"], key=lambda t: t["metric"])
-    assert s["best_metric"] == best["metric"] and s["best_config"] == best["params"]
-
-
 # ---- 9. `ray job submit --working-dir .` of the user's folder to a token-auth head ------------------------------
 
 @pytest.fixture(scope="module")
-def head(head_factory):  # noqa: F811 - a token-auth head from ray_cluster.local (2 CPUs), stopped by pid at the end
-    (h,) = head_factory(1)
-    return h
+def head(shared_ray_head):  # the session's token-auth head from ray_cluster.local (2 CPUs)
+    return shared_ray_head.head
 
 
 @pytest.mark.slow
-def test_ray_job_submit_of_the_project_folder(head, tmp_path):
+def test_ray_job_submit_of_the_project_folder(head, tmp_path, ray_cluster):
     project = copy_project(tmp_path / "signal_project")
     storage = tmp_path / "job_runs"
     env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head.token_path))
@@ -448,36 +481,3 @@ def test_ray_job_submit_of_the_project_folder(head, tmp_path):
     packages = [p for p in (head.temp_dir / "ray" / "session_latest" / "runtime_resources" / "working_dir_files").iterdir()
                 if (p / "signal_task.py").exists()]
     assert packages and (packages[0] / "signal.yaml").exists()
-
-
-# ---- 10. SLURM: stride.sbatch submitted from the user's folder --------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.slurm
-def test_sbatch_from_the_project_folder_trains_the_users_task(slurm_cluster):
-    """sbatch runs the batch script in the submit directory and starts the driver there (SLURM_SUBMIT_DIR): the
-    task module and the relative data paths of signal.yaml are found in the user's folder."""
-    root = Path(tempfile.mkdtemp(prefix="sr-us-", dir="/tmp"))  # short: Ray's sockets live under STRIDE_RAY_TMP
-    try:
-        project = copy_project(root / "p")
-        (root / "r").mkdir()
-        env = dict(slurm_cluster.env, STRIDE_PYTHON=PYTHON, STRIDE_REPO=str(REPO), STRIDE_RAY_TMP=str(root / "r"),
-                   STRIDE_OBJECT_STORE_BYTES="200000000", STRIDE_JOB_DIR=str(root / "job"), PYTHONUNBUFFERED="1")
-        for key in [k for k in env if k.startswith("RAY_")]:
-            del env[key]
-        out_file = root / "job.out"
-        job = slurm_cluster.sbatch(["--job-name=usersignal", f"--output={out_file}", "--nodes=2", "--cpus-per-task=1",
-                                    str(REPO / "ray_cluster" / "slurm" / "stride.sbatch"), "--config", "signal.yaml",
-                                    f"run.storage_path={root / 'runs'}", "scaling.num_workers=auto",
-                                    "tracking.mlflow=false", "train.max_steps=20", "train.eval_every_steps=10"],
-                                   env=env, cwd=project)
-        info = slurm_cluster.wait_job(job, 600)
-        out = out_file.read_text(errors="replace") if out_file.exists() else ""
-        assert info["JobState"] == "COMPLETED", out[-4000:]
-        s = summary(root / "runs" / "signal")
-        assert s["status"] == "completed" and s["global_step"] == 20 and s["world_size"] == 2 and s["task"] == TASK
-        assert_reports_accuracy(root / "runs" / "signal", s)
-        assert "2 node(s)" in out
-    finally:
-        if not os.environ.get("STRIDE_TEST_KEEP"):
-            shutil.rmtree(root, ignore_errors=True)

@@ -64,25 +64,37 @@ def small_text(tmp_path_factory, text_data):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_text):
-    """DDP and FSDP, 20 steps each; FSDP stopped at step 10 and resumed to 20; FSDP bf16 with accumulation."""
+    """DDP and FSDP, 20 steps each; FSDP stopped at step 10 and resumed to 20; FSDP bf16 with accumulation; dropout
+    with and without activation checkpointing; torch.compile. All under ONE torchrun launch (tests/torchrun_cases.py):
+    the cases run one after another in the same two processes, so torchrun's, Python's and torch's start-up is paid
+    once, not once per case. In order: "resumed" to 20 resumes the checkpoint "resumed" to 10 wrote."""
     storage = tmp_path_factory.mktemp("fsdp_runs")
-    torchrun(2, tiny_args(small_text, storage, "ddp"))
-    torchrun(2, tiny_args(small_text, storage, "fsdp", STEPS, "train.strategy=fsdp"))
-    torchrun(2, tiny_args(small_text, storage, "resumed", 10, "train.strategy=fsdp"))
-    resumed = torchrun(2, tiny_args(small_text, storage, "resumed", STEPS, "train.strategy=fsdp"))
-    torchrun(2, tiny_args(small_text, storage, "bf16", 10, "train.strategy=fsdp", "train.precision=bf16",
-                          "train.grad_accum_steps=2"))
+
+    def case(label, name, steps, *extra, env=None):
+        return {"label": label, "args": tiny_args(small_text, storage, name, steps, *extra), "env": env or {}}
+
+    cases = [case("ddp", "ddp", STEPS), case("fsdp", "fsdp", STEPS, "train.strategy=fsdp"),
+             case("resumed@10", "resumed", 10, "train.strategy=fsdp"),
+             case("resumed@20", "resumed", STEPS, "train.strategy=fsdp"),
+             case("bf16", "bf16", 10, "train.strategy=fsdp", "train.precision=bf16", "train.grad_accum_steps=2")]
     # train.activation_checkpointing on FSDP's units (with dropout: recomputation must replay it), and train.compile
     # (without: inductor draws its own random numbers, so a compiled run's dropout masks are not eager's).
     for name, extra in (("drop", []), ("drop_ac", ["train.activation_checkpointing=true"])):
-        torchrun(2, tiny_args(small_text, storage, name, 10, "train.strategy=fsdp", "model.dropout=0.1", *extra))
+        cases.append(case(name, name, 10, "train.strategy=fsdp", "model.dropout=0.1", *extra))
     # An empty inductor cache of its own: what inductor generates for this run shows that it compiled (a shared,
-    # warm cache could hold kernels from another run).
+    # warm cache could hold kernels from another run). Inductor reads TORCHINDUCTOR_CACHE_DIR whenever it resolves
+    # its cache folder, so set for this case alone it takes effect; the case is last, after no other compiled one.
     inductor = storage / "inductor"
-    torchrun(2, tiny_args(small_text, storage, "compiled", 10, "train.strategy=fsdp", "train.compile=true",
-                          "train.activation_checkpointing=true", "train.activation_checkpointing_every=2"),
-             env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)})
-    return {"storage": storage, "resumed_stdout": resumed.stdout, "inductor": inductor}
+    cases.append(case("compiled", "compiled", 10, "train.strategy=fsdp", "train.compile=true",
+                      "train.activation_checkpointing=true", "train.activation_checkpointing_every=2",
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)}))
+    results = tmp_path_factory.mktemp("torchrun_cases")
+    (results / "cases.json").write_text(json.dumps(cases))
+    torchrun(2, [str(results / "cases.json"), str(results)], script="tests/torchrun_cases.py")
+    # What the resumed run printed (every rank's, as its own launch's stdout held).
+    resumed = [next(r for r in json.loads((results / f"rank{rank}.json").read_text()) if r["label"] == "resumed@20")
+               for rank in (0, 1)]
+    return {"storage": storage, "resumed_stdout": "".join(r["stdout"] for r in resumed), "inductor": inductor}
 
 
 @pytest.mark.slow

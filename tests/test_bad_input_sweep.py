@@ -21,8 +21,9 @@ MAIN = ["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml"]
 
 # (override(s), what the error line must name). Values are YAML, as on the command line.
 MAIN_CASES = [
-    (["run.name=a/b"], "run.name"), (["run.name=.."], "run.name"), (["run.name=" + "x" * 300], "run.name"),
-    (['run.name="a\\nb"'], "run.name"), (["run.seed=abc"], "run.seed"), (["run.storage_path=s3://bucket/runs"], "run.storage_path"),
+    (["run.name=a/b"], "run.name"), (["run.name=.."], "run.name"), (["run.name=" + "x" * 300], "is 300 bytes long, over the 200"),
+    (['run.name="a\\nb"'], "run.name"), (['run.name="a\\0b"'], "control characters"),
+    (["run.seed=abc"], "run.seed"), (["run.storage_path=s3://bucket/runs"], "run.storage_path"),
     (["run.storage_path=/proc/stride"], "run.storage_path"), (["run.nope=1"], "run.nope"),
     (["data.train_path={tmp}/missing"], "data.train_path"), (["data.val_path={tmp}/missing"], "data.val_path"),
     (["data.train_path={tmp}/notes"], "data.train_path"), (["data.train_path={tmp}/empty"], "data.train_path"),
@@ -35,7 +36,7 @@ MAIN_CASES = [
     (["model.hidden_sizes=abc"], "model.hidden_sizes"), (["model.num_classes=2"], "model.num_classes"),
     (["model.dropout=2"], "model.dropout"), (["model.colour=red"], "model.colour"),
     (["optim.name=adam2"], "optim.name"), (["optim.lr=-1"], "optim.lr"), (["optim.lr=0"], "optim.lr"),
-    (["optim.lr=.inf"], "optim.lr"), (["optim.betas=[0.9]"], "optim.betas"), (["optim.betas=[0.9, 0.9, 0.9]"], "optim.betas"),
+    (["optim.lr=.inf"], "optim.lr (inf) must be a finite"), (["optim.betas=[0.9]"], "optim.betas"), (["optim.betas=[0.9, 0.9, 0.9]"], "optim.betas"),
     (["optim.weight_decay=-1"], "optim.weight_decay"), (["optim.momentum=-0.5"], "optim.momentum"),
     (["optim.lr_scaling=cubic"], "optim.lr_scaling"), (["optim.reference_batch_size=0"], "optim.reference_batch_size"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps"), (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
@@ -43,12 +44,12 @@ MAIN_CASES = [
     (["train.batch_size_per_worker=0"], "train.batch_size_per_worker"),
     (["train.batch_size_per_worker=100000"], "train.batch_size_per_worker"),
     (["train.grad_accum_steps=0"], "train.grad_accum_steps"), (["train.max_steps=0"], "train.max_steps"),
-    (["train.max_steps=many"], "train.max_steps"), (["train.epochs=.nan"], "train.epochs"), (["train.epochs=0"], "train.epochs"),
+    (["train.max_steps=many"], "train.max_steps"), (["train.epochs=.nan"], "train.epochs (nan) must be"), (["train.epochs=0"], "train.epochs"),
     (["train.max_steps=null", "train.epochs=null"], "train.max_steps"), (["train.precision=fp8"], "train.precision"),
     (["train.eval_every_steps=0"], "train.eval_every_steps"), (["train.log_every_steps=0"], "train.log_every_steps"),
     (["train.deterministic=maybe"], "train.deterministic"), (["train.num_threads=0"], "train.num_threads"),
     (["train.nonfinite=ignore"], "train.nonfinite"), (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps"),
-    (["train.collective_timeout_s=.inf"], "train.collective_timeout_s"), (["train.peak_flops=-1"], "train.peak_flops"),
+    (["train.collective_timeout_s=.inf"], "train.collective_timeout_s (inf) must be a finite number"), (["train.peak_flops=-1"], "train.peak_flops"),
     (["train.profile_steps=abc"], "train.profile_steps"), (["train.strategy=tp"], "train.strategy"),
     (["train.compile=maybe"], "train.compile"), (["train.compile_mode=fastest"], "train.compile_mode"),
     (["train.activation_checkpointing=sometimes"], "train.activation_checkpointing"),
@@ -75,6 +76,13 @@ def finished(tmp_path_factory) -> Path:
     (tmp / "notes").mkdir()
     (tmp / "notes" / "todo.txt").write_text("not parquet")
     (tmp / "empty").mkdir()
+    # Inputs that once raised tracebacks: a binary config, a sweep that is a list, a sweep stored at a URI.
+    (tmp / "files").mkdir()
+    (tmp / "files" / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
+    (tmp / "files" / "sweep_list.yaml").write_text("sweep: [1, 2]\n")
+    (tmp / "files" / "sweep_uri.yaml").write_text(
+        "sweep: {name: s, base_config: trainers/configs/tabular_mlp.yaml, storage_path: 's3://bucket/x'}\n"
+        "space: {optim.lr: {loguniform: [1.0e-4, 1.0e-2]}}\n")
     return tmp
 
 
@@ -119,6 +127,11 @@ def test_trainers_main_refuses(finished, results, overrides, names):
 OTHER_CASES = [
     (["trainers/main.py", "--config", "{tmp}/missing.yaml"], "missing.yaml"),
     (["trainers/main.py", "--config", "{tmp}/notes/todo.txt"], "todo.txt"),
+    (["trainers/main.py", "--config", "{tmp}/files/binary.yaml"], "is not a text file (byte 0 is not UTF-8)"),
+    (["tune/main.py", "--config", "{tmp}/files/binary.yaml", "--print-space"], "is not a text file"),
+    (["tune/main.py", "--config", "{tmp}/files/sweep_list.yaml", "--print-space"], "sweep must map setting: value"),
+    (["tune/main.py", "--config", "{tmp}/files/sweep_uri.yaml", "--print-space"],
+     "sweep.storage_path ('s3://bucket/x') must be a folder"),
     (["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "optim.lr=0"], "optim.lr"),
     (["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "data.train_path={tmp}/missing"],
      "data.train_path"),

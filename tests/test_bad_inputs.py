@@ -299,29 +299,3 @@ def test_a_pickled_object_inside_a_dcp_shard_is_refused(tmp_path):
     with pytest.raises(checkpointing.UnsafeCheckpointError, match="holds more than tensors"):
         checkpointing.load_sharded(tmp_path / "ckpt", {"optim": {"lr": 0.1}})
     assert not marker.exists()
-
-
-@pytest.mark.parametrize("cli, args, says", [
-    ("trainers/main.py", ["--config", "{binary}"], "is not a text file (byte 0 is not UTF-8)"),
-    ("trainers/main.py", ["--config", "trainers/configs/tabular_mlp.yaml", 'run.name="a\\0b"'], "control characters"),
-    ("trainers/main.py", ["--config", "trainers/configs/tabular_mlp.yaml", "run.name=" + "r" * 300],
-     "is 300 bytes long, over the 200"),
-    ("trainers/main.py", ["--config", "trainers/configs/tabular_mlp.yaml", "train.collective_timeout_s=.inf"],
-     "train.collective_timeout_s (inf) must be a finite number"),
-    ("trainers/main.py", ["--config", "trainers/configs/tabular_mlp.yaml", "optim.lr=.inf"], "optim.lr (inf) must be a finite"),
-    ("trainers/main.py", ["--config", "trainers/configs/tabular_mlp.yaml", "train.epochs=.nan"], "train.epochs (nan) must be"),
-    ("tune/main.py", ["--config", "{binary}", "--print-space"], "is not a text file"),
-    ("tune/main.py", ["--config", "{sweep_list}", "--print-space"], "sweep must map setting: value"),
-    ("tune/main.py", ["--config", "{sweep_uri}", "--print-space"], "sweep.storage_path ('s3://bucket/x') must be a folder"),
-])
-def test_inputs_that_raised_tracebacks_are_one_line_exit_2(tmp_path, cli, args, says):
-    files = {"binary": b"\xff\xfe\x00binary", "sweep_list": b"sweep: [1, 2]\n",
-             "sweep_uri": b"sweep: {name: s, base_config: trainers/configs/tabular_mlp.yaml, storage_path: 's3://bucket/x'}\n"
-                          b"space: {optim.lr: {loguniform: [1.0e-4, 1.0e-2]}}\n"}
-    for name, content in files.items():
-        (tmp_path / f"{name}.yaml").write_bytes(content)
-    args = [a.format(**{k: tmp_path / f"{k}.yaml" for k in files}) for a in args]
-    storage = [f"run.storage_path={tmp_path}/runs"] if cli == "trainers/main.py" else []
-    r = run_cli([cli, *args, *storage], timeout=120)
-    _one_line_usage_error(r, says)
-    assert not (tmp_path / "runs").exists()  # nothing written before the check

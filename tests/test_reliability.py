@@ -74,9 +74,9 @@ if os.environ.get("FLAKY_LOG"):
 """
 
 
-def torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    """trainers/torchrun.py with 2 processes instead of trainers/main.py on Ray (args as job_args gives them)."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+def torchrun(args: list[str], env: dict, nproc: int = 2) -> subprocess.CompletedProcess:
+    """trainers/torchrun.py with `nproc` processes instead of trainers/main.py on Ray (args as job_args gives them)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            "trainers/torchrun.py", *args[1:]]
     return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), capture_output=True,
                           text=True, timeout=600)
@@ -129,30 +129,24 @@ def _ids_once_per_epoch(log_dir, rows, global_batch):
 
 
 def _elastic(tabular_data, tmp_path, first, second):
-    """Train part of an epoch with one world size, resume with another (same global batch)."""
+    """Train part of an epoch with one world size (workers, batch per worker), resume with another (same global
+    batch), both under torchrun."""
     import pyarrow.parquet as pq
 
     rows = pq.ParquetDataset(tabular_data / "train").read(columns=["sample_id"]).num_rows
     per_epoch = rows // 128
     log = tmp_path / "samples"
-    for i, (launcher, workers, batch, steps) in enumerate((first + (10,), second + (per_epoch,))):
+    for workers, batch, steps in (first + (10,), second + (per_epoch,)):
         extra = [f"train.batch_size_per_worker={batch}", f"train.max_steps={steps}", "checkpoint.every_steps=10",
                  "model.hidden_sizes=[32]"]
-        args = job_args(tabular_data, tmp_path, "elastic")[1:] + extra
-        env = dict(os.environ, STRIDE_SAMPLE_LOG=str(log))
-        if launcher == "ray":
-            cmd = [PYTHON, "trainers/main.py", *args, f"scaling.num_workers={workers}"]
-        else:
-            cmd = [os.path.join(os.path.dirname(PYTHON), "torchrun"), "--nproc-per-node", str(workers),
-                   "--master-port", str(free_port()), "trainers/torchrun.py", *args]
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        r = torchrun(job_args(tabular_data, tmp_path, "elastic") + extra, {"STRIDE_SAMPLE_LOG": str(log)}, workers)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads((tmp_path / "elastic" / "summary.json").read_text())
-    assert s["restarts"] == 1 and s["world_size"] == second[1]
+    assert s["restarts"] == 1 and s["world_size"] == second[0]
     epoch0 = _ids_once_per_epoch(log, rows, 128)
     assert len(epoch0) == len(set(epoch0)) == per_epoch * 128  # every sample once, across both world sizes
     assert rows - len(set(epoch0)) < 128
 
 
 def test_elastic_resume_one_worker_to_two(tabular_data, tmp_path):
-    _elastic(tabular_data, tmp_path, ("torchrun", 1, 128), ("torchrun", 2, 64))
+    _elastic(tabular_data, tmp_path, (1, 128), (2, 64))

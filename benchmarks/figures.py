@@ -17,6 +17,7 @@ tests/test_bench.py replays benchmarks/results/latest.json's raw runs through th
     memory        {sets: {small, large: {raw_bytes, ...}}, reps: [{rep, small, large: {peak_pss_bytes, aborted}}]}
     checkpoint    {model, params, runs: [{method: gather|dcp, rep, rank, peak_increase_bytes, blocked_s, complete_s}]}
     blocks        {runs: [{variant, rep, step_s, peak_increase_bytes, allocated_peak_increase_bytes, warmup_s}]}
+    lock          {log_every, heartbeat_s, runs: [{variant: lock|none, rep, chunk_s: [...], chunk_steps}]} (or absent)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ GOALS = {  # figure: (operator, threshold)
     "ac_memory_ratio": ("<=", 0.6),
     "ac_step_time_ratio": ("<=", 1.5),
     "compile_step_time_ratio": ("<=", 1.0),
+    "lock_overhead_ratio": ("<=", 1.005),
 }
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
@@ -56,6 +58,7 @@ LABELS = {
     "ac_memory_ratio": "a step's peak live memory, activation checkpointing on / off (12 layers)",
     "ac_step_time_ratio": "step time, activation checkpointing on / off (12 layers)",
     "compile_step_time_ratio": "step time, train.compile on / off (default char_gpt)",
+    "lock_overhead_ratio": "step time, run lock's fence and heartbeat on / off (tabular_mlp, one thread)",
 }
 
 
@@ -332,16 +335,31 @@ def blocks_figures(raw: dict) -> dict:
     }
 
 
+def lock_figure(raw: dict) -> dict:
+    """benchmarks/lock_bench.py: one sample per repetition, the median over its interleaved chunk pairs of the time
+    with the run lock / without."""
+    lock = raw.get("lock") or {"runs": []}
+    with_lock, without = by_rep(lock["runs"], variant="lock"), by_rep(lock["runs"], variant="none")
+    samples = [summary([ratio(a, b) for a, b in zip(with_lock[i]["chunk_s"], without[i]["chunk_s"])])["median"]
+               for i in sorted(with_lock) if i in without]
+    return figure(samples, "ratio", "step time of the same in-process loop (tabular_mlp.yaml's model and batch, one "
+                  f"thread) with the run lock held, its fence checked every {lock.get('log_every')} steps and a "
+                  f"heartbeat every {lock.get('heartbeat_s')} s / without, the median of interleaved chunk pairs per "
+                  "repetition (benchmarks/lock_bench.py)",
+                  notes=[] if samples else ["not measured in this result: python benchmarks/run.py --only lock"])
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction", "memory_growth_ratio",
          "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio",
-         "compile_step_time_ratio")
+         "compile_step_time_ratio", "lock_overhead_ratio")
 
 
 def figures(raw: dict) -> dict:
     """Every figure, in the table's order."""
     figs = {**pair_figures(raw), "ingest_ratio": ingest_figure(raw), "scaling_2_over_1": scaling_figure(raw),
-            "memory_growth_ratio": memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw)}
+            "memory_growth_ratio": memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
+            "lock_overhead_ratio": lock_figure(raw)}
     return {name: figs[name] for name in ORDER}
 
 
@@ -460,7 +478,7 @@ def markdown(result: dict) -> str:
 
 HEADLINE = ("step_time_ratio", "wall_ratio", "ingest_ratio", "data_wait_fraction", "scaling_2_over_1",
             "memory_growth_ratio", "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio",
-            "ac_step_time_ratio", "compile_step_time_ratio")
+            "ac_step_time_ratio", "compile_step_time_ratio", "lock_overhead_ratio")
 
 
 def headline(result: dict) -> str:

@@ -4,6 +4,7 @@
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
     python benchmarks/run.py --smoke --out DIR  # one tiny repetition: a check that every part runs (no verdicts)
     python benchmarks/run.py --render           # rewrite the READMEs' generated blocks from results/latest.json
+    python benchmarks/run.py --only lock        # measure one part again, into results/latest.json's other figures
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -25,6 +26,8 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    shards, alternating, `reps` times (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
 5. benchmarks/blocks_bench.py: train.activation_checkpointing and train.compile on and off, one CPU worker, `reps`
    times (-> ac_memory_ratio, ac_step_time_ratio, compile_step_time_ratio).
+6. benchmarks/lock_bench.py: a training loop in this process with the run lock's fence and heartbeat and without,
+   interleaved, `reps` times (-> lock_overhead_ratio).
 """
 
 from __future__ import annotations
@@ -78,13 +81,14 @@ class Mode:
     blocks_steps: int = 6  # benchmarks/blocks_bench.py: timed steps and warm-up steps per variant
     blocks_warmup: int = 2
     tiny_models: bool = False  # blocks_bench's tiny models (a check that it runs)
+    lock_chunks: int = 200  # benchmarks/lock_bench.py: interleaved chunk pairs per repetition
 
 
 MODES = {
     "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
                   scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
                   stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4), blocks_steps=3, blocks_warmup=1,
-                  tiny_models=True),
+                  tiny_models=True, lock_chunks=4),
     "quick": Mode(reps=5, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
                   scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=9, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
@@ -386,7 +390,28 @@ def measure(mode: Mode, tmp: Path) -> dict:
     print("bench: activation checkpointing and torch.compile on CPU (benchmarks/blocks_bench.py)", flush=True)
     raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
                                  smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+    raw["lock"] = measure_lock(mode)
     return raw
+
+
+def measure_lock(mode: Mode) -> dict:
+    from benchmarks.lock_bench import measure as lock_bench
+
+    print("bench: the run lock's cost per step (benchmarks/lock_bench.py)", flush=True)
+    return lock_bench(reps=mode.reps, chunks=mode.lock_chunks)
+
+
+ONLY = {"lock": ("lock", measure_lock)}  # --only NAME: raw[key] = measure(mode)
+
+
+def measure_only(name: str, mode: Mode, latest: Path) -> dict:
+    """One part measured again, its raw runs put into an earlier result's, every figure replayed from them."""
+    if not latest.exists():
+        raise SystemExit(f"bench: --only {name} adds to {latest}, which does not exist; run `make bench` first")
+    result = json.loads(latest.read_text())
+    key, measure_part = ONLY[name]
+    result["raw"][key] = json.loads(json.dumps(measure_part(mode), default=str))
+    return {**result, **replay(result["raw"])}
 
 
 def render(result_path: Path) -> list[str]:
@@ -415,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="1 tiny repetition, no verdicts")
     g.add_argument("--render", nargs="?", const=str(RESULTS / "latest.json"), metavar="RESULT",
                    help="measure nothing: rewrite the READMEs' generated blocks from RESULT (default: latest.json)")
+    ap.add_argument("--only", choices=sorted(ONLY),
+                    help="measure only this part and replace its raw runs in <out>/latest.json")
     ap.add_argument("--out", default=str(RESULTS), help="folder for latest.json")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary run folders and logs")
     args = ap.parse_args(argv)
@@ -424,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     mode_name = args.mode or "quick"
     mode = MODES[mode_name]
     out_dir = Path(args.out)
+    if args.only:
+        latest = out_dir / "latest.json"
+        result = measure_only(args.only, mode, latest)
+        latest.write_text(json.dumps(result, indent=1) + "\n")
+        print(result["table"])
+        print(f"bench: measured {args.only} again into {latest}")
+        if out_dir.resolve() == RESULTS.resolve():
+            print(f"bench: rewrote {', '.join(render(latest)) or 'nothing'}")
+        return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="stride-bench-"))
     started = datetime.now()

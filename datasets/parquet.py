@@ -56,13 +56,16 @@ class DataSplit:
     def read(self, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
         """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order: the whole split in
         the driver's memory (fine for a label column; use `batches` for statistics over large splits)."""
-        return read_files(self.files, None if columns is None else list(columns))
+        return read_files(self.files, None if columns is None else list(columns), self.key)
 
     def batches(self, columns: list[str] | tuple[str, ...] | None = None, rows: int = 65536):
         """The split's rows as pyarrow Tables of at most `rows` rows, in file order: memory bounded by `rows`."""
         for f in self.files:
-            for batch in pq.ParquetFile(_open(f)).iter_batches(batch_size=rows, columns=columns and list(columns)):
-                yield pa.Table.from_batches([batch])
+            try:
+                for batch in pq.ParquetFile(_open(f)).iter_batches(batch_size=rows, columns=columns and list(columns)):
+                    yield pa.Table.from_batches([batch])
+            except (pa.ArrowException, OSError) as e:
+                raise damaged(self.key, f, e) from None
 
 
 def resolve_files(path: str, key: str) -> list[str]:
@@ -200,9 +203,22 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
     return specs
 
 
-def read_files(files, columns: list[str] | None = None) -> pa.Table:
+def read_files(files, columns: list[str] | None = None, key: str = "data") -> pa.Table:
     """pyarrow reads the shards in file order (a task's inspect, tests)."""
-    return pa.concat_tables(pq.read_table(_open(f), columns=columns) for f in files)
+    tables = []
+    for f in files:
+        try:
+            tables.append(pq.read_table(_open(f), columns=columns))
+        except (pa.ArrowException, OSError) as e:
+            raise damaged(key, f, e) from None
+    return pa.concat_tables(tables)
+
+
+def damaged(key: str, f: str, e: BaseException) -> DataError:
+    """A file whose footer reads but whose pages do not (a torn copy, a bad disk): one line naming it."""
+    reason = " ".join(str(e).split())[:200]
+    return DataError(f"{key}: {f} could not be read ({type(e).__name__}: {reason}); the file is damaged: copy or "
+                     f"write it again (python datasets/prepare.py), or remove it from {key}")
 
 
 def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:

@@ -40,6 +40,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
+from stride.cli import ArgumentParser  # noqa: E402
+
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -418,7 +420,7 @@ def build_text(out: Path, input_spec: str, tokenizer: str, vocab_size: int, seq_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python datasets/prepare.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kind", required=True)
     a = sub.add_parser("pystdlib", help="byte-level text corpus from the Python standard library")
     a.add_argument("--out", type=Path, default=Path("data/pystdlib"))

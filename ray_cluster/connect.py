@@ -26,15 +26,59 @@ def _auth_env_for_embedded() -> None:
     import atexit
     import shutil
 
-    folder = tempfile.mkdtemp(prefix="stride-auth-")
+    remove_orphaned_auth_folders()
+    folder = tempfile.mkdtemp(prefix=AUTH_PREFIX)  # 0700
     # Registered before ray.init's own exit handler, so it runs after Ray has shut down (atexit is last-in first-out).
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    # Who made it, so that the next start can tell a folder whose driver was killed (atexit never ran) from a live one.
+    _write_private(Path(folder) / AUTH_OWNER, f"{os.getpid()} {process_start(os.getpid())}")
     path = Path(folder) / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    _write_private(path, secrets.token_hex(32))
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+
+
+AUTH_PREFIX, AUTH_OWNER = "stride-auth-", "owner"
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def process_start(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names one process even
+    after the pid is reused. None when no such process is alive."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def remove_orphaned_auth_folders(tmp: str | None = None) -> list[Path]:
+    """Remove the embedded-Ray token folders of this user whose creating process is dead (a SIGKILLed driver never
+    runs its exit handlers). A folder of a live process, of another user, a link, or one without a readable owner
+    record (an older Stride's, or one being created this instant) is left alone. Returns the folders removed."""
+    import shutil
+    import stat
+    import tempfile
+
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob(f"{AUTH_PREFIX}*"):
+        try:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(folder / AUTH_OWNER, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as f:
+                pid, start = f.read(100).split()
+        except (OSError, ValueError):
+            continue
+        if pid.isdigit() and process_start(int(pid)) != start:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def _ignore_ray_data_shutdown_race() -> None:
@@ -130,11 +174,30 @@ def init_ray(log_to_driver: bool = True) -> bool:
     # (exit 2) instead of oversubscribing the cores.
     ctx = ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
              logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
+    _start_watchdog(ctx.address_info["session_dir"])
     _propagate_address()
     if ctx.dashboard_url:
         # stderr: stdout of tools that embed Ray this way (the doctor's table or JSON) stays theirs alone.
         print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", file=sys.stderr, flush=True)
     return True
+
+
+_watchdogs: list = []  # the embedded Rays' watchdogs, and the pipe ends whose closing (this process's end) wakes them
+
+
+def _start_watchdog(session_dir: str) -> None:
+    """ray_cluster/watchdog.py: when this process dies, even by SIGKILL, it kills every process of the Ray session it
+    started (Ray ties only the GCS, raylet and dashboard to this process) and removes the token folder."""
+    import subprocess
+
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+    token_dir = str(Path(token).parent) if Path(token).parent.name.startswith(AUTH_PREFIX) else ""
+    read_end, write_end = os.pipe()  # both close-on-exec: no process this one starts holds the write end
+    watchdog = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("watchdog.py")), session_dir,
+                                 *([token_dir] if token_dir else [])], stdin=read_end, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # outlives a group kill
+    os.close(read_end)
+    _watchdogs.append((watchdog, write_end))
 
 
 def resolve_scaling(cfg) -> tuple[int, bool, dict]:

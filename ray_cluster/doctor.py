@@ -39,6 +39,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from stride.cli import ArgumentParser
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ALL = "all"  # the node column of checks that span the whole gang
 
@@ -602,11 +604,6 @@ def run_preflight(num_workers: int, use_gpu: bool | str, storage_path: str, cpus
 
 # ---- command line ---------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints the usage too)
-        self.exit(EXIT_USAGE, f"doctor: error: {message}; see python -m stride.ray_cluster.doctor --help\n")
-
-
 def _workers(text: str) -> int | str:
     if text == "auto":
         return text
@@ -641,7 +638,7 @@ def _use_gpu(text: str) -> bool | str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m stride.ray_cluster.doctor",
+    ap = ArgumentParser(prog="python -m stride.ray_cluster.doctor",
                  description="Place the worker gang a training run would and check nodes, GPUs, versions, GEMM, "
                              "all-reduce bandwidth and storage. Exit 0 all pass, 1 a check failed, 2 usage error.")
     ap.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")

@@ -25,7 +25,6 @@ add_node(head, temp_dir, num_cpus) and stop_node(temp_dir) for a worker node on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -37,6 +36,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from stride.cli import ArgumentParser
 from stride.ray_cluster import node
 
 DEFAULT_TEMP_DIR = Path("/tmp/stride-ray")
@@ -248,7 +248,7 @@ def stop_head(head: Head) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stride.ray_cluster.local", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m stride.ray_cluster.local", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a head with token auth")
     start.add_argument("--port", type=int, default=6379, help="GCS port (RAY_ADDRESS)")

@@ -228,13 +228,16 @@ def stop(state_dir: Path, grace_s: float = 5.0) -> list[int]:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("start", "stop", "status"):
-        print(__doc__, file=sys.stderr)
+        # One line, as every Stride command's usage errors (stride/cli.py; this file runs without Stride).
+        print(f"node.py: error: expected start|stop|status STATE_DIR, got {' '.join(argv)[:200]!r}; "
+              f"see the top of {__file__}", file=sys.stderr)
         return 2
     cmd, state_dir = argv[0], Path(os.path.expanduser(argv[1]))
     try:
         if cmd == "start":
             if argv[2:3] != ["--"] or len(argv) < 4:
-                print("usage: node.py start STATE_DIR -- ray start ...", file=sys.stderr)
+                print("node.py: error: start needs STATE_DIR -- ray start ...; see the top of " + __file__,
+                      file=sys.stderr)
                 return 2
             start(state_dir, argv[3:])
         elif cmd == "stop":

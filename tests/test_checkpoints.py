@@ -75,7 +75,8 @@ def test_a_failed_write_is_retried_then_names_the_folder(tmp_path, monkeypatch):
     assert len(calls) == 3 and checkpointing.verify(tmp_path / "ok") is None
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     writer.save(tmp_path / "broken", {"model": {"w": torch.ones(2)}}, {"step": 2})
-    with pytest.raises(checkpointing.CheckpointWriteError, match=r"broken failed 4 times \(disk full\)"):
+    with pytest.raises(checkpointing.CheckpointWriteError,
+                       match=r"checkpoint broken could not be written \(disk full; failed 4 times\)"):
         writer.wait()
     assert not (tmp_path / "broken" / checkpointing.META).exists()
 

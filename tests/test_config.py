@@ -155,3 +155,91 @@ def test_configuration_reference_is_current():
         assert f"### `model.name: {task}`" in text
         for name in task_class(task).Config.model_fields:
             assert f"| `model.{name}` |" in text
+
+
+# ---- hostile YAML and out-of-range counts (issue 27): refused in one line, quickly, never a hang ---------------
+
+def _bomb_value(levels: int, width: int = 9) -> str:
+    """A "billion laughs" value: `levels` anchors, each a list of `width` aliases of the one before."""
+    anchors = ["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return "[" + ", ".join(anchors) + "]"
+
+
+def _alias_bomb(levels: int) -> str:
+    return f"data:\n  feature_columns: {_bomb_value(levels)}\n"
+
+
+def test_yaml_with_a_byte_order_mark_loads(tmp_path):
+    p = tmp_path / "bom.yaml"
+    p.write_bytes(b"\xef\xbb\xbftrain: {max_steps: 7}\n")
+    assert load_config(p).train.max_steps == 7
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("train:\n  max_steps: 10\n  max_steps: 20\n")
+    with pytest.raises(ConfigError, match=r"line 3.*key 'max_steps' appears twice in one mapping \(first at line 2\)"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="key 'a' appears twice"):
+        load_config(None, ["model.hidden_sizes={a: 1, a: 2}"])
+    # A merge key (<<) overrides by design: not a duplicate.
+    p.write_text("optim: {<<: {lr: 0.1}, lr: 0.2}\n")
+    assert load_config(p).optim.lr == 0.2
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    p = tmp_path / "bomb.yaml"
+    p.write_text(_alias_bomb(9))  # 9^9 = 387 million values from 300 bytes
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"aliases expand to more than 1000000 values"):
+        load_config(p)
+    assert time.perf_counter() - t0 < 2
+    with pytest.raises(ConfigError, match="aliases expand to more than"):
+        load_config(None, ["data.feature_columns=" + _bomb_value(9)])
+    p.write_text("data: {feature_columns: &x [*x]}\n")
+    with pytest.raises(ConfigError, match="an alias refers to a node that contains it"):
+        load_config(p)
+
+
+def test_a_smaller_bomb_is_quoted_in_at_most_200_characters(tmp_path):
+    p = tmp_path / "small.yaml"
+    p.write_text(_alias_bomb(5))  # 66k values: under the limit, over 600 kB as text
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    line = str(e.value)
+    assert line.startswith("data.feature_columns (") and "characters)" in line and len(line) < 600, line[:1000]
+
+
+@pytest.mark.parametrize("override, bound", [
+    ("train.max_steps=1000000000000000000000000000000", "train.max_steps (1000000000000000000000000000000) must be less than or equal to 1000000000"),
+    ("train.epochs=1e7", "train.epochs"), ("train.eval_every_steps=10000000000", "train.eval_every_steps"),
+    ("train.log_every_steps=10000000000", "train.log_every_steps"), ("checkpoint.every_steps=10000000000", "checkpoint.every_steps"),
+    ("optim.warmup_steps=10000000000", "optim.warmup_steps"), ("train.max_nonfinite_steps=10000000000", "train.max_nonfinite_steps"),
+    ("train.profile_steps=[1,10000000000]", "train.profile_steps"),
+])
+def test_step_and_epoch_counts_have_an_upper_bound(override, bound):
+    with pytest.raises(ConfigError, match=r"^" + __import__("re").escape(bound)):
+        load_config(None, [override])
+    load_config(None, [override.split("=")[0] + "=" + ("[1,1000000000]" if "profile" in override else "1000000")])
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "https://mlflow.example.com", "file:///tmp/mlruns", "/tmp/mlruns",
+                                 "mlruns", "databricks", "databricks://profile", "sqlite:///mlflow.db",
+                                 "postgresql+psycopg2://u:p@h/db", "mysql://h/db", "mssql+pyodbc://h/db"])
+def test_mlflow_uris_mlflow_accepts_are_accepted(uri):
+    assert load_config(None, [f"tracking.mlflow_uri={uri}"]).tracking.mlflow_uri == uri
+
+
+def test_an_mlflow_uri_of_an_unknown_scheme_is_refused_without_its_password():
+    with pytest.raises(ConfigError, match=r"^tracking.mlflow_uri \('foo://u:\*\*\*@bar'\) has scheme foo://") as e:
+        load_config(None, ["tracking.mlflow_uri=foo://u:secret@bar"])
+    assert "secret" not in str(e.value)
+
+
+def test_a_symlink_loop_storage_path_is_refused(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"^run.storage_path \(.*/a/runs'\) is a loop of symbolic links"):
+        load_config(None, [f"run.storage_path={tmp_path}/a/runs"])

@@ -157,12 +157,17 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
     assert len(calls) == 6
 
     def broken(self, plan, planner):
+        calls.append(self.path)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    calls.clear()
     capsys.readouterr()
     assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 1
-    assert re.search(r"checkpoint_00000030 failed 4 times \(\[Errno 28\] No space left", _error_line(capsys))
+    # A full disk is not retried (it stays full): one attempt, and the line says what the rerun resumes from.
+    assert re.search(r"checkpoint checkpoint_00000030 could not be written \(No space left on device\); the last "
+                     r"complete checkpoint is \S+/r/checkpoint_00000020: free space and rerun", _error_line(capsys))
+    assert len(calls) == 1
     # The checkpoints written before are still there and intact.
     assert all(checkpointing.verify(c) is None for c in complete_checkpoints(tmp_path / "r"))
 

@@ -212,45 +212,6 @@ def test_outcome_best_and_exit_codes():
     assert outcome(trials[:2], expected=3)[1] is False  # trials not even created yet
 
 
-def test_a_truncated_train_snapshot_is_repaired(tmp_path):
-    # Ray Train rewrites checkpoint_manager_snapshot.json in place; a sweep killed mid-write leaves it empty and
-    # the trial could never start again.
-    from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
-
-    good = json.dumps({"ray_version": "2.60.0", "checkpoint_results": []})
-    (tmp_path / SNAPSHOT).write_text(good)
-    assert repair_snapshot(tmp_path) is None and (tmp_path / SNAPSHOT).read_text() == good
-    (tmp_path / SNAPSHOT_COPY).write_text(good)
-    (tmp_path / SNAPSHOT).write_text("")
-    assert "restored" in repair_snapshot(tmp_path) and (tmp_path / SNAPSHOT).read_text() == good
-    (tmp_path / SNAPSHOT_COPY).unlink()
-    (tmp_path / SNAPSHOT).write_text('{"ray_vers')
-    assert "starts over" in repair_snapshot(tmp_path)
-    assert not (tmp_path / SNAPSHOT).exists() and list(tmp_path.glob(f"{SNAPSHOT}.unreadable-*"))
-
-
-def test_a_repair_never_restores_a_copy_that_names_a_deleted_checkpoint(tmp_path):
-    """The copy lags Ray by one checkpoint, and Ray may have deleted the oldest checkpoint it names by the time the
-    sweep is killed (seen in CI): Ray Train would then refuse the run folder for good. The newer copy a kill left
-    complete but not renamed is used instead; with neither usable, the trial starts over."""
-    from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
-
-    def snapshot(*steps):
-        return json.dumps({"ray_version": "2.60.0",
-                           "checkpoint_results": [{"checkpoint_dir_name": f"checkpoint_{s:08d}"} for s in steps]})
-
-    for s in (20, 30):
-        (tmp_path / f"checkpoint_{s:08d}").mkdir()
-    (tmp_path / SNAPSHOT_COPY).write_text(snapshot(10, 20))  # checkpoint 10 is gone
-    (tmp_path / f".{SNAPSHOT_COPY}.tmp").write_text(snapshot(20, 30))
-    (tmp_path / SNAPSHOT).write_text("")
-    assert "restored" in repair_snapshot(tmp_path) and (tmp_path / SNAPSHOT).read_text() == snapshot(20, 30)
-
-    (tmp_path / f".{SNAPSHOT_COPY}.tmp").write_text(snapshot(20, 30)[:-5])  # killed while writing the newer copy
-    (tmp_path / SNAPSHOT).write_text("")
-    assert "starts over" in repair_snapshot(tmp_path)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 2. the cluster's resources: trials at once, and the worker gangs refused (functions of what Ray reports)
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,19 +18,25 @@ rank 0) still load, through torch.load(weights_only=True).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
 import pickle
+import shutil
+import stat
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from stride.trainers import runfolder
 
 STATE = "state.pt"  # the earlier format's single file
 META = "meta.json"
@@ -38,34 +44,67 @@ DCP_METADATA = ".metadata"
 log = logging.getLogger("stride")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+# Written here first (trainers/runfolder.py: never through a link); tune/, the driver and the sinks import them from
+# this module.
+from stride.trainers.runfolder import RunFolderError, atomic_write_bytes, atomic_write_text  # noqa: E402, F401
 
 
 class CheckpointWriteError(RuntimeError):
-    """Storage stayed broken through every retry; the message names the path."""
+    """Storage stayed broken through every retry, or failed in a way no retry mends. `reason`: what the storage said;
+    the message: the one line for the user (the checkpoint that failed, the last complete one, what to do)."""
+
+    def __init__(self, message: str, reason: str = "", errno: int | None = None):
+        super().__init__(message)
+        self.reason, self.errno = reason or message, errno
+
+
+# A full disk, a quota or a read-only mount stays so for minutes or until a person acts: retrying only delays the
+# one line that tells them, and fills the log with warnings.
+PERSISTENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def persistent_storage_error(e: BaseException) -> OSError | None:
+    """The OSError of a persistent storage condition behind `e` (DCP's per-rank failures, and the exception chain:
+    torch's serializer reports a short write as a RuntimeError whose context is the OSError), else None."""
+    for err in _errors(e):
+        seen = set()
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            if isinstance(err, OSError) and err.errno in PERSISTENT_ERRNOS:
+                return err
+            err = err.__cause__ or err.__context__
+    return None
+
+
+def out_of_space(where: str | Path) -> OSError | None:
+    """ENOSPC when the filesystem of `where` has (almost) no space left. torch's serializer can report a short write
+    as a bare RuntimeError ("unexpected pos"), the errno lost: the filesystem itself is then the witness."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if st.f_bavail * st.f_frsize < 1 << 20 else None
 
 
 def with_retries(fn, where: str, attempts: int = 4, first_wait_s: float = 0.5, errors: tuple = (OSError,)):
     """Run fn(); on OSError (or `errors`) wait and try again (0.5 s, 1 s, 2 s): transient storage errors (an NFS
-    hiccup, an object store's 503) must not end a run. Raises CheckpointWriteError naming `where` when all attempts
-    fail."""
+    hiccup, an object store's 503) must not end a run. A persistent one (no space, quota, read-only) fails at once.
+    Raises CheckpointWriteError naming `where` when all attempts fail."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except errors as e:
+            if persistent := persistent_storage_error(e) or out_of_space(where):
+                reason = persistent.strerror or _reason(persistent)
+                raise CheckpointWriteError(f"writing checkpoint to {where} failed ({reason})", reason,
+                                           persistent.errno) from None
             if attempt == attempts:
+                reason = f"{_reason(e)}; failed {attempts} times"
                 raise CheckpointWriteError(f"writing checkpoint to {where} failed {attempts} times ({_reason(e)}); "
-                                           f"check that run.storage_path is writable and has space") from None
+                                           f"check that run.storage_path is writable and has space", reason) from None
             wait = first_wait_s * 2 ** (attempt - 1)
             log.warning("writing checkpoint to %s failed (%s); retry %d/%d in %.1fs", where, _reason(e), attempt,
                         attempts - 1, wait)
@@ -92,13 +131,15 @@ class CheckpointWriter:
     `wait` in the same order. `process_group`: a group of its own (gloo), so that the writer's collectives never
     interleave with training's; None without torch.distributed (one process)."""
 
-    def __init__(self, rank: int, process_group=None, written: Callable[[Path, float], Any] | None = None):
+    def __init__(self, rank: int, process_group=None, written: Callable[[Path, float], Any] | None = None,
+                 fence: Callable[[], None] = lambda: None):
         # DCP's modules take about 0.3 s to import: here, at setup, not inside the first checkpoint's blocking time.
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.staging  # noqa: F401
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
         self.rank, self.process_group, self.written = rank, process_group, written
+        self.fence = fence  # raises when this run no longer holds its run folder (trainers/runlock.py)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stride-checkpoint")
         self._pending: Future | None = None
 
@@ -108,8 +149,10 @@ class CheckpointWriter:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.wait()  # at most one in flight: a second would hold a second copy of the state
-        if self.rank == 0:  # a torn folder of the same step (a killed run) is overwritten: unmark it first
-            (Path(folder) / META).unlink(missing_ok=True)
+        if self.rank == 0:
+            # Before staging, so before this save's collective plan step: no other rank writes into `folder` until
+            # rank 0 is past that step, and so past this.
+            fresh_folder(Path(folder))
         staged = DefaultStager(StagingOptions(False, False, False, False)).stage(state)
         self._pending = self._pool.submit(self._write, Path(folder), staged, meta)
         return self._pending
@@ -128,18 +171,103 @@ class CheckpointWriter:
 
         t0 = time.perf_counter()
         def save() -> None:
-            with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.save(staged, storage_writer=dcp.FileSystemWriter(folder), process_group=self.process_group,
-                         no_dist=self.process_group is None)
+            self.fence()
+            writer = dcp.FileSystemWriter(folder)
+            writer.fs = _no_follow_fs()
+            try:
+                with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.save(staged, storage_writer=writer, process_group=self.process_group,
+                             no_dist=self.process_group is None)
+            except CheckpointException as e:  # a link planted in the folder: the user's to fix, no retry mends it
+                if link := next((err for err in _errors(e) if isinstance(err, RunFolderError)), None):
+                    raise link from None
+                raise
 
-        # A failed write fails on every rank (DCP gathers each rank's result), so every rank retries it together.
-        with_retries(save, str(folder), errors=(OSError, CheckpointException))
-        if self.rank == 0:
-            with_retries(lambda: write_marker(folder, meta), str(folder))
-            if self.written is not None:
-                self.written(folder, time.perf_counter() - t0)
+        try:
+            # A failed write fails on every rank (DCP gathers each rank's result), so every rank retries it together.
+            with_retries(save, str(folder), errors=(OSError, CheckpointException))
+            if self.rank == 0:
+                with_retries(lambda: (self.fence(), write_marker(folder, meta)), str(folder))
+        except CheckpointWriteError as e:
+            if self.rank == 0:
+                # Unmarked, the folder is never resumed from; its bytes would only take the space that the run's
+                # failure record (summary, Ray's checkpoint list) still needs. Every rank is done with it: DCP's
+                # save returns on all ranks together.
+                shutil.rmtree(folder, ignore_errors=True)
+            line = storage_failure_line(f"checkpoint {folder.name}", folder.parent, e.reason, e.errno)
+            raise CheckpointWriteError(line, e.reason, e.errno) from None
+        if self.rank == 0 and self.written is not None:
+            self.written(folder, time.perf_counter() - t0)
         return folder
+
+
+def storage_failure_line(what: str, run_dir: Path, reason: str, errno_: int | None = None) -> str:
+    """The one line a run ends with when the storage refused `what`: what failed, why, and what the rerun resumes
+    from (the same command resumes; nothing to clean up by hand)."""
+    last = newest_complete(run_dir)
+    fix = ("free space" if errno_ in (errno.ENOSPC, errno.EDQUOT)
+           else f"make run.storage_path ({Path(run_dir).parent}) writable, with space to spare,")
+    then = (f"the last complete checkpoint is {last}: {fix} and rerun to resume from it" if last
+            else f"no checkpoint of this run is complete: {fix} and rerun to start it over")
+    return f"{what} could not be written ({reason}); {then}"
+
+
+def fresh_folder(folder: Path) -> None:
+    """An empty `folder` that Stride created, for a checkpoint's files. A folder of that name left by a killed run
+    (torn, or an older complete one of the same step) is removed first, so that every file DCP writes is new; but a
+    symlinked folder, or one holding a symlink, is someone else's: refused (RunFolderError), never written into or
+    removed. (shutil.rmtree removes links without following them; the walk is there to say so, not to rely on it.)"""
+    st = runfolder.lstat_or_none(folder)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise runfolder.refused(folder, runfolder.kind(st.st_mode))
+    if st is not None:
+        for parent, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                if os.path.islink(os.path.join(parent, name)):
+                    raise runfolder.refused(Path(parent) / name, "a symlink")
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    runfolder.make_folder(folder)
+
+
+def _no_follow_fs():
+    """DCP's FileSystem, creating every file new (O_EXCL) and never through a link (O_NOFOLLOW), and reading only
+    regular files (trainers/runfolder.py). Built on use, as DCP's modules are imported (0.3 s) only then."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class NoFollowFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode: str):
+            path = Path(path)
+            if mode == "rb":
+                fd = runfolder.open_regular(path)
+            else:
+                assert mode == "wb", mode
+                fd = _create_replacing_leftover(path)
+            with os.fdopen(fd, mode) as stream:
+                yield stream
+
+        def rename(self, path, new_path) -> None:
+            runfolder.refuse_link(Path(new_path))
+            os.replace(path, new_path)
+
+        def mkdir(self, path) -> None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            runfolder.make_folder(Path(path))
+
+    return NoFollowFileSystem()
+
+
+def _create_replacing_leftover(path: Path) -> int:
+    """A new file at `path`. A regular file already there is this folder's own, from an attempt that failed
+    (with_retries runs DCP's save again): unlinked, then created anew. A symlink there is refused
+    (runfolder.create_new)."""
+    try:
+        return runfolder.create_new(path)
+    except FileExistsError:
+        path.unlink()
+        return runfolder.create_new(path)
 
 
 def checkpoint_folder(run_dir: Path, step: int) -> Path:
@@ -149,49 +277,151 @@ def checkpoint_folder(run_dir: Path, step: int) -> Path:
 
 def write_marker(folder: Path, meta: dict[str, Any]) -> None:
     """meta.json, with the size and sha256 of every other file in `folder`: written last, it marks the checkpoint
-    complete."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != META and not p.name.endswith(".tmp")}
+    complete. Only regular files are listed and hashed; a link that appeared in the folder is refused, not read."""
+    files = {}
+    for p in sorted(Path(folder).iterdir()):
+        if p.name == META or p.name.endswith(".tmp"):
+            continue
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            raise runfolder.refused(p, "a symlink")
+        if stat.S_ISREG(st.st_mode):
+            files[p.name] = {"bytes": st.st_size, "sha256": _sha256(p)}
     atomic_write_text(Path(folder) / META, json.dumps(dict(meta, format="dcp", files=files), indent=1))
 
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(runfolder.open_regular(path), "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / META).read_text())
+    """meta.json, checked against its schema (runfolder.CheckpointMeta). Raises ValueError (not JSON, a field of the
+    wrong type: runfolder.SchemaError), OSError, or RunFolderError (not a regular file)."""
+    path = Path(folder) / META
+    return runfolder.validated(runfolder.CheckpointMeta, runfolder.read_json(path), path)
 
 
 def is_sharded(folder: Path) -> bool:
     """A DCP checkpoint (this format), not the earlier single state.pt."""
-    return (Path(folder) / DCP_METADATA).exists() or not (Path(folder) / STATE).exists()
+    return os.path.lexists(Path(folder) / DCP_METADATA) or not os.path.lexists(Path(folder) / STATE)
 
 
 def verify(folder: Path) -> str | None:
-    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    """None when the checkpoint is complete, intact and contained, else what is wrong with it. Whoever can write the
+    run folder can write meta.json too, so beyond the digests: meta.json's fields have their types
+    (runfolder.CheckpointMeta); every file it lists is a regular file of this folder, checked with lstat before it
+    is opened (a FIFO never hangs, a device is never read); DCP's `.metadata` names only those files; and its bytes
+    items (the optimizer's hyperparameters) unpickle as plain values. Never raises for what it finds on disk."""
     folder = Path(folder)
+    st = runfolder.lstat_or_none(folder)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return "not a folder" if st is None or not stat.S_ISLNK(st.st_mode) else "a symlink, not followed"
     try:
         meta = read_meta(folder)
-    except (OSError, ValueError) as e:
-        return f"no readable {META} ({e.__class__.__name__})"
-    if "files" not in meta:  # the earlier format: state.pt and its digest
-        meta = dict(meta, files={STATE: {"bytes": meta.get("state_bytes"), "sha256": meta.get("state_sha256")}})
-    if not isinstance(meta["files"], dict) or not meta["files"]:
+    except runfolder.SchemaError as e:
+        return f"{META} is not what Stride writes: {e.problem}"
+    except (OSError, ValueError, RunFolderError) as e:
+        return _unreadable(folder / META, e)
+    files = meta.get("files")
+    if files is None:  # the earlier format: state.pt and its digest
+        files = {STATE: {"bytes": meta["state_bytes"], "sha256": meta["state_sha256"]}}
+    if not files:
         return f"{META} lists no files"
-    for name, want in meta["files"].items():
-        path = folder / name
-        if Path(name).name != name or not isinstance(want, dict):
+    for name, want in files.items():
+        if not _plain_name(name):
             return f"{META} lists an unexpected entry {name!r}"
+        if problem := _file_problem(folder / name, want):
+            return problem
+    if DCP_METADATA in files or is_sharded(folder):
+        return _dcp_problem(folder, files)
+    return None
+
+
+def _unreadable(path: Path, e: BaseException) -> str:
+    st = runfolder.lstat_or_none(path) if isinstance(e, RunFolderError) else None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is {runfolder.kind(st.st_mode)}, not a regular file (not read)"
+    return f"no readable {path.name} ({e.__class__.__name__})"
+
+
+def _plain_name(name: str) -> bool:
+    """A file directly inside the checkpoint folder: no separator, not `.` or `..`."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
+
+
+def _file_problem(path: Path, want: dict[str, Any]) -> str | None:
+    st = runfolder.lstat_or_none(path)
+    if st is None:
+        return f"no readable {path.name} (FileNotFoundError)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is {runfolder.kind(st.st_mode)}, not a regular file (not read)"
+    try:
+        if st.st_size != want["bytes"] or _sha256(path) != want["sha256"]:
+            return f"{path.name} does not match the digest in {META} (torn or corrupted write)"
+    except (OSError, RunFolderError) as e:
+        return f"no readable {path.name} ({e.__class__.__name__})"
+    return None
+
+
+def _dcp_problem(folder: Path, files: dict[str, Any]) -> str | None:
+    """What keeps DCP's files from loading safely: `.metadata` unlisted, refused by the allow-list, naming a file
+    outside `files`, or a bytes item that holds more than plain values."""
+    if DCP_METADATA not in files:
+        return f"{META} does not list {DCP_METADATA}"
+    try:
+        metadata = _read_dcp_metadata(folder / DCP_METADATA)
+        if problem := _storage_problem(metadata, files):
+            return problem
+        return _bytes_items_problem(folder, metadata)
+    except UnsafeCheckpointError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a pickle from a shared folder can fail in any way; it is only unusable
+        return f"no readable {DCP_METADATA} ({e.__class__.__name__})"
+
+
+def _storage_problem(metadata, files: dict[str, Any] | None) -> str | None:
+    """Every storage item DCP would read is a slice of a plain file name of this folder (in `files`, meta.json's
+    list, when given), with no stream transform (Stride writes none, and a transform's bytes are not what the
+    checks here read)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        return f"{DCP_METADATA} is not DCP's metadata"
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            return f"{DCP_METADATA} holds a storage entry that is not DCP's"
+        name = info.relative_path
+        if not _plain_name(name) or name == DCP_METADATA or (files is not None and name not in files):
+            return f"{DCP_METADATA} names {str(name)[:200]!r} for {index.fqn}, not a file of this checkpoint's {META}"
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)) \
+                or (files is not None and info.offset + info.length > files[name]["bytes"]):
+            return f"{DCP_METADATA} places {index.fqn} outside {name}"
+        if getattr(info, "transform_descriptors", None):
+            return f"{DCP_METADATA} gives {index.fqn} stream transforms, which Stride never writes"
+    return None
+
+
+def _bytes_items_problem(folder: Path, metadata) -> str | None:
+    """DCP's bytes items (the optimizer's hyperparameters) are torch.save'd values inside the .distcp files: each
+    must load with weights_only=True, as Stride's planner loads it, so that a pickle is found here, not in a worker."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        with os.fdopen(runfolder.open_regular(folder / info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
         try:
-            if path.stat().st_size != want.get("bytes") or _sha256(path) != want.get("sha256"):
-                return f"{name} does not match the digest in {META} (torn or corrupted write)"
-        except OSError as e:
-            return f"no readable {name} ({e.__class__.__name__})"
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refused(folder / info.relative_path, f"{index.fqn}: {_unpickler_reason(e)}") from None
     return None
 
 
@@ -224,18 +454,42 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
+def _unpickler_reason(e: pickle.UnpicklingError) -> str:
+    """torch.load(weights_only=True)'s refusal, without its long advice: the class it would not build."""
+    return str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+
+
+def _read_dcp_metadata(path: Path):
+    """A `.metadata` (a regular file) unpickled through the allow-list; UnsafeCheckpointError for another class, or
+    for a link, FIFO or device in its place."""
+    try:
+        with os.fdopen(runfolder.open_regular(path), "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise _refused(path, str(e)) from None
+    except RunFolderError as e:
+        raise UnsafeCheckpointError(str(e)) from None
+
+
 def _safe_reader(folder: Path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
+        """Reads `.metadata` through the allow-list and only regular files (no link, FIFO or device), and refuses
+        a `.metadata` that names a file outside the folder: verify() checked that too, but the folder may have
+        changed since (time of check, time of use)."""
+
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.fs = _no_follow_fs()
+
         def read_metadata(self, *args: Any, **kwargs: Any):
             path = Path(folder) / DCP_METADATA
-            try:
-                with open(path, "rb") as f:
-                    metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as e:
-                raise _refused(path, str(e)) from None
+            metadata = _read_dcp_metadata(path)
+            if problem := _storage_problem(metadata, None):
+                raise UnsafeCheckpointError(f"{path}: {problem}; it was not loaded. Move that checkpoint folder away "
+                                            f"if you did not write it, or use another run.name")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -256,8 +510,7 @@ def _safe_planner(folder: Path):
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise _refused(Path(folder), f"{read_item.dest_index.fqn}: "
-                               f"{str(e).split('WeightsUnpickler error:')[-1].strip().splitlines()[0][:200]}") from None
+                raise _refused(Path(folder), f"{read_item.dest_index.fqn}: {_unpickler_reason(e)}") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
@@ -283,9 +536,9 @@ def load_sharded(folder: Path, state: dict[str, Any], process_group=None) -> Non
             dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(folder),
                      process_group=process_group, no_dist=process_group is None)
     except CheckpointException as e:  # DCP wraps each rank's failure; a refused file is the user's to fix
-        refused = [err for err in _errors(e) if isinstance(err, UnsafeCheckpointError)]
+        refused = [err for err in _errors(e) if isinstance(err, (UnsafeCheckpointError, RunFolderError))]
         if refused:
-            raise refused[0] from None
+            raise UnsafeCheckpointError(str(refused[0])) from None
         raise
 
 
@@ -306,15 +559,12 @@ def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     if not is_sharded(folder):
         return load_state(folder / STATE)["model"]
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = dcp_metadata(folder).state_dict_metadata
     model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, storage_reader=_safe_reader(folder), planner=_safe_planner(folder), no_dist=True)
+    load_sharded(folder, {"model": model})
     return model
 
 
@@ -324,7 +574,7 @@ def load_state(path: Path, mmap: bool = False) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise _refused(path, str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]) from None
+        raise _refused(path, _unpickler_reason(e)) from None
 
 
 def load(folder: Path, mmap: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -352,22 +602,80 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> 
     line naming those newer than the folder returned."""
     candidates, bad = [], []
     for folder in Path(run_dir).glob("checkpoint_*"):
-        if not folder.is_dir() or folder.name.endswith(".tmp"):  # .tmp: torchrun's publish in progress
+        # lstat: a symlinked folder is listed as unusable (verify says why), never followed
+        if not (folder.is_dir() or folder.is_symlink()) or folder.name.endswith(".tmp"):  # .tmp: torchrun's publish
             continue
         try:
             candidates.append((read_meta(folder)["step"], folder))
-        except (OSError, ValueError, KeyError) as e:
-            bad.append((folder.stat().st_mtime, folder, f"no readable {META} ({e.__class__.__name__})"))
+        except runfolder.SchemaError as e:
+            bad.append((folder.lstat().st_mtime, folder, f"{META} is not what Stride writes: {e.problem}"))
+        except (OSError, ValueError, RunFolderError) as e:
+            bad.append((folder.lstat().st_mtime, folder, _unreadable(folder / META, e)))
     newest = None
     for _, folder in sorted(candidates, reverse=True):  # hash only down to the first intact one
         problem = verify(folder)
         if problem is None:
             newest = folder
             break
-        bad.append((folder.stat().st_mtime, folder, problem))
-    since = newest.stat().st_mtime if newest else float("-inf")
+        bad.append((folder.lstat().st_mtime, folder, problem))
+    since = newest.lstat().st_mtime if newest else float("-inf")
     skipped = [f"{folder.name} ({problem})" for mtime, folder, problem in sorted(bad) if mtime >= since]
     if skipped and warn is not None:
         warn(f"checkpoint {'; '.join(skipped)} is unusable; resuming from "
              f"{newest.name if newest else 'the start (no complete checkpoint)'} instead")
     return newest
+
+
+# ---- Ray Train's own list of a run's checkpoints: never a reason a rerun cannot start ----
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run folder
+SNAPSHOT_COPY = ".stride-last-good-snapshot.json"  # a sweep's copy of the last readable one (tune/trial.py)
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _text_or_empty(path: Path) -> str:
+    """A run folder's file as text, or "" when it is no regular file or unreadable (a FIFO never blocks here)."""
+    try:
+        return runfolder.read_bytes(path).decode(errors="replace")
+    except (OSError, ValueError, RunFolderError):
+        return ""
+
+
+def _usable_snapshot(run_dir: Path, text: str) -> bool:
+    """A snapshot Ray Train can start from: JSON, and every checkpoint it names still on disk."""
+    if not is_json(text):
+        return False
+    names = [c.get("checkpoint_dir_name") for c in json.loads(text).get("checkpoint_results", [])]
+    return all((run_dir / n).is_dir() for n in names if n)
+
+
+def repair_snapshot(run_dir: Path) -> str | None:
+    """Before a TorchTrainer starts on `run_dir` (the driver's, a sweep trial's): Ray Train rewrites its snapshot in
+    place, so a process killed during the write, or a full disk, leaves it empty or torn, and Ray then refuses the
+    run folder for good (CheckpointManagerInitializationError). An unreadable snapshot is replaced by the last good
+    copy, or, with no usable copy, moved aside (Ray starts a new list; Stride resumes from the newest complete
+    checkpoint either way, found on disk). Returns what was done, for the log, or None.
+
+    The copy lags Ray by one checkpoint, and Ray may already have deleted the oldest checkpoint it names: then the
+    newer copy a kill left complete but not yet renamed (atomic_write_text's temporary file) is the one to use."""
+    run_dir = Path(run_dir)
+    snap = run_dir / SNAPSHOT
+    if not snap.exists() or is_json(_text_or_empty(snap)):
+        return None
+    # atomic_write_text's temporary names are unique (runfolder.temp_name): the newest first.
+    kept = sorted(run_dir.glob(f".{SNAPSHOT_COPY}*.tmp"), key=lambda p: p.lstat().st_mtime, reverse=True)
+    for copy in (run_dir / SNAPSHOT_COPY, *kept):
+        if copy.exists() and _usable_snapshot(run_dir, text := _text_or_empty(copy)):
+            atomic_write_text(snap, text)
+            return f"{snap} was unreadable (Ray was stopped while writing it); restored the last good copy"
+    aside = run_dir / f"{SNAPSHOT}.unreadable-{int(time.time())}"
+    snap.rename(aside)
+    return (f"{snap} was unreadable (Ray was stopped while writing it) and no usable copy exists; moved it aside to "
+            f"{aside.name}")

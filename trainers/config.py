@@ -25,6 +25,26 @@ class ConfigError(ValueError):
     """A problem the user can fix; the message is the one line shown to them (exit code 2)."""
 
 
+# Upper bounds of step and epoch counts: far above any real run (a billion steps at 10 ms is four months), low
+# enough that a typo such as 10^30 is refused here, not discovered as an ETA of 10^27 s after resuming a run.
+MAX_STEPS = 10**9
+MAX_EPOCHS = 10**6
+# An error line quotes at most this much of a bad value: a value can be megabytes (a YAML alias expanded).
+MAX_QUOTED_CHARS = 200
+# YAML nodes a config may expand to, aliases counted each time they are used: a real config has hundreds; a
+# "billion laughs" document of a few hundred bytes has 10^9, and building it would hang the driver.
+MAX_YAML_NODES = 1_000_000
+# Tracking URI schemes MLflow's own stores take (a database URI may name its driver: postgresql+psycopg2);
+# a plugin's scheme (entry point group mlflow.tracking_store) is accepted too.
+MLFLOW_SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
+
+
+def quote(value: Any) -> str:
+    """repr(value) for an error line, cut to MAX_QUOTED_CHARS."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} characters)"
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
@@ -33,6 +53,7 @@ class RunSection(Section):
     name: str = Field("char_gpt", description="Run name; results, checkpoints and resume live under storage_path/name")
     storage_path: str = Field("./runs", description="Folder (shared by all nodes on a cluster) holding run folders")
     seed: int = Field(0, description="Seed of the data order, the weight init and each step's random streams (dropout, augmentation)")
+    lock_stale_s: float = Field(60.0, ge=1, le=3600, allow_inf_nan=False, description="A run holds its run folder's lock (stride.lock) and beats it every few seconds; a lock not beaten for this long is taken over by the next run, and the workers of a run whose driver stopped beating stop by themselves")
 
     @field_validator("name")
     @classmethod
@@ -53,6 +74,11 @@ class RunSection(Section):
         if "://" in v:
             raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "
                              "bucket (s3fs, gcsfuse) and use e.g. run.storage_path=/mnt/bucket/runs")
+        try:
+            Path(v).expanduser().resolve()  # Config.run_dir resolves it: a loop would be a traceback there
+        except RuntimeError:
+            raise ValueError("is a loop of symbolic links (a link that leads back to itself); point it at a real "
+                             "folder; use e.g. run.storage_path=./runs") from None
         return v
 
 
@@ -84,7 +110,7 @@ class OptimSection(Section):
     momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="SGD momentum")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
     reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
-    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps before cosine decay")
+    warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps before cosine decay")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr")
     grad_clip_norm: float | None = Field(1.0, allow_inf_nan=False, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
 
@@ -92,15 +118,15 @@ class OptimSection(Section):
 class TrainSection(Section):
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (null: use epochs)")
-    epochs: float | None = Field(1, allow_inf_nan=False, gt=0, description="Stop after this many epochs when max_steps is null")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps (null: use epochs)")
+    epochs: float | None = Field(1, allow_inf_nan=False, gt=0, le=MAX_EPOCHS, description="Stop after this many epochs when max_steps is null")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 on recent GPUs, fp16 on older GPUs, fp32 on CPU")
-    eval_every_steps: int | None = Field(200, ge=1, description="Validate every N optimizer steps (and always at the end)")
-    log_every_steps: int = Field(20, ge=1, description="Log, report and write metrics.jsonl every N optimizer steps")
+    eval_every_steps: int | None = Field(200, ge=1, le=MAX_STEPS, description="Validate every N optimizer steps (and always at the end)")
+    log_every_steps: int = Field(20, ge=1, le=MAX_STEPS, description="Log, report and write metrics.jsonl every N optimizer steps")
     deterministic: bool = Field(False, description="Use deterministic algorithms (bitwise repeatable on CPU)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
-    max_nonfinite_steps: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
+    max_nonfinite_steps: int = Field(5, ge=1, le=MAX_STEPS, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
     collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
@@ -115,8 +141,9 @@ class TrainSection(Section):
     @field_validator("profile_steps")
     @classmethod
     def _profile_range(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (len(v) != 2 or v[0] < 1 or v[1] < v[0]):
-            raise ValueError(f"must be [start, end] with 1 <= start <= end; use e.g. train.profile_steps=[10,12]")
+        if v is not None and (len(v) != 2 or v[0] < 1 or v[1] < v[0] or v[1] > MAX_STEPS):
+            raise ValueError(f"must be [start, end] with 1 <= start <= end <= {MAX_STEPS}; use e.g. "
+                             f"train.profile_steps=[10,12]")
         return v
 
     @model_validator(mode="after")
@@ -158,7 +185,7 @@ class ScalingSection(Section):
 
 
 class CheckpointSection(Section):
-    every_steps: int | None = Field(200, ge=1, description="Checkpoint every N optimizer steps (and always at the end)")
+    every_steps: int | None = Field(200, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and always at the end)")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on storage")
 
 
@@ -166,6 +193,22 @@ class TrackingSection(Section):
     mlflow: bool = Field(True, description="Record the run in MLflow (params, metrics, tags; rank 0)")
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
     experiment: str = Field("stride", description="MLflow experiment name")
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _a_tracking_store(cls, v: str | None) -> str | None:
+        # MLflow fails on an unknown scheme only when the first worker logs, with a hundred lines from each rank.
+        scheme = v.partition("://")[0].partition("+")[0].lower() if v and "://" in v else ""
+        if scheme and scheme not in MLFLOW_SCHEMES and scheme not in _mlflow_plugin_schemes():
+            raise ValueError(f"has scheme {scheme[:50]}://, which MLflow cannot track to; use an http(s):// server, a "
+                             f"folder, file://, databricks, or a database URI (sqlite:///mlflow.db, postgresql://...)")
+        return v
+
+
+def _mlflow_plugin_schemes() -> set[str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
 
 
 class Config(Section):
@@ -239,16 +282,84 @@ def _closest(word: str, options: list[str]) -> str:
 def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = None) -> None:
     for section, body in raw.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown section '{section}'; {_closest(section, list(SECTIONS))}")
+            raise ConfigError(f"{origin}: unknown section {quote(section)}; {_closest(str(section), list(SECTIONS))}")
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {body!r}")
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {quote(body)}")
         fields = list(section_class(section, full if full is not None else raw).model_fields)
         for key in body:
             if key not in fields:
                 where = f" for model.name {_task_name(full if full is not None else raw)}" if section == "model" else ""
-                raise ConfigError(f"{origin}: unknown key '{section}.{key}'{where}; {_closest(key, fields)}")
+                raise ConfigError(f"{origin}: unknown key {quote(f'{section}.{key}')}{where}; {_closest(str(key), fields)}")
+
+
+class RefusedYAML(yaml.YAMLError):
+    """YAML that parses but that a config must not be: a key twice, an alias bomb, a node that contains itself."""
+
+    def __init__(self, problem: str, fix: str, mark=None):
+        super().__init__(problem)
+        self.problem, self.fix, self.problem_mark = problem, fix, mark
+
+
+class _ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error (YAML requires unique keys;
+    PyYAML lets the last one win silently, so a setting the user sees in the file would not be the one used)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if first is not key_node.start_mark:
+                raise RefusedYAML(f"key {quote(key)} appears twice in one mapping (first at line {first.line + 1})",
+                                  "keep only the one you mean", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_nodes(node, memo: dict[int, int | None]) -> int:
+    """Nodes of `node` with every alias expanded, counted without expanding (memo: id -> count, None while its
+    children are being counted, which finds a node that contains itself)."""
+    if id(node) in memo:
+        if memo[id(node)] is None:
+            raise RefusedYAML("an alias refers to a node that contains it", "remove the alias", node.start_mark)
+        return memo[id(node)]
+    memo[id(node)] = None
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = []
+    memo[id(node)] = total = 1 + sum(_expanded_nodes(child, memo) for child in children)
+    if total > MAX_YAML_NODES:
+        raise RefusedYAML(f"its aliases expand to more than {MAX_YAML_NODES} values", "write the values out, or "
+                          "use fewer aliases (a config has hundreds of values)", node.start_mark)
+    return total
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load(text) for configs: refuses (RefusedYAML) duplicate keys and alias bombs, before building any
+    object. A UTF-8 byte-order mark at the start is skipped."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_nodes(node, {})
+        return loader.construct_document(node)
+    except RecursionError:
+        raise RefusedYAML("it nests deeper than Python can follow", "flatten it (a config nests a few levels)") from None
+    except ValueError as e:  # a scalar Python refuses to convert: an integer of more than 4300 digits
+        raise RefusedYAML(f"a value cannot be read ({' '.join(str(e).split())[:MAX_QUOTED_CHARS]})",
+                          "write a shorter value") from None
+    finally:
+        loader.dispose()
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -256,9 +367,11 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     key, sep, text = item.partition("=")
     section, dot, field = key.strip().partition(".")
     if not sep or not dot or not field:
-        raise ConfigError(f"override '{item}' must look like section.field=value, e.g. train.max_steps=100")
+        raise ConfigError(f"override {quote(item)} must look like section.field=value, e.g. train.max_steps=100")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml(text) if text.strip() else None
+    except RefusedYAML as e:
+        raise ConfigError(f"override {quote(item)}: its value is refused: {e.problem}; {e.fix}") from None
     except yaml.YAMLError:
         value = text
     return section, field, value
@@ -281,10 +394,13 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"--config ({path}) does not exist; pass a YAML file such as trainers/configs/char_gpt.yaml")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"--config ({path}) is not a text file (byte {e.start} is not UTF-8); pass a YAML file such "
                           f"as trainers/configs/char_gpt.yaml") from None
+    except RefusedYAML as e:
+        where = f", line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+        raise ConfigError(f"--config ({path}){where}: {e.problem}; {e.fix}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -318,6 +434,8 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: s
     value: Any = raw
     for part in loc:
         value = value.get(part) if isinstance(value, dict) else None
+    if key == "tracking.mlflow_uri" and isinstance(value, str):  # its password never reaches a log
+        value = redact(value)
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("literal_error",):
         msg = msg.replace("Input should be", "must be one of")
@@ -328,15 +446,15 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: s
     if msg.startswith(key):
         return msg
     if "; use " in msg:  # our own validators already say how to fix it
-        return f"{key} ({value!r}) {msg}"
+        return f"{key} ({quote(value)}) {msg}"
     field = section_class(loc[0], raw).model_fields.get(loc[1]) if len(loc) == 2 and loc[0] in SECTIONS else None
     hint = f" ({field.description})" if field is not None and field.description else ""
     if err["type"] in ("missing", "too_long") and field is not None and typing.get_origin(field.annotation) is tuple:
         # A tuple of the wrong length: pydantic names the missing item ("Field required"), not the length.
         n = len(typing.get_args(field.annotation))
         example = list(field.default) if isinstance(field.default, tuple) else "<value>"
-        return f"{key} ({value!r}) needs {n} values, not {len(value) if isinstance(value, list) else 1}; set {key}={example}{hint}"
-    return f"{key} ({value!r}) {msg}; set {key}=<value>{hint}"
+        return f"{key} ({quote(value)}) needs {n} values, not {len(value) if isinstance(value, list) else 1}; set {key}={example}{hint}"
+    return f"{key} ({quote(value)}) {msg}; set {key}=<value>{hint}"
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

@@ -4,7 +4,9 @@ and sweeps (tune/): the task and its data checks, the TorchTrainer, resume check
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,18 +23,33 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     summary goes beside it as summary.<status>.json. Returns the path written."""
     import json
 
+    from stride.trainers import runfolder
     from stride.trainers.checkpointing import atomic_write_text
 
     path = run_dir / "summary.json"
     if summary.get("status") != "completed":
-        try:
-            earlier = json.loads(path.read_text())
-        except (OSError, ValueError):
+        try:  # an earlier summary that is not what Stride writes counts as none
+            earlier = runfolder.read_summary(path)
+        except (OSError, ValueError, runfolder.RunFolderError):
             earlier = None
-        if isinstance(earlier, dict) and earlier.get("status") == "completed":
+        if earlier is not None and earlier.get("status") == "completed":
             path = run_dir / f"summary.{summary.get('status')}.json"
     atomic_write_text(path, json.dumps(summary, indent=1, default=str) + "\n")
     return path
+
+
+def record_summary(run_dir: Path, summary: dict) -> str:
+    """write_summary on storage that may refuse it (a full disk): a failed run keeps its own error line, and a
+    completed run whose record cannot be written becomes a failed one that says so. Returns where the summary went,
+    or why it went nowhere."""
+    try:
+        return str(write_summary(run_dir, summary))
+    except OSError as e:
+        if summary.get("status") == "completed":
+            fix = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make run.storage_path writable"
+            summary.update(status="failed", error=f"summary.json could not be written in {run_dir} ({e.strerror}); "
+                                                  f"{fix} and rerun: it ends at once from the final checkpoint")
+        return f"not written ({e.strerror})"
 
 
 def prepare(cfg: Config, num_workers: int | None = None):
@@ -66,9 +83,11 @@ def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) 
 def ensure_writable(folder: Path, key: str, value) -> Path:
     """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
     try:
+        from stride.trainers import runfolder
+
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
+        probe = runfolder.temp_name(folder / ".write-test")  # created new: never written through a planted link
+        os.close(runfolder.create_new(probe))
         probe.unlink()
     except OSError as e:
         raise UsageError(f"{key} ({value}) is not writable ({e.strerror}); set {key}=<a folder you can write>") from None
@@ -106,11 +125,19 @@ def choose_pipeline(cfg: Config, num_workers: int, use_gpu: bool, resources: dic
     return "ray_data", min(1.0, free / workers)
 
 
+def ray_train_metrics_for(run_name: str) -> None:
+    """Ray Train tags its own metrics with the run name, and Ray encodes tag values as ASCII: with a non-ASCII
+    run.name each record fails the run. Its metrics are switched off for such a run (the variable is read by fit() in
+    this process); Stride's own gauges encode the name instead (telemetry.tag_value)."""
+    if not run_name.isascii():
+        os.environ["RAY_TRAIN_METRICS_ENABLED"] = "0"
+
+
 def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progress_bar: bool = False,
                   callbacks=(), **plan_extra):
     """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, plan, gang):
     gang = (num_workers, use_gpu, the cluster's resources)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from stride.trainers.loop import plan_run
@@ -122,6 +149,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
     pipeline, data_cpus = choose_pipeline(cfg, num_workers, use_gpu, resources)
     plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, data_pipeline=pipeline, data_cpus_per_task=data_cpus,
                     **plan_extra)
+    ray_train_metrics_for(cfg.run.name)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "plan": plan},
@@ -136,21 +164,29 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
         run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
-                             callbacks=list(callbacks)),
+                             callbacks=list(callbacks),
+                             # A failed run ends in Stride's one line (summary "error"); Ray Train's tracebacks of
+                             # it (about 90 lines) go only to its session logs (logs/train/ray-train-sys-*.log) and
+                             # the summary's "error_detail", not to the console.
+                             logging_config=LoggingConfig(log_level="CRITICAL")),
         # No Ray datasets: each worker streams its rows of the split's row groups itself (datasets/stream.py), in
         # the order of datasets/order.py, which Ray Data's streaming_split cannot reproduce.
     )
     return trainer, plan, (num_workers, use_gpu, resources)
 
 
-def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_bar: bool) -> tuple[int, dict]:
+def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_bar: bool,
+                 **plan_extra) -> tuple[int, dict]:
     """Fit one run on the connected Ray cluster. Returns (exit code, rank 0's summary fields)."""
     import ray.train
+
+    from stride.trainers import checkpointing
 
     num_workers, use_gpu, _ = resolve_scaling(cfg)  # fail on impossible resources before reading any data
     if cfg.scaling.preflight:
         preflight(cfg, num_workers, use_gpu)
-    trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, progress_bar=progress_bar)
+    trainer, plan, (num_workers, use_gpu, res) = build_trainer(cfg, specs, facts, progress_bar=progress_bar,
+                                                               **plan_extra)
     workers = "{}-{}".format(*elastic(cfg)) if elastic(cfg) else num_workers
     print(f"stride: training {cfg.run.name} on {workers} {'GPU' if use_gpu else 'CPU'} "
           f"worker(s); cluster {res['CPU']:g} CPUs, {res['GPU']:g} GPUs, {res['nodes']} node(s); data pipeline "
@@ -158,10 +194,15 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     # Ray 2.60's fit() replaces the process's SIGINT handler with one that aborts the run at once, without
     # Stride's checkpoint: keep ours (Ctrl-C = checkpoint at the next step, exit 130; a second Ctrl-C stops now).
     trainer._register_sigint_handler = lambda controller: None
+    if repaired := checkpointing.repair_snapshot(cfg.run_dir):  # else Ray refuses the run folder before any step
+        print(f"stride: {repaired}", flush=True)
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        return EXIT_FAILED, {"status": "failed", "error": _error_line(e), "world_size": num_workers}
+        # Data a worker found unreadable (a damaged Parquet page) is the user's to fix, as the driver's checks are.
+        code = EXIT_USAGE if _worker_data_error(e) else EXIT_FAILED
+        return code, {"status": "failed", "error": _error_line(e, cfg.run_dir), "error_detail": str(e),
+                      "world_size": num_workers}
     summary = dict(result.return_value or {})
     summary.setdefault("status", "completed")
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
@@ -213,11 +254,28 @@ def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:
     print(f"stride: preflight passed ({len(rows)} checks in {time.perf_counter() - t0:.1f}s)", flush=True)
 
 
-def _error_line(e: BaseException) -> str:
-    text = str(e)
-    # Ray wraps the worker's exception; keep its last line ("ValueError: ...").
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else type(e).__name__
+def _worker_data_error(e: BaseException) -> bool:
+    """Whether a worker failed with DataError (Ray re-raises a worker's exception as an instance of its class)."""
+    from stride.datasets.parquet import DataError
+
+    return any(isinstance(f, DataError) for f in (getattr(e, "worker_failures", None) or {}).values())
+
+
+def _error_line(e: BaseException, run_dir: Path) -> str:
+    """The one line a run that Ray Train failed ends with."""
+    from stride.trainers import checkpointing
+
+    controller_failure = getattr(e, "controller_failure", None)
+    if controller_failure is not None and (full := checkpointing.persistent_storage_error(controller_failure)):
+        # Ray Train's controller records each checkpoint in the run folder (its snapshot): on a full disk that
+        # write fails first, while a worker's checkpoint is being written.
+        return checkpointing.storage_failure_line(f"Ray Train's {checkpointing.SNAPSHOT} in {run_dir}", run_dir,
+                                                  full.strerror or str(full), full.errno)
+    # Ray wraps the worker's exception; keep its last line ("ValueError: ..."), without the class path of Stride's
+    # own errors, whose message is the line.
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = lines[-1] if lines else type(e).__name__
+    return re.sub(r"^stride(\.\w+)+: ", "", line)[:500]
 
 
 def install_signal_handlers(run_dir: Path) -> list[int]:

@@ -11,12 +11,16 @@ file runs no code). Load them anywhere with
     model.load_state_dict(load_file("model.safetensors"))   # the task's build_model(), built-in or your own
 
 The optimizer state is not exported (resume from the checkpoint folder for that). The file's header metadata records
-the step, the model name and the checkpoint it came from. An existing output file is never overwritten unless --force.
+the step, the model name and the checkpoint it came from. An existing output file is never overwritten unless --force;
+a folder is never replaced.
+
+Export reads only tensors (through the checkpoint's allow-list) and meta.json: it imports no task, so no module a run
+folder names runs, and it needs neither --task nor --trust-remote-code (trainers/generate.py does). It does not put
+the working directory on sys.path either.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +30,12 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     import runpy
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
+if __name__ == "__main__":
+    from stride.cli import drop_working_directory_from_path
 
+    drop_working_directory_from_path()
+
+from stride.cli import ArgumentParser  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 
 EXIT_USAGE = 2
@@ -47,19 +56,25 @@ def resolve(folder: Path) -> Path:
             raise ExportError(f"checkpoint ({folder}) is a run folder without a complete checkpoint; train it first")
         return newest
     if problem := checkpointing.verify(folder):
-        raise ExportError(f"checkpoint ({folder}) is not complete ({problem}); pass a complete checkpoint folder, "
+        raise ExportError(f"checkpoint ({folder}) is unusable ({problem}); pass a complete checkpoint folder, "
                           f"or the run folder to take its newest complete one")
     return folder
 
 
 def export(checkpoint: Path, out: Path, force: bool = False) -> dict:
     """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    if out.is_dir():
+        raise ExportError(f"out ({out}) is a folder; pass a file path such as {out / 'model.safetensors'}")
     if out.exists() and not force:
         raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
     if not out.parent.is_dir():
         raise ExportError(f"out ({out}): folder {out.parent} does not exist; create it or pass another path")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ExportError(f"out ({out}): folder {out.parent} is not writable by you; pass a path in a folder you "
+                          f"can write")
     ckpt = resolve(checkpoint)
     try:
         weights = checkpointing.load_model_state(ckpt)
@@ -72,15 +87,20 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> dict:
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
               "checkpoint": str(ckpt.resolve())}
     tmp = out.with_name(f".{out.name}.tmp")
-    save_file(weights, str(tmp), metadata=header)
-    os.replace(tmp, out)  # a reader never sees half a file; a failed export leaves `out` as it was
+    try:
+        save_file(weights, str(tmp), metadata=header)
+        os.replace(tmp, out)  # a reader never sees half a file; a failed export leaves `out` as it was
+    except (OSError, SafetensorError) as e:  # safetensors reports an I/O error as its own SafetensorError
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"out ({out}) could not be written ({' '.join(str(e).split())[:200]}); pass a path in a "
+                          f"folder you can write, with room for the file") from None
     return {"checkpoint": str(ckpt), "out": str(out), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python trainers/export.py",
-                                 description="Consolidate a checkpoint's model weights into one safetensors file.")
+    ap = ArgumentParser(prog="python trainers/export.py",
+                        description="Consolidate a checkpoint's model weights into one safetensors file.")
     ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
     ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     ap.add_argument("--force", action="store_true", help="replace `out` if it exists")

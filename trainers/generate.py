@@ -6,12 +6,22 @@ Loads the run's final checkpoint (summary.json's `checkpoint`, else the newest c
 with the model settings and data facts recorded in summary.json, through the task's `generate`. The facts carry
 what decoding needs (char_gpt: the tokenizer of data from `prepare.py text --tokenizer bpe`, else bytes), so the
 run folder is enough: the data need not be there.
+
+A run of a built-in task (char_gpt, mlp) needs nothing more. A run of a task of your own names its module in
+summary.json (`model.name: my_task:MyTask`), and importing a module runs its code: a run folder on shared storage
+may have been written by someone else, so generate.py imports it only when you consent, either way:
+
+    PYTHONPATH=path/to/project python trainers/generate.py --run runs/my_run --task my_task:MyTask   # must match
+    PYTHONPATH=path/to/project python trainers/generate.py --run runs/my_run --trust-remote-code     # any module
+
+Without either it exits 2 before importing anything of the module. The module is found on PYTHONPATH only: neither
+the working directory nor the run folder's parent is put on sys.path (`python -m` puts the working directory
+there; generate.py takes it off).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,43 +29,86 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     import runpy
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
+if __name__ == "__main__":
+    from stride.cli import drop_working_directory_from_path
+
+    drop_working_directory_from_path()
 
 import torch  # noqa: E402
 
-from stride.trainers import checkpointing  # noqa: E402
+from stride.cli import ArgumentParser  # noqa: E402
+from stride.ray_cluster.connect import UsageError  # noqa: E402
+from stride.trainers import checkpointing, runfolder  # noqa: E402
 from stride.trainers.config import ConfigError, from_dict  # noqa: E402
-from stride.trainers.tasks import make_task  # noqa: E402
+from stride.trainers.tasks import consent, make_task, search_working_directory  # noqa: E402
 
 
 def find_checkpoint(run_dir: Path, summary: dict) -> Path | None:
+    """summary.json's `checkpoint`, else the newest complete checkpoint of `run_dir`. The one summary.json names is
+    named explicitly: it must be a checkpoint folder of `run_dir` that verifies, or it is refused (UsageError), never
+    loaded from elsewhere or skipped for another. One that exists nowhere (a run folder moved since) gives way to the
+    newest complete one."""
     named = summary.get("checkpoint")
-    if named and checkpointing.verify(Path(named)) is None:
+    if named and os.path.lexists(named):
+        if os.path.realpath(Path(named).parent) != os.path.realpath(run_dir):
+            raise UsageError(f"summary.json's checkpoint ({named[:200]}) lies outside --run ({run_dir}); pass the run "
+                             f"folder it belongs to")
+        if problem := checkpointing.verify(Path(named)):
+            raise UsageError(f"summary.json's checkpoint ({named[:200]}) is unusable: {problem}")
         return Path(named)
-    found = [p for p in run_dir.glob("checkpoint_*") if checkpointing.verify(p) is None]
-    return max(found, key=lambda p: checkpointing.read_meta(p)["step"]) if found else None
+    return checkpointing.newest_complete(run_dir)
+
+
+def _model_name(summary: dict, summary_path: Path) -> str:
+    name = summary
+    for key in ("config", "model", "name"):
+        name = name.get(key) if isinstance(name, dict) else None
+    if not isinstance(name, str):
+        raise ConfigError(f"{summary_path} has no string config.model.name ({str(name)[:200]}); pass the folder of a "
+                          f"finished run")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Sample text from a trained run (a task with generate, e.g. char_gpt).")
+    ap = ArgumentParser(prog="python trainers/generate.py",
+                        description="Sample text from a trained run (a task with generate, e.g. char_gpt).")
     ap.add_argument("--run", required=True, type=Path, help="run folder: <run.storage_path>/<run.name>")
     ap.add_argument("--prompt", default="def ")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", metavar="MODULE:CLASS",
+                    help="import this task of your own (found on PYTHONPATH); must be the run's model.name")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="import whatever task module the run's summary.json names (it runs that module's code)")
     args = ap.parse_args(argv)
     summary_path = args.run / "summary.json"
     if not summary_path.is_file():
         print(f"generate: error: --run ({args.run}) has no summary.json; pass a finished run folder such as runs/char_gpt",
               file=sys.stderr)
         return 2
-    summary = json.loads(summary_path.read_text())
     try:
+        summary = runfolder.read_summary(summary_path)
+    except runfolder.RunFolderError as e:
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"generate: error: --run ({args.run}): {summary_path.name} is not one Stride writes ({e}); pass the "
+              f"folder of a finished run", file=sys.stderr)
+        return 2
+    search_working_directory(False)
+    try:
+        consent(_model_name(summary, summary_path), args.task, args.trust_remote_code, str(summary_path))
         cfg = from_dict(summary["config"])
         task = make_task(cfg, summary.get("facts"))
     except ConfigError as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
-    ckpt = find_checkpoint(args.run, summary)
+    try:
+        ckpt = find_checkpoint(args.run, summary)
+    except UsageError as e:
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 2
     if ckpt is None:
         print(f"generate: error: --run ({args.run}) has no complete checkpoint; train it first", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from stride.datasets.order import Order
 from stride.datasets.parquet import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 from stride.trainers import blocks as trainer_blocks
-from stride.trainers import checkpointing, fsdp, telemetry
+from stride.trainers import checkpointing, fsdp, runlock, telemetry
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import MetricsFile, Sinks
@@ -78,6 +78,7 @@ class RunPlan:
     sample_log: str | None = None  # debugging aid: every rank logs the sample_ids it trains on (STRIDE_SAMPLE_LOG)
     data_pipeline: str = "thread"  # or "ray_data" (the driver's choice for data.pipeline)
     data_cpus_per_task: float = 1.0  # data.pipeline=ray_data: CPUs of each Ray Data task
+    run_lock_token: str | None = None  # the launcher's run lock (trainers/runlock.py); None: no lock, no fence
 
 
 def plan_run(cfg: Config, specs: dict[str, DataSpec], facts: dict[str, Any], **extra: Any) -> RunPlan:
@@ -162,6 +163,8 @@ class Trainer:
         self.checkpoint_metrics: dict[str, Any] = {}  # the figures the resumed checkpoint recorded
         self.task = make_task(cfg, plan.facts)
         self.state = TrainState()
+        # Checked before every checkpoint and metrics write: a worker whose run lost the folder never writes again.
+        self.fence = runlock.Fence(self.run_dir, plan.run_lock_token, cfg.run.lock_stale_s)
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
@@ -218,7 +221,8 @@ class Trainer:
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group,
-                                                     lambda folder, s: env.checkpoint_write_s.append(s))
+                                                     lambda folder, s: env.checkpoint_write_s.append(s),
+                                                     fence=self.fence.still_holds)
 
     def apply_block_settings(self, model: torch.nn.Module) -> None:
         """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""
@@ -306,6 +310,7 @@ class Trainer:
     def open_sinks(self) -> Sinks:
         tracker, metrics_file, bar = None, None, None
         if self.rank0:
+            self.fence.still_holds()  # opening metrics.jsonl trims it on resume
             resumed = self.checkpoint_dir is not None
             metrics_file = MetricsFile(self.run_dir / "metrics.jsonl", self.state.step if resumed else None)
             if self.plan.mlflow_uri:
@@ -401,6 +406,7 @@ class Trainer:
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+        self.fence.still_holds()  # save() clears a torn folder of this step on rank 0 before its background write
         return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step),
                                 {"model": model_state, "optim": optim_state}, meta)
 
@@ -486,6 +492,8 @@ class Trainer:
                 continue
             metrics: dict[str, Any] = {"step": s.step, "epoch": self.order.position(s.micro_step)[0],
                                        "samples_seen": s.samples_seen}
+            if self.rank0 and (due.log or due.eval):  # before metrics.jsonl and MLflow: one file read per log step
+                self.fence.still_holds()
             if due.log:
                 train, own = self.log_figures(result, clock, since)
                 since = (time.perf_counter(), s.samples_seen)

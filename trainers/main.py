@@ -28,17 +28,19 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
+from stride.cli import ArgumentParser  # noqa: E402
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
+from stride.trainers import runfolder, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
                                     public_dict, redact, to_yaml)
-from stride.trainers.driver import (EXIT_OK, EXIT_USAGE, check_resume, check_storage, install_signal_handlers,  # noqa: E402
-                                    prepare, train_on_ray, write_summary)
+from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, check_resume, check_storage,  # noqa: E402
+                                    install_signal_handlers, prepare, record_summary, train_on_ray)
 
 
 def parse_args(argv: list[str] | None):
     sections = "\n".join(f"  {name:<11} {', '.join(cls.model_fields)}" for name, cls in SECTIONS.items())
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python trainers/main.py",
         description="Train a model with Stride (Ray Train + Ray Data).",
         epilog=f"Overrides are section.field=value (values parsed as YAML). Sections and fields:\n{sections}\n\n"
@@ -69,17 +71,23 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
     t_start = time.time()
     task, specs = prepare(cfg)  # check the data before writing anything: a bad path leaves no run folder behind
     run_dir = check_storage(cfg)
-    check_resume(cfg, run_dir, task)
-    quiet_ray_env()
-    embedded = init_ray()
-    # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
-    signals = install_signal_handlers(run_dir)
-    code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar)
-    if signals and summary.get("status") in ("preempted", "interrupted"):
-        code = 128 + signals[-1]
-    summary.update(wall_s=time.time() - t_start, config=public_dict(cfg))
-    summary.setdefault("restarts", 0)
-    summary["summary_path"] = str(write_summary(run_dir, summary))
+    runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before anything is written
+    # Held from before the resume check to after the summary: nothing of this run touches the folder without it.
+    with runlock.acquire(run_dir, cfg.run.lock_stale_s, runlock.launcher_instance()) as lock:
+        check_resume(cfg, run_dir, task)
+        quiet_ray_env()
+        embedded = init_ray()
+        # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
+        signals = install_signal_handlers(run_dir)
+        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=lock.token)
+        if signals and summary.get("status") in ("preempted", "interrupted"):
+            code = 128 + signals[-1]
+        summary.update(wall_s=time.time() - t_start, config=public_dict(cfg))
+        summary.setdefault("restarts", 0)
+        if lock.held():  # a run that lost its folder to another run leaves that run's summary alone
+            summary["summary_path"] = record_summary(run_dir, summary)
+            if summary["status"] == "failed":  # a completed run whose summary the storage refused
+                code = code or EXIT_FAILED
     return code, summary, embedded
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stride.trainers import checkpointing
+from stride.trainers import checkpointing, runfolder
 
 log = logging.getLogger("stride")
 
@@ -89,12 +89,15 @@ def reseed(seed: int, rank: int, step: int, *stream: int) -> None:
     np.random.seed(s % 2**32)
 
 
-STOP_FILE = ".stride-stop"
+STOP_FILE = runfolder.STOP_FILE
 
 
 def clear_stop_request(run_dir: str | Path) -> None:
-    """A stale request from an earlier run must not stop this one: every launcher calls this before training."""
-    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+    """A stale request from an earlier run must not stop this one: every launcher calls this before training. Anyone
+    may write the file, so anything but a regular file there (a link, a FIFO) is refused (RunFolderError)."""
+    path = Path(run_dir) / STOP_FILE
+    if runfolder.refuse_unless_regular(path) is not None:
+        path.unlink(missing_ok=True)
 
 
 def request_stop(run_dir: str | Path, status: str, signum: int) -> None:
@@ -148,6 +151,7 @@ class StopRequest:
 
     def _request(self) -> dict[str, Any]:
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            request = runfolder.read_json(self.path)  # a regular file only: a FIFO planted here never blocks a rank
+        except (OSError, ValueError, runfolder.RunFolderError):
             return self.local or {}
+        return request if isinstance(request, dict) else self.local or {}

@@ -23,6 +23,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     # Ray logs one INFO line per report and per checkpoint (loggers named after their files); Stride's say more.
     train_context.logger.setLevel(logging.WARNING)
     train_storage.logger.setLevel(logging.WARNING)
+    # A checkpoint whose write failed (a full disk) fails Ray's upload thread, which logs the traceback here and
+    # raises it into the training thread: it ends the run in the driver's one line (and the summary's error_detail),
+    # not in 40 more lines beside it.
+    train_context.logger.addFilter(lambda record: record.exc_info is None)
     ctx = ray.train.get_context()
     cfg = from_dict(config["cfg"])
     plan: RunPlan = config["plan"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from stride.trainers import checkpointing
+from stride.trainers import checkpointing, runfolder
 
 log = logging.getLogger("stride")
 
@@ -28,28 +28,31 @@ class MetricsFile:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        # The file is shared storage (trainers/runfolder.py): a link or a FIFO under its name is refused, never
+        # read from or written through.
+        st = runfolder.refuse_unless_regular(path)
         if resume_step is None:
-            if path.exists() and path.stat().st_size:
+            if st is not None and st.st_size:
                 kept = path.with_name(f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}")
+                runfolder.refuse_link(kept)
                 os.replace(path, kept)
                 log.warning("%s holds an earlier run that no checkpoint continues: kept as %s", path, kept.name)
             checkpointing.atomic_write_text(path, "")
-        elif path.exists():
-            keep, torn = [], 0
-            for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    torn += line.strip() != ""
-                    continue
-                if record["step"] <= resume_step:
+        elif st is not None:
+            keep, unreadable = [], 0
+            for line in runfolder.read_bytes(path, limit=None).decode(errors="replace").splitlines():
+                record = runfolder.metrics_line(line)
+                if record is None:  # torn by a kill, or a line of the wrong types (someone else's)
+                    unreadable += line.strip() != ""
+                elif record["step"] <= resume_step:
                     keep.append(line)
-            if torn:
-                log.warning("%s: dropped %d unreadable line(s) (a write cut off by a kill)", path, torn)
+            if unreadable:
+                log.warning("%s: dropped %d unreadable line(s) (a write cut off by a kill, or not a record Stride "
+                            "writes)", path, unreadable)
             checkpointing.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with runfolder.open_append(self.path) as f:
             f.write(json.dumps(record) + "\n")
 
 

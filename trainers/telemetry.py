@@ -95,16 +95,32 @@ class Profiler:
 
         self.profiler.stop()
         out = self.run_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
         trace = out / f"rank{self.env.world_rank}.json"
-        self.profiler.export_chrome_trace(str(trace))
+        self._write_trace(out, trace)
         self.profiler = None
         logging.getLogger("stride").info("profile trace written to %s", trace)
         if self.env.world_size > 1:
             torch.distributed.barrier()
         if tracker is not None:
             for path in sorted(out.glob("rank*.json")):
-                tracker.log_artifact(path, "profile")
+                if path.is_file() and not path.is_symlink():  # a planted link must not upload what it points at
+                    tracker.log_artifact(path, "profile")
+
+
+    def _write_trace(self, out, trace) -> None:
+        """torch's exporter opens its path as it finds it, links included: it writes into a private temporary
+        folder, and the trace goes into the run folder as every file Stride writes there (trainers/runfolder.py),
+        in a profile/ folder that is a real folder, never a link."""
+        import tempfile
+        from pathlib import Path
+
+        from stride.trainers import runfolder
+
+        runfolder.make_folder(Path(out))
+        with tempfile.TemporaryDirectory(prefix="stride-profile-") as private:
+            local = Path(private) / trace.name
+            self.profiler.export_chrome_trace(str(local))
+            runfolder.atomic_write_bytes(Path(trace), local.read_bytes())
 
 
 class StepClock:
@@ -128,13 +144,22 @@ class StepClock:
                 "data_wait_fraction": min(self.data_wait / busy, 1.0)}
 
 
+def tag_value(text: str) -> str:
+    """`text` as a metric tag value Ray accepts: Ray encodes tag values as ASCII (a Unicode run.name failed every
+    record), so other characters are percent-encoded as UTF-8 bytes, and so is "%" itself, which keeps the value
+    unambiguous: urllib.parse.unquote gives the run name back ("lauf-größe" -> "lauf-gr%C3%B6%C3%9Fe")."""
+    from urllib.parse import quote
+
+    return quote(text, safe="".join(chr(c) for c in range(32, 127) if chr(c) != "%"))
+
+
 class Gauges:
     """ray.util.metrics gauges for one worker, tagged {run, rank}. Recording never fails training."""
 
     def __init__(self, run: str, rank: int):
         from ray.util.metrics import Gauge
 
-        self.tags = {"run": run, "rank": str(rank)}
+        self.tags = {"run": tag_value(run), "rank": str(rank)}
         self.gauges = {key: Gauge(name, description=desc, tag_keys=("run", "rank")) for key, (name, desc) in GAUGES.items()}
 
     def record(self, figures: dict[str, Any]) -> None:

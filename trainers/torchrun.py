@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing  # noqa: E402
+from stride.trainers import checkpointing, runfolder, runlock  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
 from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
@@ -51,7 +51,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                 _verified.add(key)
             if key in _verified:
                 found.append((checkpointing.read_meta(p)["step"], p))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, runfolder.RunFolderError):
             continue
     return [p for _, p in sorted(found)]
 
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, GPUs this node
     lacks, a checkpoint of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed
     stop."""
-    import argparse
+    from stride.cli import ArgumentParser
 
-    ap = argparse.ArgumentParser(prog="torchrun ... trainers/torchrun.py")
+    ap = ArgumentParser(prog="torchrun ... trainers/torchrun.py")
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -74,6 +74,29 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingError, checkpointing.CheckpointWriteError) as e:
         print(f"stride: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def take_run_lock(cfg, rank: int, world_size: int) -> tuple[runlock.RunLock | None, str]:
+    """Rank 0 takes the run folder's lock and beats it; every rank gets its token (the workers' fence), or rank 0's
+    one-line refusal, so that a refused run exits 2 on every rank instead of leaving the others in a collective."""
+    lock, outcome, refusal = None, None, None
+    if rank == 0:
+        try:
+            # A link planted where the run writes is refused before the run writes anything, its lock included.
+            runfolder.check_run_folder(cfg.run_dir)
+            lock = runlock.acquire(cfg.run_dir, cfg.run.lock_stale_s, runlock.launcher_instance())
+            outcome = ("held", lock.token)
+        except UsageError as e:
+            refusal, outcome = e, ("refused", str(e))
+    if world_size > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if refusal is not None:
+        raise refusal
+    if outcome[0] == "refused":
+        raise runlock.RunLockedError(outcome[1])
+    return lock, outcome[1]
 
 
 def train(config: str, overrides: list[str]) -> int:
@@ -98,10 +121,6 @@ def train(config: str, overrides: list[str]) -> int:
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        clear_stop_request(run_dir)
-    if world_size > 1:
-        dist.barrier()
 
     def wrap_model(m: torch.nn.Module) -> torch.nn.Module:
         if world_size == 1:
@@ -130,17 +149,29 @@ def train(config: str, overrides: list[str]) -> int:
 
         return tqdm(**kwargs)
 
-    env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=wrap_model, latest_checkpoint=latest_checkpoint,
-                    report=report, progress_bar=progress_bar if sys.stdout.isatty() else None)
-    t0 = time.time()
-    summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty()))
-    if rank == 0:
-        # A future's done-callbacks run after its waiters wake: the last write's prune may not have run yet.
-        prune_old()
-        ckpts = complete_checkpoints(run_dir)
-        summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
-                       config=public_dict(cfg), runtime="torchrun")
-        write_summary(run_dir, summary)
+    lock, token = take_run_lock(cfg, rank, world_size)
+    try:
+        if rank == 0:
+            clear_stop_request(run_dir)
+        if world_size > 1:
+            dist.barrier()
+        env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=wrap_model,
+                        latest_checkpoint=latest_checkpoint, report=report,
+                        progress_bar=progress_bar if sys.stdout.isatty() else None)
+        t0 = time.time()
+        summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty(),
+                                         run_lock_token=token))
+        if rank == 0:
+            # A future's done-callbacks run after its waiters wake: the last write's prune may not have run yet.
+            prune_old()
+            ckpts = complete_checkpoints(run_dir)
+            summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
+                           config=public_dict(cfg), runtime="torchrun")
+            runlock.Fence(run_dir, token, cfg.run.lock_stale_s).still_holds()
+            write_summary(run_dir, summary)
+    finally:
+        if lock is not None:
+            lock.release()
     if world_size > 1:
         # Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter
         # finalization, gloo's work threads could be torn down unjoined ("terminate called without an active

@@ -37,6 +37,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
+from stride.cli import ArgumentParser  # noqa: E402
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.trainers.config import Config, ConfigError, build_config, redact  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
@@ -54,7 +55,7 @@ TRIAL_RESOURCES = {"cpu": 0, "memory": 32 * 1024 * 1024}
 
 
 def parse_args(argv: list[str] | None):
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python tune/main.py",
         description="Run a hyperparameter sweep of Stride training runs (Ray Tune).",
         epilog="Overrides: sweep.field=value, base.section.field=value (values parsed as YAML).\n"

@@ -18,15 +18,12 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from stride.trainers.checkpointing import atomic_write_text
+from stride.trainers import runfolder, runlock
+from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
 from stride.trainers.config import Config, build_config, global_micro_batch, public_dict
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"
-
-
-SNAPSHOT = "checkpoint_manager_snapshot.json"    # Ray Train's list of a run's checkpoints
-SNAPSHOT_COPY = ".stride-last-good-snapshot.json"
 
 
 class MetricReportCallback(TuneReportCallback):
@@ -47,45 +44,14 @@ class MetricReportCallback(TuneReportCallback):
         if checkpoint is not None:
             # Runs after Ray Train's checkpoint manager registered the checkpoint and rewrote the snapshot.
             src = Path(self.run_dir) / SNAPSHOT
-            text = src.read_text() if src.exists() else ""
-            if _is_json(text):
+            try:  # Ray's file, in a folder others can write: a regular file only (a FIFO would hang the callback)
+                text = runfolder.read_bytes(src).decode(errors="replace")
+            except (OSError, ValueError, runfolder.RunFolderError):
+                text = ""
+            if is_json(text):
                 atomic_write_text(Path(self.run_dir) / SNAPSHOT_COPY, text)
         if metrics and self.metric in metrics[0]:
             super().after_report(run_context, metrics, checkpoint)
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _usable(run_dir: Path, text: str) -> bool:
-    """A snapshot Ray Train can start from: JSON, and every checkpoint it names still on disk."""
-    if not _is_json(text):
-        return False
-    names = [c.get("checkpoint_dir_name") for c in json.loads(text).get("checkpoint_results", [])]
-    return all((run_dir / n).is_dir() for n in names if n)
-
-
-def repair_snapshot(run_dir: Path) -> str | None:
-    """Before (re)starting a trial's TorchTrainer: an unreadable snapshot is replaced by the last good copy (the
-    trial resumes from the checkpoint before the one being recorded when the sweep was killed), or, with no usable
-    copy, moved aside (the trial starts over). Returns what was done, for the log.
-
-    The copy lags Ray by one checkpoint, and Ray may already have deleted the oldest checkpoint it names: then the
-    newer copy a kill left complete but not yet renamed (atomic_write_text's temporary file) is the one to use."""
-    snap = run_dir / SNAPSHOT
-    if not snap.exists() or _is_json(snap.read_text()):
-        return None
-    for copy in (run_dir / SNAPSHOT_COPY, run_dir / f".{SNAPSHOT_COPY}.tmp"):
-        if copy.exists() and _usable(run_dir, text := copy.read_text()):
-            atomic_write_text(snap, text)
-            return f"{snap} was unreadable (the sweep was killed while Ray wrote it); restored the last good copy"
-    snap.rename(run_dir / f"{SNAPSHOT}.unreadable-{int(time.time())}")
-    return f"{snap} was unreadable and no usable copy exists; the trial starts over"
 
 
 def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
@@ -97,9 +63,11 @@ def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The trial's summary.json, or None when there is none Stride would have written (absent, torn, untyped, a
+    link: trainers/runfolder.py)."""
     try:
-        return json.loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
+        return runfolder.read_summary(run_dir / SUMMARY)
+    except (OSError, ValueError, runfolder.RunFolderError):
         return None
 
 
@@ -120,24 +88,31 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         # report the final result again instead of training it again.
         tune.report({"step": done.get("global_step"), metric: done.get(metric), "stride_restored": True})
         return
-    repaired = repair_snapshot(cfg.run_dir)
-    if repaired:
-        print(f"stride: trial {trial_id}: {repaired}", flush=True)
-    trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
-                                  mlflow_parent_run_id=parent_run_id,
-                                  report_log_steps=True)  # Tune's schedulers read train_* figures too
-    t0 = time.time()
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        write_trial_summary(cfg, {"status": "failed", "error": lines[-1][:500] if lines else type(e).__name__},
-                            params, t0)
-        raise
-    summary = dict(result.return_value or {})
-    summary.setdefault("status", "completed")
-    summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    write_trial_summary(cfg, summary, params, t0)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    runfolder.check_run_folder(cfg.run_dir)  # a link planted where the trial writes: refused before it writes
+    # The trial id is the instance: Tune's restart of this trial (a new actor, perhaps on another node while the old
+    # one's workers still run) takes the folder over at once, and the old workers' fences stop them.
+    with runlock.acquire(cfg.run_dir, cfg.run.lock_stale_s, f"tune-trial:{trial_id}") as lock:
+        repaired = repair_snapshot(cfg.run_dir)
+        if repaired:
+            print(f"stride: trial {trial_id}: {repaired}", flush=True)
+        trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
+                                      mlflow_parent_run_id=parent_run_id, run_lock_token=lock.token,
+                                      report_log_steps=True)  # Tune's schedulers read train_* figures too
+        t0 = time.time()
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            if lock.held():
+                write_trial_summary(cfg, {"status": "failed",
+                                          "error": lines[-1][:500] if lines else type(e).__name__}, params, t0)
+            raise
+        summary = dict(result.return_value or {})
+        summary.setdefault("status", "completed")
+        summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+        if lock.held():
+            write_trial_summary(cfg, summary, params, t0)
 
 
 def write_trial_summary(cfg: Config, summary: dict[str, Any], params: dict[str, Any], t0: float) -> None:

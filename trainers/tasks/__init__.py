@@ -2,7 +2,9 @@
 
 The user's module is imported from the working directory or PYTHONPATH. The driver passes its working directory
 to every worker as STRIDE_TASK_PATH; those folders are appended to sys.path (never prepended: a user's folder must
-not hide an installed package).
+not hide an installed package). Training trusts the working directory because the user named model.name in their
+own config; commands that read a run folder someone else may have written (generate.py) turn that off
+(`search_working_directory(False)`) and import a user's module only with the user's consent (`consent`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,33 @@ BUILTIN = {
 }
 DEFAULT = "char_gpt"
 TASK_PATH_ENV = "STRIDE_TASK_PATH"
+_search_working_directory = True
+
+
+def search_working_directory(on: bool) -> None:
+    """Whether a user's task module may come from the working directory (training: yes; generate.py: no, a
+    module planted beside a run folder must not be found by accident)."""
+    global _search_working_directory
+    _search_working_directory = on
+
+
+def consent(name: str, named: str | None, trust_remote_code: bool, origin: str) -> None:
+    """Refuse (ConfigError) to import the task `name` that a run folder's `origin` (its summary.json) names, unless it
+    is built in, the user named the same task (`--task`), or passed --trust-remote-code: importing a module runs it."""
+    if named is not None and named != name:
+        raise ConfigError(f"--task ({named[:200]}) is not the task {origin} names, model.name ({name[:200]}); pass "
+                          f"--task {name[:200]} if you trust that module, or the run folder that trained {named[:200]}")
+    if name in BUILTIN or named == name or trust_remote_code:
+        return
+    raise ConfigError(f"{origin} names model.name ({name[:200]}), a module of your own that importing would run; "
+                      f"pass --task {name[:200]} (on PYTHONPATH) if you trust it, or --trust-remote-code")
 
 
 def task_search_path() -> list[str]:
     """Folders a user's task module may live in: STRIDE_TASK_PATH (set by the driver for its workers), then the
     working directory."""
     extra = [p for p in os.environ.get(TASK_PATH_ENV, "").split(os.pathsep) if p]
-    return extra + [os.getcwd()]
+    return extra + ([os.getcwd()] if _search_working_directory else [])
 
 
 def task_class(name: str):
@@ -48,10 +70,17 @@ def task_class(name: str):
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
+            where = f"the working directory ({os.getcwd()}) or " if _search_working_directory else ""
             raise ConfigError(f"model.name ({name}): module {module_name} is not importable; put {module_name}.py in "
-                              f"the working directory ({os.getcwd()}) or on PYTHONPATH") from None
+                              f"{where}a folder on PYTHONPATH") from None
         raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; install the missing "
                           f"module or fix the import") from None
+    except SystemExit as e:  # else the driver would exit with the module's code, 0 included, having trained nothing
+        raise ConfigError(f"model.name ({name}): module {module_name} called sys.exit({e.code!r}) while being "
+                          f"imported{_where_raised(e)}; keep sys.exit under `if __name__ == \"__main__\":`") from None
+    except KeyboardInterrupt as e:
+        raise ConfigError(f"model.name ({name}): module {module_name} raised KeyboardInterrupt while being "
+                          f"imported{_where_raised(e)} (Ctrl-C, or the module raises it); fix the module") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed to import: one line naming where
         raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; fix the module") from None
     cls = getattr(module, class_name, None)
@@ -66,10 +95,13 @@ def task_class(name: str):
     return cls
 
 
-def _where(e: BaseException) -> str:
+def _where_raised(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
-    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _where(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}{_where_raised(e)}"
 
 
 def make_task(cfg, facts: dict | None = None):

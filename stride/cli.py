@@ -1,0 +1,30 @@
+"""The command-line parser every Stride command shares: a usage mistake is one line and exit 2.
+
+argparse prints the whole usage block and then the error; in a job log or a CI step that is three lines or more,
+and the one that matters is last. Standard library only, so the data and cluster layers import it without
+importing trainers/ (or torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose errors are one line, "<prog>: error: <message>; see <prog> --help", exit 2.
+    Subparsers made through add_subparsers are of this class too (argparse uses the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
+
+
+def drop_working_directory_from_path() -> None:
+    """Take the working directory off the front of sys.path, where `python -m` and `python -c` put it: a command that
+    reads a run folder (generate.py) must not import a module someone planted beside it. PYTHONPATH stays."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)

@@ -1,0 +1,328 @@
+"""One run at a time per run folder (trainers/runlock.py): the lock's acquire, refusal and takeover as functions, the
+workers' fence, then torchrun runs of one run.name. The orphan of a killed Ray driver is another file's (Ray's)."""
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from stride.ray_cluster.connect import UsageError
+from stride.trainers import checkpointing, runlock
+from stride.trainers.config import ConfigError, build_config
+
+
+def plant(run_dir, age_s: float = 0.0, **fields) -> dict:
+    """A lock as another process would have left it, its heartbeat `age_s` old."""
+    record = {"token": "f" * 32, "fence": 7, "host": "elsewhere", "pid": 1, "pid_start": "1", "started": time.time(),
+              "instance": None, **fields}
+    path = run_dir / runlock.LOCK
+    path.write_text(json.dumps(record))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return record
+
+
+def token_on_disk(run_dir) -> str | None:
+    path = run_dir / runlock.LOCK
+    return json.loads(path.read_text())["token"] if path.exists() else None
+
+
+def finished_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+# ---- acquire, refuse, take over ----
+
+def test_the_first_run_takes_the_lock_with_its_identity_and_release_removes_it(tmp_path):
+    lock = runlock.acquire(tmp_path, 60, "slurm:9")
+    record = json.loads((tmp_path / runlock.LOCK).read_text())
+    assert record["token"] == lock.token and len(lock.token) == 32 and record["fence"] == 1
+    assert (record["host"], record["pid"]) == (socket.gethostname(), os.getpid())
+    assert record["pid_start"] == runlock.process_start(os.getpid()) is not None
+    assert record["instance"] == "slurm:9" and abs(record["started"] - time.time()) < 60
+    assert (tmp_path / runlock.LOCK).stat().st_mode & 0o777 == 0o644
+    lock.release()
+    assert list(tmp_path.iterdir()) == []  # nor a probe file left behind
+
+
+def test_a_live_holder_refuses_a_second_run_in_one_line_naming_the_folder_and_holder(tmp_path):
+    run_dir = tmp_path / "same_name"
+    run_dir.mkdir()
+    with runlock.acquire(run_dir, 60) as first:
+        with pytest.raises(runlock.RunLockedError) as e:
+            runlock.acquire(run_dir, 60)
+        assert isinstance(e.value, UsageError)  # exit 2 in every launcher
+        line = str(e.value)
+        assert "\n" not in line and line.startswith(f"run.name (same_name): {run_dir} is in use by another run ")
+        assert f"host {socket.gethostname()}, pid {os.getpid()}, since " in line and "heartbeat 0s ago" in line
+        assert line.endswith("wait for it, stop it, or use another run.name")
+        assert token_on_disk(run_dir) == first.token  # the refused run changed nothing
+
+
+def test_a_lock_whose_holder_died_on_this_host_is_taken_over_with_one_warning(tmp_path, capsys):
+    plant(tmp_path, host=socket.gethostname(), pid=finished_pid(), pid_start="1")
+    with runlock.acquire(tmp_path, 60) as lock:
+        assert lock.fence == 8 and token_on_disk(tmp_path) == lock.token
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"stride: warning: taking over the run lock of {tmp_path} from host ")
+    assert err[0].endswith("(dead)")
+    assert list(tmp_path.iterdir()) == []  # the old lock, moved aside, is gone too
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path, capsys):
+    """The holder's pid now names another live process (ours): its start time differs, so the holder is dead."""
+    plant(tmp_path, host=socket.gethostname(), pid=os.getpid(), pid_start="12345")
+    with runlock.acquire(tmp_path, 60):
+        assert "(dead)" in capsys.readouterr().err
+
+
+def test_a_live_holder_on_this_host_is_not_taken_for_dead(tmp_path):
+    """The same check with the right start time: the process is alive, so the lock holds."""
+    plant(tmp_path, host=socket.gethostname(), pid=os.getpid(), pid_start=runlock.process_start(os.getpid()))
+    with pytest.raises(runlock.RunLockedError):
+        runlock.acquire(tmp_path, 60)
+
+
+def test_a_holder_elsewhere_is_judged_by_its_heartbeat_age_on_the_filesystem_clock(tmp_path, capsys):
+    plant(tmp_path, age_s=30)
+    with pytest.raises(runlock.RunLockedError, match="host elsewhere, pid 1, .*heartbeat 30s ago"):
+        runlock.acquire(tmp_path, 60)
+    plant(tmp_path, age_s=90)
+    with runlock.acquire(tmp_path, 60) as lock:
+        assert lock.fence == 8
+    assert capsys.readouterr().err.strip().endswith("(stale heartbeat 90s)")
+
+
+def test_the_heartbeat_keeps_a_lock_fresh_and_a_stopped_one_goes_stale(tmp_path, capsys):
+    first = runlock.acquire(tmp_path, 2.0)  # beats every 0.5 s
+    time.sleep(3)
+    with pytest.raises(runlock.RunLockedError):
+        runlock.acquire(tmp_path, 2.0)
+    first._stop.set()  # the holder freezes (as a SIGSTOPped or partitioned driver)
+    first._thread.join()
+    time.sleep(2.5)
+    with runlock.acquire(tmp_path, 2.0) as second:
+        assert second.fence == 2
+    assert "(stale heartbeat " in capsys.readouterr().err
+
+
+def test_the_same_instance_takes_over_at_once_and_another_does_not(tmp_path, capsys):
+    """A SLURM requeue (same job id) or Tune's restart of a trial: the earlier holder may still look alive."""
+    plant(tmp_path, instance="slurm:42")
+    with pytest.raises(runlock.RunLockedError):
+        runlock.acquire(tmp_path, 60, "slurm:43")
+    with pytest.raises(runlock.RunLockedError):
+        runlock.acquire(tmp_path, 60)
+    with runlock.acquire(tmp_path, 60, "slurm:42"):
+        assert capsys.readouterr().err.strip().endswith("(same job slurm:42)")
+
+
+@pytest.mark.parametrize("planted", ["dead", "none"])
+def test_of_racing_contenders_exactly_one_wins(tmp_path, planted):
+    """Threads of one process act as processes here: the lock is a file, and each contender has a token of its own.
+    Whether the lock is free or stale, one contender holds it afterwards and every other is refused."""
+    for attempt in range(10):
+        run_dir = tmp_path / f"r{attempt}"
+        run_dir.mkdir()
+        if planted == "dead":
+            plant(run_dir, host=socket.gethostname(), pid=finished_pid())
+        start, won, refused = threading.Barrier(6), [], []
+
+        def contend():
+            start.wait()
+            try:
+                won.append(runlock.acquire(run_dir, 60))
+            except runlock.RunLockedError:
+                refused.append(1)
+
+        threads = [threading.Thread(target=contend) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(refused) == 5, (attempt, len(won))
+        assert token_on_disk(run_dir) == won[0].token
+        won[0].release()
+        assert list(run_dir.iterdir()) == []
+
+
+def test_release_deletes_only_its_own_lock_and_the_holder_notices_a_takeover(tmp_path, capsys):
+    lock = runlock.acquire(tmp_path, 1.0)
+    plant(tmp_path, token="a" * 32)  # another run took the folder over
+    deadline = time.time() + 5
+    while not lock.lost and time.time() < deadline:
+        time.sleep(0.05)
+    assert lock.lost and not lock.held()
+    assert "is no longer this run's (its run lock is now held by host elsewhere" in capsys.readouterr().err
+    lock.release()
+    assert token_on_disk(tmp_path) == "a" * 32
+
+
+def test_a_link_or_a_fifo_in_the_locks_place_is_refused_in_one_line_and_left_alone(tmp_path):
+    outside = tmp_path / "precious"
+    outside.write_text("keep")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / runlock.LOCK).symlink_to(outside)
+    with pytest.raises(UsageError, match="stride.lock is a symlink"):
+        runlock.acquire(run_dir, 60)
+    assert outside.read_text() == "keep"
+    (run_dir / runlock.LOCK).unlink()
+    os.mkfifo(run_dir / runlock.LOCK)
+    with pytest.raises(UsageError, match="not a regular file"):
+        runlock.acquire(run_dir, 60)  # never blocks on the FIFO
+
+
+def test_lock_stale_s_is_bounded():
+    with pytest.raises(ConfigError, match="run.lock_stale_s"):
+        build_config({"run": {"lock_stale_s": 0}})
+    assert build_config({}).run.lock_stale_s == 60
+
+
+# ---- the workers' fence ----
+
+def test_the_fence_passes_while_held_and_stops_a_worker_whose_lock_changed_hands_or_vanished(tmp_path):
+    lock = runlock.acquire(tmp_path, 60)
+    fence = runlock.Fence(tmp_path, lock.token, 60)
+    fence.still_holds()
+    plant(tmp_path, token="b" * 32)
+    with pytest.raises(runlock.RunLockLostError, match="no longer this run's .*held by host elsewhere"):
+        fence.still_holds()
+    (tmp_path / runlock.LOCK).unlink()
+    with pytest.raises(runlock.RunLockLostError, match="its run lock is gone"):
+        fence.still_holds()
+    runlock.Fence(tmp_path, None, 60).still_holds()  # no lock taken (a Trainer without a launcher): no fence
+    lock.release()
+
+
+def test_the_fence_stops_an_orphan_whose_heartbeat_stood_still_on_its_own_clock(tmp_path):
+    lock = runlock.acquire(tmp_path, 1.0)  # beats every 0.25 s
+    fence = runlock.Fence(tmp_path, lock.token, 1.0)
+    for _ in range(10):  # beating: never stale, however long
+        fence.still_holds()
+        time.sleep(0.25)
+    lock._stop.set()  # the driver is killed: nobody beats, nobody takes over
+    lock._thread.join()
+    fence.still_holds()
+    time.sleep(1.3)
+    with pytest.raises(runlock.RunLockLostError, match="heartbeat has not moved for .*run.lock_stale_s=1\\)"):
+        fence.still_holds()
+
+
+def test_a_checkpoint_write_checks_the_fence_before_the_shards_and_before_the_marker(tmp_path):
+    """Lost before the write: no file at all. Lost between DCP's shards and meta.json: never marked complete, so
+    never resumed from."""
+    state = {"model": {"w": torch.ones(3)}}
+    for lost_at_check in (1, 2):
+        checks = []
+
+        def fence():
+            checks.append(1)
+            if len(checks) == lost_at_check:
+                raise runlock.RunLockLostError("lost")
+
+        folder = tmp_path / f"ckpt{lost_at_check}"
+        writer = checkpointing.CheckpointWriter(0, fence=fence)
+        with pytest.raises(runlock.RunLockLostError):
+            writer.save(folder, state, {"step": 1}).result()
+        writer.close()
+        written = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+        assert checkpointing.META not in written
+        assert written == ([] if lost_at_check == 1 else [".metadata", "__0_0.distcp"]), written
+
+
+# ---- two runs of one run.name (torchrun's launcher, one process each) ----
+
+def _args(tmp_path, data, steps, *extra):
+    return ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=shared", "train.epochs=null",
+            f"train.max_steps={steps}", "train.log_every_steps=10", "train.eval_every_steps=100000",
+            "checkpoint.every_steps=100", "model.hidden_sizes=[32]", "train.batch_size_per_worker=64",
+            "tracking.mlflow=false", *extra]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SLURM_JOB_ID", None)  # two launches of one SLURM job would be one run restarted
+    return env
+
+
+@pytest.mark.slow
+def test_a_second_run_of_the_same_name_exits_2_while_the_first_completes_every_step_once(tmp_path, tabular_data):
+    run_dir = tmp_path / "shared"
+    steps = 5000  # seconds of training: the second run starts, and is refused, meanwhile
+    first = subprocess.Popen([PYTHON, *_args(tmp_path, tabular_data, steps)], cwd=REPO, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists() or \
+                not (run_dir / "metrics.jsonl").read_text().strip():
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        assert (run_dir / runlock.LOCK).exists()
+        second = run_cli(_args(tmp_path, tabular_data, steps), timeout=120, env={"SLURM_JOB_ID": ""})
+        assert first.poll() is None, "the first run ended before the second was refused: raise its steps"
+        out, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stderr[-2000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert lines[0].startswith(f"stride: error: run.name (shared): {run_dir} is in use by another run (host ")
+    assert f"pid {first.pid}," in lines[0]
+    assert first.returncode == 0, err[-3000:]
+    logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r]
+    assert logged == list(range(10, steps + 1, 10))
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == steps
+    assert not (run_dir / runlock.LOCK).exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_lock_is_taken_over_stops_before_its_next_write(tmp_path, tabular_data):
+    """The fence end to end: another run takes the folder while this one trains; this one exits 1 in one line and
+    writes no metric or checkpoint after that moment."""
+    run_dir = tmp_path / "shared"
+    args = _args(tmp_path, tabular_data, 100000, "checkpoint.every_steps=100000")  # metrics only: no write in flight
+    first = subprocess.Popen([PYTHON, *args], cwd=REPO, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists() or \
+                len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        plant(run_dir, token="c" * 32)
+        taken = {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != runlock.LOCK}
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 1, err[-3000:]
+    assert err.strip().splitlines() == [f"stride: error: {run_dir} is no longer this run's (its run lock is held by "
+                                        f"host elsewhere, pid 1, since " + err.split("since ", 1)[1].split(")")[0]
+                                        + "); this worker stops before writing anything more there"]
+    after = {p.name: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != runlock.LOCK}
+    assert after == taken  # nothing written, nothing removed
+    assert token_on_disk(run_dir) == "c" * 32
+
+
+@pytest.mark.slow
+def test_a_refused_lock_ends_every_torchrun_rank_with_exit_2_and_no_hang(tmp_path, tabular_data):
+    """Rank 0 alone takes the lock; the other rank learns of the refusal from it instead of waiting in a collective."""
+    run_dir = tmp_path / "shared"
+    run_dir.mkdir()
+    plant(run_dir, host=socket.gethostname(), pid=os.getpid(), pid_start=runlock.process_start(os.getpid()))
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           *_args(tmp_path, tabular_data, 50)]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0
+    refusals = [ln for ln in r.stderr.splitlines() if ln.startswith("stride: error: run.name (shared): ")]
+    assert len(refusals) == 2 and f"pid {os.getpid()}," in refusals[0], r.stderr[-3000:]
+    assert "exitcode  : 2" in r.stderr  # torchrun's report of the ranks' own exit code
+    assert sorted(p.name for p in run_dir.iterdir()) == [runlock.LOCK]  # nothing written by the refused run

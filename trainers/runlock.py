@@ -1,0 +1,363 @@
+"""One run at a time per run folder: the run lock `<run folder>/stride.lock`, its heartbeat, and the fence every
+worker checks before it writes.
+
+A run folder lives on storage other jobs can reach (a shared filesystem that every node mounts), so the lock is a file
+created with O_EXCL, which NFS and FUSE mounts honour across nodes, not an flock, which many of them do not. It names
+its holder: a token (uuid4), a fencing number (the previous holder's + 1), host, pid and the pid's start time (a reused
+pid is not the holder), when it was taken, and the run's instance (SLURM_JOB_ID, a Tune trial id: the same run
+restarted, which takes over at once).
+
+The holder (the launcher's process: Ray's driver, torchrun's rank 0, a Tune trial) refreshes the file's mtime every few
+seconds from a daemon thread. Staleness is judged without comparing two hosts' clocks: a contender compares the lock's
+mtime with that of a probe file it creates beside it, both stamped by the same filesystem.
+
+Workers never hold the lock; they fence. Before each checkpoint write and (rank 0) each metrics write,
+`Fence.still_holds()` re-reads the file and stops the run (RunLockLostError, exit 1) when another run holds it now or it
+is gone, or when its heartbeat stood still for run.lock_stale_s on the worker's own clock: an orphan of a killed driver
+stops by itself. What is left is one write already past its check when the lock changed hands.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import socket
+import stat
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from stride.ray_cluster.connect import UsageError
+from stride.trainers.policies import TrainingError
+
+LOCK = "stride.lock"
+MAX_LOCK_BYTES = 64 * 1024  # a lock record is ~300 bytes; a bigger file is not Stride's
+log = logging.getLogger("stride")
+
+
+class RunLockedError(UsageError):
+    """Another live run holds the run folder (exit 2, one line naming the folder and the holder)."""
+
+
+class RunLockLostError(TrainingError):
+    """This run no longer holds its run folder: another run took it over, or the driver's heartbeat stopped (exit 1)."""
+
+
+def heartbeat_interval(stale_s: float) -> float:
+    """Several beats per stale period, so that a late beat or two (a busy GIL, an NFS hiccup) never looks stale."""
+    return min(5.0, stale_s / 4)
+
+
+def process_start(pid: int) -> str | None:
+    """`pid`'s start time (clock ticks since boot, /proc/<pid>/stat field 22), or None when there is no such process:
+    with the pid it names one process, where a pid alone may have been reused."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()[19]  # the name in (...) may hold spaces; field 3 is the first after it
+
+
+def _alive(pid: int, start) -> bool:
+    if Path("/proc/self/stat").exists():
+        now = process_start(pid)
+        return now is not None and now == start
+    try:  # no /proc (macOS): the pid alone
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _short(value, limit: int = 80) -> str:
+    """A field of a file someone else may have written, fit for one line of an error."""
+    text = "".join(c if c.isprintable() else "?" for c in str(value))
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def read_lock(path: Path) -> tuple[dict, float] | None:
+    """(the lock's record, its mtime), or None when there is none. A record still being written, or not Stride's JSON,
+    reads as {} (its holder unknown, judged by its heartbeat alone). Never follows a link, never opens a FIFO or device
+    for long: a link or anything but a regular file there is a UsageError naming it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{path} is a symlink, not Stride's run lock; remove it (Stride never follows links "
+                             f"in a run folder)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{path} is not a regular file, so not Stride's run lock; remove it")
+        data = os.read(fd, MAX_LOCK_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads(data)
+    except ValueError:
+        record = {}
+    return (record if isinstance(record, dict) else {}), st.st_mtime
+
+
+def heartbeat_age(run_dir: Path, lock_mtime: float) -> float:
+    """Seconds since the lock's last beat on the filesystem's own clock: the mtime of a probe created now beside it
+    minus the lock's (both stamped by the same server, whatever the clocks of the hosts involved say)."""
+    probe = Path(run_dir) / f".stride-lock-probe-{uuid.uuid4().hex}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        now = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return max(0.0, now - lock_mtime)
+
+
+def describe(record: dict, age: float | None) -> str:
+    """The holder, as a refusal or a warning names it."""
+    started = record.get("started")
+    since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+             if isinstance(started, (int, float)) and 0 <= started < 1e11 else "?")
+    beat = f", heartbeat {age:.0f}s ago" if age is not None else ""
+    return f"host {_short(record.get('host', '?'))}, pid {_short(record.get('pid', '?'))}, since {since}{beat}"
+
+
+class RunLock:
+    """The run lock this process holds. A daemon thread beats until `release()`; a lock found taken over is logged
+    once and no longer beaten (its workers' fences stop them)."""
+
+    def __init__(self, path: Path, record: dict, stale_s: float):
+        self.path, self.record, self.stale_s = Path(path), record, stale_s
+        self.token, self.fence = record["token"], record["fence"]
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat_until_stopped, name="stride-run-lock", daemon=True)
+        self._thread.start()
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stop.wait(heartbeat_interval(self.stale_s)):
+            if not self.beat():
+                return
+
+    def beat(self) -> bool:
+        """Refresh the heartbeat if the lock is still ours. False when it is not."""
+        try:
+            found = read_lock(self.path)
+            if found is not None and found[0].get("token") == self.token:
+                os.utime(self.path, follow_symlinks=False)  # None: "now" on the file server's clock (NFS)
+                return True
+        except (OSError, UsageError) as e:  # storage down for a moment: the next beat tries again
+            log.warning("run lock %s: heartbeat failed (%s); retrying", self.path, e)
+            return True
+        self.lost = True
+        holder = describe(found[0], None) if found else "nobody: the lock file is gone"
+        print(f"stride: warning: {self.path.parent} is no longer this run's (its run lock is now held by {holder}); "
+              f"this run's workers stop before their next write", file=sys.stderr, flush=True)
+        return False
+
+    def held(self) -> bool:
+        """Whether the lock file still holds this lock's token (one read)."""
+        try:
+            found = read_lock(self.path)
+        except (OSError, UsageError):
+            return False
+        return found is not None and found[0].get("token") == self.token
+
+    def release(self) -> None:
+        """Stop beating and delete the lock, only if it is still ours."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.held():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _create(path: Path, fence: int, instance: str | None) -> dict | None:
+    """Create the lock with O_EXCL (None when another process created it first) and fill it in."""
+    record = {"token": uuid.uuid4().hex, "fence": fence, "host": socket.gethostname(), "pid": os.getpid(),
+              "pid_start": process_start(os.getpid()), "started": time.time(), "instance": instance}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        os.write(fd, json.dumps(record).encode())
+        os.fsync(fd)
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return record
+
+
+def takeover_reason(record: dict, age: float, stale_s: float, instance: str | None) -> str | None:
+    """Why a found lock may be taken over, or None when its holder may be alive."""
+    if instance is not None and record.get("instance") == instance:
+        return f"same job {_short(instance)}"
+    pid = record.get("pid")
+    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid, record.get("pid_start")):
+        return "dead"
+    if age > stale_s:
+        return f"stale heartbeat {age:.0f}s"
+    return None
+
+
+@contextmanager
+def _takeover_claim(path: Path, stale_s: float):
+    """Yields True while this contender alone may break the stale lock at `path` (an O_EXCL claim file beside it);
+    False when another contender is breaking it now, after a short wait, so that the caller looks again. Without
+    it, a contender that judged the lock stale could rename aside the live lock a faster contender had just
+    created. A claim older than stale_s (its contender died mid-takeover) is removed."""
+    claim = path.with_name(f".{LOCK}.takeover")
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        try:
+            if time.time() - os.lstat(claim).st_mtime > stale_s:
+                claim.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01 + random.random() * 0.05)
+        yield False
+        return
+    os.close(fd)
+    try:
+        yield True
+    finally:
+        claim.unlink(missing_ok=True)
+
+
+def _move_aside(path: Path, token) -> Path | None:
+    """Rename the lock we judged stale to a name of our own. Only one contender's rename of it succeeds; should
+    another contender's fresh lock have replaced it in between, that one is put back. None when we lost the race."""
+    aside = path.with_name(f".{LOCK}.stale-{uuid.uuid4().hex}")
+    found = read_lock(path)
+    if found is None or found[0].get("token") != token:
+        return None
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None
+    moved = read_lock(aside)
+    if moved is None or moved[0].get("token") != token:
+        os.rename(aside, path)
+        return None
+    return aside
+
+
+def acquire(run_dir: Path, stale_s: float, instance: str | None = None) -> RunLock:
+    """Take the run lock of `run_dir` (the folder exists), starting its heartbeat. A lock whose holder is dead on this
+    host, is the same instance, or has not beaten for `stale_s` is taken over with one warning line; any other raises
+    RunLockedError."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK
+    try:
+        for _ in range(10):  # each pass loses only to a contender that made progress; ten losses in a row: give up
+            found = read_lock(path)
+            if found is None:
+                record = _create(path, 1, instance)
+                if record is not None:
+                    return RunLock(path, record, stale_s)
+                continue
+            held, mtime = found
+            age = heartbeat_age(run_dir, mtime)
+            why = takeover_reason(held, age, stale_s, instance)
+            if why is None:
+                raise RunLockedError(f"run.name ({_short(run_dir.name)}): {run_dir} is in use by another run "
+                                     f"({describe(held, age)}); wait for it, stop it, or use another run.name")
+            with _takeover_claim(path, stale_s) as claimed:
+                aside = _move_aside(path, held.get("token")) if claimed else None
+                if aside is None:
+                    continue
+                fence = held.get("fence")
+                record = _create(path, (fence if isinstance(fence, int) and fence > 0 else 0) + 1, instance)
+                aside.unlink(missing_ok=True)
+            if record is None:
+                continue
+            print(f"stride: warning: taking over the run lock of {run_dir} from {describe(held, age)} ({why})",
+                  file=sys.stderr, flush=True)
+            return RunLock(path, record, stale_s)
+    except OSError as e:
+        raise UsageError(f"run.storage_path ({run_dir.parent}): cannot take the run lock {path} ({e.strerror or e}); "
+                         f"set run.storage_path=<a folder you can write>") from None
+    raise RunLockedError(f"run.name ({_short(run_dir.name)}): {run_dir}'s run lock changed hands 10 times while this "
+                         f"run tried to take it; another run is starting there: wait for it, or use another run.name")
+
+
+class Fence:
+    """A worker's check that its run still holds the run folder. `token` None: no lock was taken (a Trainer built
+    without a launcher), and every check passes."""
+
+    def __init__(self, run_dir: Path | str, token: str | None, stale_s: float):
+        self.path, self.token, self.stale_s = Path(run_dir) / LOCK, token, stale_s
+        self._verified: tuple | None = None  # the lstat signature of the file last read and found ours
+        self._mtime: float | None = None
+        self._since = time.monotonic()  # this worker's clock when it saw the mtime change last
+        self._mutex = threading.Lock()  # the checkpoint writer's thread checks too
+
+    def still_holds(self) -> None:
+        """Raise RunLockLostError unless the lock is still this run's and beating. One lstat; the file is read only
+        when that changed since it was last read and found ours."""
+        if self.token is None:
+            return
+        with self._mutex:
+            try:
+                st = os.lstat(self.path)
+            except FileNotFoundError:
+                self._lost("its run lock is gone")
+            except OSError:  # storage down for a moment: not a beat, so a lasting failure ends as a stale heartbeat
+                st = None
+            if st is not None:
+                # Content changes only by a write, which moves mtime and ctime; a new file (a takeover) is a new
+                # inode while the old one still exists. Same signature, same token.
+                signature = (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode)
+                if signature != self._verified and self._read_own():
+                    self._verified = signature
+            now = time.monotonic()
+            if st is not None and st.st_mtime != self._mtime:
+                self._mtime, self._since = st.st_mtime, now
+            elif now - self._since > self.stale_s:
+                raise RunLockLostError(
+                    f"{self.path}: the driver's heartbeat has not moved for {now - self._since:.0f}s "
+                    f"(run.lock_stale_s={self.stale_s:g}): the run's driver is gone; this worker stops before writing "
+                    f"anything more there")
+
+    def _read_own(self) -> bool:
+        """Raise unless the lock file holds this run's token; False when it could not be read just now."""
+        try:
+            found = read_lock(self.path)
+        except UsageError as e:
+            self._lost(f"its run lock was replaced: {e}")
+        except OSError:
+            return False
+        if found is None:
+            self._lost("its run lock is gone")
+        if found[0].get("token") != self.token:
+            self._lost(f"its run lock is held by {describe(found[0], None)}")
+        return True
+
+    def _lost(self, why: str):
+        raise RunLockLostError(f"{self.path.parent} is no longer this run's ({why}); this worker stops before writing "
+                               f"anything more there")
+
+
+def launcher_instance() -> str | None:
+    """What makes a relaunch "the same run restarted" outside Tune: the SLURM job id, which a requeue keeps."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"slurm:{job}" if job else None

@@ -7,13 +7,17 @@ it, forked after the imports they share (two seconds of imports, a hundred times
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from forked_cli import digest
+from test_run_folder_code import corrupt_pages
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +63,20 @@ MAIN_CASES = [
     (["scaling.use_gpu=maybe"], "scaling.use_gpu"), (["scaling.max_failures=-5"], "scaling.max_failures"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last"), (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
     (["tracking.mlflow=maybe"], "tracking.mlflow"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
+    # Issue 27: counts with no sane upper bound, an MLflow scheme MLflow fails on later, a symlink loop, a task
+    # module that exits at import (on PYTHONPATH, see `results`), damaged Parquet pages, a value too long to quote.
+    (["train.max_steps=1000000000000000000000000000000"],
+     "train.max_steps (1000000000000000000000000000000) must be less than or equal to 1000000000"),
+    (["train.epochs=10000000"], "train.epochs (10000000) must be less than or equal to 1000000"),
+    (["checkpoint.every_steps=10000000000"], "checkpoint.every_steps"), (["train.eval_every_steps=10000000000"], "train.eval_every_steps"),
+    (["optim.warmup_steps=10000000000"], "optim.warmup_steps"),
+    (["tracking.mlflow_uri=foo://bar"], "tracking.mlflow_uri ('foo://bar') has scheme foo://"),
+    (["run.storage_path={tmp}/loop/a"], "/loop/a') is a loop of symbolic links"),
+    (["model.name=exits_at_import:Task"], "module exits_at_import called sys.exit(0) while being imported"),
+    (["data.train_path={tmp}/damaged/train"], "damaged/train/part-0000.parquet could not be read"),
+    (["run.seed=" + "x" * 5000], "... (5002 characters)) must be a valid integer"),
+    (["run.seed=" + "7" * 5000], "Exceeds the limit (4300 digits)"),
+    (["model.hidden_sizes={{a: 1, a: 2}}"], "key 'a' appears twice in one mapping"),  # {{ }}: main_argv formats
 ]
 
 
@@ -83,19 +101,71 @@ def finished(tmp_path_factory) -> Path:
     (tmp / "files" / "sweep_uri.yaml").write_text(
         "sweep: {name: s, base_config: trainers/configs/tabular_mlp.yaml, storage_path: 's3://bucket/x'}\n"
         "space: {optim.lr: {loguniform: [1.0e-4, 1.0e-2]}}\n")
+    # Issue 27: hostile YAML, a symlink loop, a task module that exits at import, a run folder naming a planted
+    # module, a copy of the data with damaged pages.
+    (tmp / "files" / "duplicate.yaml").write_text("train:\n  max_steps: 10\n  max_steps: 20\n")
+    bomb = ", ".join(["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)])
+    (tmp / "files" / "bomb.yaml").write_text(f"data:\n  feature_columns: [{bomb}]\n")
+    small = ", ".join(["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)])
+    (tmp / "files" / "small_bomb.yaml").write_text(f"data:\n  feature_columns: [{small}]\n")
+    (tmp / "loop").mkdir()
+    (tmp / "loop" / "a").symlink_to(tmp / "loop" / "b")
+    (tmp / "loop" / "b").symlink_to(tmp / "loop" / "a")
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    planted = tmp / "runs" / "planted"
+    planted.mkdir()
+    summary = json.loads((tmp / "runs" / "tabular_mlp" / "summary.json").read_text())
+    summary["config"]["model"]["name"] = "planted:Task"
+    (planted / "summary.json").write_text(json.dumps(summary))
+    (tmp / "runs" / "planted.py").write_text(f"open({str(tmp / 'pwned')!r}, 'w').write('ran')\n")
+    shutil.copytree(tmp / "data", tmp / "damaged")
+    corrupt_pages(tmp / "damaged" / "train" / "part-0000.parquet")
+    plant_hostile_runs(tmp)
     return tmp
 
 
 @pytest.fixture(scope="module")
-def results(finished) -> dict[tuple, dict]:
+def full_disk(finished):
+    """finished/full: a small tmpfs with no byte left (None where this user may not mount one: not root)."""
+    import subprocess
+
+    where = finished / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        fd = os.open(where / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+        finally:
+            os.close(fd)
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+FULL_DISK = ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "run.storage_path={tmp}/full/runs"]
+
+
+@pytest.fixture(scope="module")
+def results(finished, full_disk) -> dict[tuple, dict]:
     """Every case below run once (tests/forked_cli.py), keyed by its argv: each test checks its own."""
     (finished / "notes").chmod(0o755)  # a folder others can read: never a state folder
     (finished / "empty").chmod(0o777)
     before = digest(finished)
-    cases = [main_argv(finished, o) for o, _ in MAIN_CASES] + [other_argv(finished, a) for a, _ in OTHER_CASES]
+    cases = ([main_argv(finished, o) for o, _ in MAIN_CASES] + [other_argv(finished, a) for a, _ in OTHER_CASES]
+             + [hostile_argv(finished, c, a) for c, a, _ in HOSTILE_CASES]
+             + ([other_argv(finished, FULL_DISK)] if full_disk else []))
     spec, out = finished.parent / "cases.json", finished.parent / "results.json"
     spec.write_text(json.dumps(cases))
-    r = run_cli(["tests/forked_cli.py", str(spec), str(out), str(finished)], timeout=1200)
+    r = run_cli(["tests/forked_cli.py", str(spec), str(out), str(finished)], timeout=1200,
+                env={"PYTHONPATH": str(finished / "tasks")})
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     assert len(got) == len(cases)
@@ -155,6 +225,26 @@ OTHER_CASES = [
     (["trainers/export.py", "{tmp}/empty", "{tmp}/m.safetensors"], "checkpoint ({tmp}/empty)"),
     (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/data/train/part-0000.parquet"], "--force"),
     (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/missing/m.safetensors"], "does not exist"),
+    # Issue 27: hostile YAML files, code a run folder names, export to a folder or where it cannot write, and
+    # argparse's usage errors, one line each.
+    (["trainers/main.py", "--config", "{tmp}/files/duplicate.yaml"], "key 'max_steps' appears twice in one mapping"),
+    (["trainers/main.py", "--config", "{tmp}/files/bomb.yaml"], "aliases expand to more than 1000000 values"),
+    (["trainers/main.py", "--config", "{tmp}/files/small_bomb.yaml"], "characters)) must be a valid string"),
+    (["trainers/generate.py", "--run", "{tmp}/runs/planted"], "names model.name (planted:Task), a module of your own"),
+    (["-m", "stride.trainers.generate", "--run", "{tmp}/runs/planted", "--task", "other:Task"],
+     "--task (other:Task) is not the task"),
+    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/notes"], "out ({tmp}/notes) is a folder"),
+    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "/proc/m.safetensors"], "out (/proc/m.safetensors)"),
+    (["trainers/main.py", "--bogus"], "python trainers/main.py: error: unrecognized arguments: --bogus; see"),
+    (["-m", "stride", "--bogus"], "unrecognized arguments: --bogus; see"),
+    (["trainers/torchrun.py"], "the following arguments are required: --config; see"),
+    (["trainers/generate.py", "--run"], "argument --run: expected one argument; see"),
+    (["trainers/export.py"], "required: checkpoint, out; see"),
+    (["tune/main.py", "--bogus"], "python tune/main.py: error: "),
+    (["datasets/prepare.py", "tabular", "--rows", "many"], "argument --rows: invalid int value: 'many'; see"),
+    (["-m", "stride.ray_cluster.doctor", "--bogus"], "unrecognized arguments: --bogus; see"),
+    (["-m", "stride.ray_cluster.local", "restart"], "invalid choice: 'restart'"),
+    (["ray_cluster/node.py", "restart"], "node.py: error: expected start|stop|status STATE_DIR"),
 ]
 
 
@@ -170,5 +260,222 @@ def test_other_commands_refuse(finished, results, argv, names):
     check(results[tuple(other_argv(finished, argv))], names.format(tmp=finished), results["before"])
 
 
-def test_the_sweep_covers_at_least_80_distinct_inputs():
-    assert len({tuple(o) for o, _ in MAIN_CASES}) + len({tuple(a) for a, _ in OTHER_CASES}) >= 80
+def test_inputs_that_work_train(finished, tmp_path):
+    """A config file that starts with a UTF-8 byte-order mark and names a Unicode run: trained, in a folder of that
+    name (Ray's metric tags: tests/test_run_folder_code.py)."""
+    config = tmp_path / "bom.yaml"
+    config.write_bytes(b"\xef\xbb\xbf" + (REPO / "trainers/configs/tabular_mlp.yaml").read_bytes())
+    storage = tmp_path / "runs"
+    r = run_cli(["trainers/torchrun.py", "--config", str(config), *base(finished)[:2], f"run.storage_path={storage}",
+                 "run.name=lauf-größe-日本",
+                 "tracking.mlflow=false", "train.max_steps=2", "train.epochs=null", "train.eval_every_steps=2"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((storage / "lauf-größe-日本" / "summary.json").read_text())["global_step"] == 2
+
+
+# ---- run folders written by someone else: each case a copy of the finished run with one thing planted in it ----
+# The attacker can write the whole folder, meta.json included, so planted files come with matching digests where
+# that helps them: only the containment and type checks can catch them. Files outside every run (outside/) are in
+# the watched folder, so a write through a link shows as a changed digest.
+
+LAST = "checkpoint_00000004"
+
+
+def _meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / "meta.json").read_text())
+
+
+def _rehash(ckpt: Path, name: str) -> None:
+    meta = _meta(ckpt)
+    data = (ckpt / name).read_bytes()
+    meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def _dcp_paths(new_path):
+    """Point every storage item of the last checkpoint's .metadata at new_path(old) (the test's own file: a plain
+    pickle round trip is fine here)."""
+    def tamper(run: Path, outside: Path) -> None:
+        import pickle
+
+        ckpt = run / LAST
+        md = pickle.loads((ckpt / ".metadata").read_bytes())
+        for info in md.storage_data.values():
+            info.relative_path = new_path(info.relative_path, outside)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+        _rehash(ckpt, ".metadata")
+    return tamper
+
+
+def _replace(name: str, make):
+    def tamper(run: Path, outside: Path) -> None:
+        path = run / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        make(path, outside)
+    return tamper
+
+
+def _link(name: str, target: str):
+    return _replace(name, lambda path, outside: path.symlink_to(target if target.startswith("/") else outside / target))
+
+
+def _meta_fields(**fields):
+    def tamper(run: Path, outside: Path) -> None:
+        meta = _meta(run / LAST)
+        meta.update({k: v(meta) if callable(v) else v for k, v in fields.items()})
+        (run / LAST / "meta.json").write_text(json.dumps(meta))
+    return tamper
+
+
+def _truncate(name: str, keep: int, rehash: bool = False):
+    def tamper(run: Path, outside: Path) -> None:
+        (run / name).write_bytes((run / name).read_bytes()[:keep])
+        if rehash:
+            _rehash(run / LAST, Path(name).name)
+    return tamper
+
+
+def _torn_next_with_link(run: Path, outside: Path) -> None:
+    """A torn folder of a step the resumed run writes again, holding a link to a file outside the run."""
+    (run / "checkpoint_00000006").mkdir()
+    (run / "checkpoint_00000006" / "__0_0.distcp").symlink_to(outside / "victim.txt")
+
+
+def _summary_fields(**fields):
+    def tamper(run: Path, outside: Path) -> None:
+        summary = json.loads((run / "summary.json").read_text())
+        summary.update({k: v(outside) if callable(v) else v for k, v in fields.items()})
+        (run / "summary.json").write_text(json.dumps(summary))
+    return tamper
+
+
+TAMPER = {
+    "shard-link": _link(f"{LAST}/__0_0.distcp", "shard-copy.distcp"),  # the same bytes: its digest matches
+    "shard-fifo": _replace(f"{LAST}/__0_0.distcp", lambda path, outside: os.mkfifo(path)),
+    "shard-dev-zero": _link(f"{LAST}/__0_0.distcp", "/dev/zero"),
+    "shard-truncated": _truncate(f"{LAST}/__0_0.distcp", 100),
+    "metadata-traversal": _dcp_paths(lambda p, outside: f"../checkpoint_00000002/{p}"),
+    "metadata-absolute": _dcp_paths(lambda p, outside: str(outside / "shard-copy.distcp")),
+    "metadata-truncated": _truncate(f"{LAST}/.metadata", 40, rehash=True),
+    "meta-step-text": _meta_fields(step="4"),
+    "meta-step-huge": _meta_fields(step=10 ** 30),
+    "meta-files-list": _meta_fields(files=lambda m: sorted(m["files"])),
+    "meta-files-traversal": _meta_fields(files=lambda m: {**m["files"], "../../../outside/victim.txt": {
+        "bytes": 6, "sha256": hashlib.sha256(b"victim").hexdigest()}}),
+    "meta-sha-not-hex": _meta_fields(files=lambda m: {**m["files"], "__0_0.distcp": {"bytes": 1, "sha256": "zz"}}),
+    "meta-a-list": _replace(f"{LAST}/meta.json", lambda path, outside: path.write_text("[4]")),
+    "meta-truncated": _truncate(f"{LAST}/meta.json", 20),
+    "meta-link": _link(f"{LAST}/meta.json", "meta-copy.json"),
+    "checkpoint-link": _link(LAST, "other-checkpoint"),
+    "torn-next-with-link": _torn_next_with_link,
+    "metrics-link": _link("metrics.jsonl", "victim.txt"),
+    "summary-link": _link("summary.json", "summary-copy.json"),
+    "stop-file-link": _link(".stride-stop", "victim.txt"),
+    "profile-link": _link("profile", "profile-elsewhere"),
+    "summary-status-number": _summary_fields(status=5),
+    "summary-checkpoint-outside": _summary_fields(checkpoint=lambda outside: str(outside / "other-checkpoint")),
+    "summary-config-list": _summary_fields(config=[1, 2]),
+    "lock-held": lambda run, outside: _plant_live_lock(run),
+}
+
+
+def _plant_live_lock(run: Path) -> None:
+    """Another run of this name, alive on this host (this test's own process) with a fresh heartbeat: the second
+    sbatch of one config."""
+    import socket
+
+    from stride.trainers import runlock
+
+    (run / runlock.LOCK).write_text(json.dumps({
+        "token": "0" * 32, "fence": 1, "host": socket.gethostname(), "pid": os.getpid(),
+        "pid_start": runlock.process_start(os.getpid()), "started": 0, "instance": None}))
+
+
+def plant_hostile_runs(tmp: Path) -> None:
+    """tmp/hostile/<case>/runs/tabular_mlp: the finished run with TAMPER[case] applied; tmp/outside: the files the
+    planted links point at."""
+    run, outside = tmp / "runs" / "tabular_mlp", tmp / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("victim")
+    (outside / "profile-elsewhere").mkdir()
+    shutil.copy(run / LAST / "__0_0.distcp", outside / "shard-copy.distcp")
+    shutil.copy(run / LAST / "meta.json", outside / "meta-copy.json")
+    shutil.copy(run / "summary.json", outside / "summary-copy.json")
+    shutil.copytree(run / "checkpoint_00000002", outside / "other-checkpoint")
+    for case, tamper in TAMPER.items():
+        copy = tmp / "hostile" / case / "runs" / "tabular_mlp"
+        shutil.copytree(run, copy, symlinks=True)
+        summary = json.loads((copy / "summary.json").read_text())
+        summary["checkpoint"] = str(copy / LAST)  # the copy's own, as if it had been trained there
+        (copy / "summary.json").write_text(json.dumps(summary))
+        tamper(copy, outside)
+
+
+def _export(case: str) -> list[str]:
+    return ["trainers/export.py", f"{{tmp}}/hostile/{case}/runs/tabular_mlp/{LAST}", f"{{tmp}}/{case}.safetensors"]
+
+
+def _resume(launcher: str):
+    def argv(case: str) -> list[str]:
+        return [launcher, "--config", "trainers/configs/tabular_mlp.yaml", f"run.storage_path={{tmp}}/hostile/{case}/runs",
+                "train.max_steps=6", "train.epochs=null", "checkpoint.every_steps=2"]
+    return argv
+
+
+def _generate(case: str) -> list[str]:
+    return ["trainers/generate.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
+
+
+# (case, command, what the error line must name): a checkpoint named explicitly is refused (exit 2); a link where
+# a run writes is refused before it trains, by either launcher.
+HOSTILE_CASES = (
+    [(c, _export, n) for c, n in [
+        ("shard-link", "__0_0.distcp is a symlink"), ("shard-fifo", "__0_0.distcp is a FIFO"),
+        ("shard-dev-zero", "__0_0.distcp is a symlink"), ("shard-truncated", "__0_0.distcp does not match"),
+        ("metadata-traversal", "../checkpoint_00000002/__0_0.distcp"), ("metadata-absolute", "shard-copy.distcp"),
+        ("metadata-truncated", ".metadata"), ("meta-step-text", "step ('4')"), ("meta-step-huge", "step (10000"),
+        ("meta-files-list", "files ("), ("meta-files-traversal", "../../../outside/victim.txt"),
+        ("meta-sha-not-hex", "sha256 ('zz')"), ("meta-a-list", "meta.json"), ("meta-truncated", "meta.json"),
+        ("meta-link", "meta.json is a symlink"), ("checkpoint-link", "is unusable (a symlink, not followed)")]]
+    + [(c, _resume(launcher), n) for launcher in ("trainers/torchrun.py", "trainers/main.py") for c, n in [
+        ("shard-link", "__0_0.distcp is a symlink"), ("meta-link", "meta.json is a symlink"),
+        ("checkpoint-link", f"{LAST} is a symlink"), ("torn-next-with-link", "checkpoint_00000006/__0_0.distcp is a symlink"),
+        ("metrics-link", "metrics.jsonl is a symlink"), ("summary-link", "summary.json is a symlink"),
+        ("stop-file-link", ".stride-stop is a symlink"), ("profile-link", "profile is a symlink"),
+        ("lock-held", "is in use by another run")]]
+    + [(c, _generate, n) for c, n in [
+        ("summary-link", "summary.json"), ("summary-status-number", "status (5)"),
+        ("summary-checkpoint-outside", "other-checkpoint"), ("summary-config-list", "config ([1, 2])"),
+        ("shard-fifo", "__0_0.distcp is a FIFO"), ("metadata-traversal", "../checkpoint_00000002/__0_0.distcp")]]
+)
+
+
+def hostile_argv(tmp: Path, case: str, command) -> list[str]:
+    argv = [a.format(tmp=tmp) for a in command(case)]
+    if argv[0] in ("trainers/torchrun.py", "trainers/main.py"):  # the common overrides first, the case's last
+        argv = argv[:3] + base(tmp) + argv[3:]
+    return argv
+
+
+@pytest.mark.parametrize("case, command, names", HOSTILE_CASES,
+                         ids=[f"{Path(cmd(c)[0]).stem}-{c}" for c, cmd, _ in HOSTILE_CASES])
+def test_run_folders_written_by_someone_else_are_refused(finished, results, case, command, names):
+    r = results[tuple(hostile_argv(finished, case, command))]
+    check(r, names, results["before"])
+    assert not (finished / f"{case}.safetensors").exists()
+
+
+def test_a_full_disk_is_refused_before_training(finished, full_disk, results):
+    """run.storage_path on a disk with no space left: one line naming it, and nothing else written."""
+    if full_disk is None:
+        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    check(results[tuple(other_argv(finished, FULL_DISK))], "run.storage_path", results["before"])
+    assert "No space left on device" in results[tuple(other_argv(finished, FULL_DISK))]["stderr"]
+
+
+def test_the_sweep_covers_at_least_150_distinct_inputs():
+    assert len({tuple(o) for o, _ in MAIN_CASES}) + len({tuple(a) for a, _ in OTHER_CASES}) + len(
+        {(c, cmd(c)[0]) for c, cmd, _ in HOSTILE_CASES}) + 1 >= 150  # + the full disk

@@ -3,6 +3,7 @@ RAY_ADDRESS (an embedded local Ray) is SIGKILLed, every process of its Ray is go
 (ray_cluster/watchdog.py), so no orphaned worker writes into the run folder again, and its /tmp/stride-auth-* token
 folder does not outlive the next start (ray_cluster/connect.py)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from conftest import PYTHON, REPO, descendants, kill_pids
 from stride.ray_cluster import connect
+from stride.trainers import runlock
 
 
 def _alive(pid: int) -> bool:
@@ -30,7 +32,7 @@ def _auth_folders() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"{connect.AUTH_PREFIX}*"))
 
 
-def _start(storage: Path, data: Path, name: str) -> subprocess.Popen:
+def _start(storage: Path, data: Path, name: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)  # an embedded Ray: the guarantee is about the cluster this driver starts
     args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
@@ -38,7 +40,7 @@ def _start(storage: Path, data: Path, name: str) -> subprocess.Popen:
             "train.max_steps=1000000", "train.log_every_steps=20", "checkpoint.every_steps=50",
             "scaling.num_workers=1", "tracking.mlflow=false"]
     return subprocess.Popen([PYTHON, "trainers/main.py", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=stderr)
 
 
 def _wait_for_training(proc: subprocess.Popen, run: Path, timeout: float = 240) -> None:
@@ -52,7 +54,7 @@ def _wait_for_training(proc: subprocess.Popen, run: Path, timeout: float = 240) 
     raise AssertionError(f"no training within {timeout} s")
 
 
-def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it(tmp_path, tabular_data):
+def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it_and_a_rerun_takes_over(tmp_path, tabular_data):
     before = _auth_folders()
     driver = _start(tmp_path, tabular_data, "k")
     run = tmp_path / "k"
@@ -74,15 +76,33 @@ def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it(tmp_
         time.sleep(3)
         assert _files(run) == written  # no orphan writes a checkpoint or a metric any more
 
-        # The watchdog removed the token folder already; a start removes any a killed watchdog left.
-        second = _start(tmp_path, tabular_data, "k2")
-        _wait_for_training(second, tmp_path / "k2")
+        # The rerun of the same run.name takes the dead driver's run lock over at once (its holder is dead on this
+        # host) and trains on from its checkpoint. The watchdog removed the token folder already; a start removes
+        # any a killed watchdog left.
+        old_lock = json.loads((run / runlock.LOCK).read_text())
+        last_step = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines())
+        with open(tmp_path / "rerun.err", "w") as err:
+            second = _start(tmp_path, tabular_data, "k", stderr=err)
+            deadline = time.time() + 240
+            while not _trained_past(run, last_step) and time.time() < deadline:
+                assert second.poll() is None, (tmp_path / "rerun.err").read_text()[-2000:]
+                time.sleep(0.3)
+        assert _trained_past(run, last_step), "the rerun did not train within 240 s"
+        new_lock = json.loads((run / runlock.LOCK).read_text())
+        assert new_lock["token"] != old_lock["token"] and new_lock["pid"] == second.pid
+        warning = [ln for ln in (tmp_path / "rerun.err").read_text().splitlines() if "taking over the run lock" in ln]
+        assert len(warning) == 1 and f"pid {old_lock['pid']}" in warning[0] and "(dead)" in warning[0], warning
         assert not token_dir.exists()
     finally:
         for proc in (driver, second):
             if proc is not None and proc.poll() is None:
                 kill_pids([proc.pid])
                 proc.wait()
+
+
+def _trained_past(run: Path, step: int) -> bool:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return any(json.loads(line)["step"] > step for line in lines if line.strip())
 
 
 def test_a_start_removes_only_token_folders_of_dead_drivers_of_this_user(tmp_path):

@@ -137,7 +137,10 @@ def test_an_embedded_start_sweeps_orphaned_token_folders_and_records_its_own(tmp
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
-        monkeypatch.delenv(key, raising=False)
+        # setenv first: monkeypatch then restores the variable as it was (absent) after the test, also when the code
+        # under test sets it, as _auth_env_for_embedded does; a leaked token path breaks every later embedded run.
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     orphan = tmp_path / f"{connect.AUTH_PREFIX}orphan"

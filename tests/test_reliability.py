@@ -113,8 +113,9 @@ def test_transient_storage_errors_on_two_ranks_are_retried(tmp_path, tabular_dat
     # Storage that stays broken ends the run with the path and what to check; the run's earlier checkpoints stay.
     r = torchrun(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=40"), dict(env, FLAKY_FAILS="9"))
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert re.search(r"stride: error: .*writing checkpoint to .*/flaky/checkpoint_\S+ failed 4 times \(\[Errno 5\] "
-                     r"Input/output error\); check that run.storage_path is writable", r.stdout + r.stderr)
+    assert re.search(r"stride: error: checkpoint checkpoint_\d+ could not be written \(\[Errno 5\] Input/output error; "
+                     r"failed 4 times\); the last complete checkpoint is \S*/flaky/checkpoint_00000030: make "
+                     r"run.storage_path \(\S+\) writable", r.stdout + r.stderr), r.stderr[-2000:]
     assert checkpointing.read_meta(checkpointing.newest_complete(tmp_path / "flaky"))["step"] == 30
     assert all(checkpointing.verify(c) is None for c in folders)
 

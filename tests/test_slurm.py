@@ -316,19 +316,14 @@ def test_sbatch_from_the_project_folder_trains_the_users_task(pair, work, outsid
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_auto_workers_run_one_per_node(pair, work):
-    """scaling.num_workers=auto on CPU nodes means one worker per node, although Ray has 2 CPUs on each: the two
-    training workers' pids (from the driver's output) must be Ray workers of different nodes (U keeps its nodes'
-    Ray logs)."""
-    job, out = pair["ids"]["U"], output(work, "U")
-    pids = re.findall(r"\(ip=[^,]+, pid=(\d+)\) world_rank=\d", out)
-    assert len(pids) == 2, out[-3000:]
-    where = {}
-    for pid in pids:
-        hits = list((work["root"] / "r").glob(f"stride-{job}-*/ray/session_*/logs/python-core-worker-*_{pid}.log"))
-        where[pid] = {h.parts[len((work["root"] / "r").parts)] for h in hits}
-    nodes = [n.pop() for n in where.values() if len(n) == 1]
-    assert len(nodes) == 2, where
-    assert nodes[0] != nodes[1], f"both training workers ran on {nodes[0]}: Ray Train packed them onto one node"
+    """scaling.num_workers=auto on CPU nodes means one worker per node, although Ray has 2 CPUs on each: summary.json
+    names the Ray node of each rank, and the two must differ (PACK would stack both workers on one node)."""
+    out = output(work, "U")
+    path = re.search(r"stride: summary +(\S+)", out)
+    assert path, out[-3000:]
+    nodes = json.loads(Path(path.group(1)).read_text())["worker_nodes"]
+    assert len(nodes) == 2 and all(nodes), nodes
+    assert nodes[0] != nodes[1], f"both training workers ran on node {nodes[0]}: Ray Train packed them onto one node"
 
 
 @pytest.mark.slow

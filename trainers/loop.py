@@ -56,6 +56,9 @@ class WorkerEnv:
     # record(figures): this rank's figures of a log step to the runtime's metrics system (Ray: Prometheus gauges).
     record_metrics: Callable[[dict[str, Any]], None] | None = None
     checkpoint_write_s: list[float] = field(default_factory=list)  # rank 0: each finished write's seconds
+    # Where this rank runs, as its runtime names nodes (Ray: the node id; torchrun: the host): summary.json's
+    # worker_nodes, so that a user sees how the gang was placed.
+    node: str = ""
     # The training rows' pipeline: TrainStream's signature (datasets/stream.py); None: TrainStream (a thread).
     # The Ray edge passes a Ray Data pipeline when the driver chose data.pipeline=ray_data.
     stream_factory: Callable[..., Any] | None = None
@@ -214,7 +217,7 @@ class Trainer:
         if self.sharded:
             model = fsdp.shard_model(model, self.task.blocks(model), env.device, W, self.precision.fsdp_param_dtype)
         self.model = model
-        self.optimizer = build_optimizer(cfg, model, W)
+        self.optimizer = build_optimizer(cfg, model, W, self.task)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         self.scaler = self.precision.grad_scaler()
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
@@ -539,10 +542,10 @@ class Trainer:
         # of the full parameters gathered from the shards) and the parameter bytes each rank holds.
         checksum = (fsdp.full_param_checksum(self.model) if self.sharded
                     else float(sum(p.detach().double().sum() for p in self.raw_model.parameters())))
-        per_rank = [(checksum, fsdp.local_param_bytes(self.raw_model))]
+        per_rank = [(checksum, fsdp.local_param_bytes(self.raw_model), self.env.node)]
         if W > 1:
-            per_rank = [None] * W
-            torch.distributed.all_gather_object(per_rank, (checksum, fsdp.local_param_bytes(self.raw_model)))
+            mine, per_rank = per_rank[0], [None] * W
+            torch.distributed.all_gather_object(per_rank, mine)
         trained = s.step - start_step
         return {
             "status": status, "stop_signal": stop.signal() if status != "completed" else None, "world_size": W,
@@ -555,7 +558,8 @@ class Trainer:
             if trained else None,
             "train_wall_s": wall, "mlflow_run_id": s.mlflow_run_id, "restarts": s.restarts,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
-            "param_checksums": [c for c, _ in per_rank], "param_bytes_per_worker": [b for _, b in per_rank],
+            "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
+            "worker_nodes": [n for _, _, n in per_rank],
         }
 
 

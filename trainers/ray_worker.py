@@ -15,6 +15,7 @@ from stride.trainers.loop import RunPlan, WorkerEnv, log, run
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Entry point Ray Train runs on each worker: {"cfg": the resolved config's dict, "plan": RunPlan}."""
+    import ray
     import ray.train
     import ray.train.torch
     from ray.train.v2._internal.execution import context as train_context
@@ -75,5 +76,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
         record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
         stream_factory=stream_factory,
+        node=ray.get_runtime_context().get_node_id(),
     )
     return run(cfg, env, plan)

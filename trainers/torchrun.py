@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 from concurrent.futures import Future
@@ -157,7 +158,7 @@ def train(config: str, overrides: list[str]) -> int:
             dist.barrier()
         env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=wrap_model,
                         latest_checkpoint=latest_checkpoint, report=report,
-                        progress_bar=progress_bar if sys.stdout.isatty() else None)
+                        progress_bar=progress_bar if sys.stdout.isatty() else None, node=socket.gethostname())
         t0 = time.time()
         summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty(),
                                          run_lock_token=token))

@@ -113,7 +113,7 @@ def test_trial_count():
     ({"model.dropout": {"uniform": [0.0, 1.0]}}, ["space.model.dropout", "can give 1.0", "less than 1"]),
     ({"train.batch_size_per_worker": {"uniform": [16, 64]}}, ["space.train.batch_size_per_worker", "use randint"]),
     ({"train.batch_size_per_worker": {"choice": [32, 0]}}, ["space.train.batch_size_per_worker", "can give 0"]),
-    ({"optim.name": {"choice": ["adamw", "adam"]}}, ["space.optim.name", "'adam'", "adamw"]),
+    ({"optim.name": {"choice": ["adamw", "adam2"]}}, ["space.optim.name", "'adam2'", "adamw"]),
     ({"optim.lr": {"normal": [0.1, 0.2]}}, ["space.optim.lr", "unknown distribution 'normal'"]),
     ({"optim.lr": 0.1}, ["space.optim.lr", "one distribution", "base"]),
     ({"optim.lr": {"uniform": [0.2, 0.1]}}, ["space.optim.lr", "low < high"]),

@@ -102,17 +102,54 @@ class TaskConfig(Section):
                                               'own stride.Task, importable from the working directory or PYTHONPATH')
 
 
+# The optimizers optim.name can call by a short name; anything else is "<module>:<Class>" (trainers/step.py).
+BUILTIN_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
+
+
 class OptimSection(Section):
-    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer")
+    name: str = Field("adamw", description="Optimizer: adamw, adam, sgd, adafactor (torch.optim's), or "
+                                           "\"<module>:<Class>\" of any torch.optim.Optimizer, e.g. torch.optim:RAdam or "
+                                           "my_optim:Lion (my_optim.py in the working directory or on PYTHONPATH)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for the optimizer, e.g. "
+                                   "{nesterov: true} for sgd; they override betas/momentum. A \"<module>:<Class>\" "
+                                   "optimizer gets only lr and these (weight_decay is set per parameter group)")
     lr: float = Field(1e-3, allow_inf_nan=False, gt=0.0, description="Peak learning rate at reference_batch_size")
     weight_decay: float = Field(0.01, allow_inf_nan=False, ge=0.0, description="Decoupled weight decay (AdamW) or L2 (SGD)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
-    momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="SGD momentum")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="adamw and adam betas")
+    momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="sgd momentum")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
     reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
-    warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps before cosine decay")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr")
+    schedule: Literal[SCHEDULES] = Field("cosine", description="lr schedule after the warm-up: cosine (to min_lr_ratio "
+                                         "at the last step), linear (likewise), constant (the peak lr), wsd (the peak lr, "
+                                         "then linear to min_lr_ratio over the last decay_fraction of training), "
+                                         "inverse_sqrt (peak x sqrt(warmup_steps / n) at step n, never below min_lr_ratio)")
+    warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps before the schedule")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr (constant: unused)")
+    decay_fraction: float = Field(0.1, allow_inf_nan=False, gt=0.0, le=1.0, description="schedule=wsd: the last fraction of "
+                                  "the training steps over which the lr decays to min_lr_ratio")
     grad_clip_norm: float | None = Field(1.0, allow_inf_nan=False, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
+
+    @field_validator("name")
+    @classmethod
+    def _optimizer_name(cls, v: str) -> str:
+        # Only the form is checked here; whether the class imports and takes optim.kwargs is checked on the driver
+        # (stride.trainers.step.check_optimizer), which may run a user's module.
+        module, colon, name = v.partition(":")
+        if v not in BUILTIN_OPTIMIZERS and not (colon and module and name):
+            raise ValueError(f"is neither {', '.join(BUILTIN_OPTIMIZERS)} nor \"<module>:<Class>\"; use e.g. "
+                             f"optim.name=adamw or optim.name=torch.optim:RAdam")
+        return v
+
+    @field_validator("kwargs")
+    @classmethod
+    def _optimizer_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # Stride sets these per parameter group, where they would silently win over a constructor argument.
+        taken = sorted(k for k in ("lr", "weight_decay", "params") if k in v)
+        if taken:
+            raise ValueError(f"sets {', '.join(taken)}, which Stride sets itself; use optim.lr and optim.weight_decay "
+                             f"instead and remove them from optim.kwargs")
+        return v
 
 
 class TrainSection(Section):

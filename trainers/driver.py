@@ -56,9 +56,11 @@ def prepare(cfg: Config, num_workers: int | None = None):
     """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.
     Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
     the launcher knows it (torchrun); else the config's."""
+    from stride.trainers.step import check_optimizer
     from stride.trainers.tasks import make_task
 
     task = make_task(cfg)
+    check_optimizer(cfg)
     specs = inspect(cfg, task)
     if num_workers is None and isinstance(cfg.scaling.num_workers, int):
         num_workers = cfg.scaling.num_workers

@@ -66,33 +66,138 @@ class Precision:
 
 # ---- optimizer, schedule ----
 
-def build_optimizer(cfg: Config, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+# optim.name's short names: the class, and the config fields it takes beyond lr (optim.kwargs override them).
+BUILTIN_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[[Any], dict[str, Any]]]] = {
+    "adamw": (torch.optim.AdamW, lambda o: {"betas": tuple(o.betas)}),
+    "adam": (torch.optim.Adam, lambda o: {"betas": tuple(o.betas)}),
+    "sgd": (torch.optim.SGD, lambda o: {"momentum": o.momentum}),
+    "adafactor": (torch.optim.Adafactor, lambda o: {}),
+}
+
+
+def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
+    """optim.name -> (the optimizer class, whether it is built in). A "<module>:<Class>" is found the way
+    model.name finds a user's task. Raises ConfigError (exit 2) for a name that is no torch.optim.Optimizer."""
+    from stride.trainers.config import ConfigError
+    from stride.trainers.tasks import load_class
+
+    if name in BUILTIN_OPTIMIZERS:
+        return BUILTIN_OPTIMIZERS[name][0], True
+    cls = load_class("optim.name", name, name)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim.name ({name}) is not a torch.optim.Optimizer subclass; name one, e.g. "
+                          f"optim.name=torch.optim:RAdam, or define class {name.partition(':')[2]}(torch.optim.Optimizer)")
+    return cls, False
+
+
+def param_groups(cfg: Config, model: nn.Module, lr: float) -> list[dict[str, Any]]:
+    """The trainable parameters in optimizer groups, each with its own lr and weight_decay (so per-group settings
+    can be layered on later): no weight decay on biases, norms and embeddings' 1-d parameters (the usual GPT recipe)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay, "lr": lr},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+
+
+def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = None) -> torch.optim.Optimizer:
+    """The optimizer over `model`'s parameter groups: the task's own (Task.configure_optimizer) if it builds one,
+    else optim.name with optim.kwargs."""
     from stride.trainers.config import scaled_lr
 
     o = cfg.optim
     lr = scaled_lr(cfg, world_size)
-    # No weight decay on biases, norms and embeddings' 1-d parameters (the usual GPT recipe).
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas))
+    groups = param_groups(cfg, model, lr)
+    if task is not None:
+        optimizer = task.configure_optimizer(model, groups)
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"{type(task).__name__}.configure_optimizer returned {type(optimizer).__name__}, not "
+                                f"a torch.optim.Optimizer; return one, or None to let Stride build optim.name")
+            return optimizer
+    cls, builtin = optimizer_class(o.name)
+    defaults = BUILTIN_OPTIMIZERS[o.name][1](o) if builtin else {}
+    return cls(groups, lr=lr, **{**defaults, **o.kwargs})
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step `step`: linear warm-up, then cosine to min_lr_ratio."""
+def check_optimizer(cfg: Config) -> None:
+    """Build optim.name with optim.kwargs over a dummy model and take one step, on the driver before any worker
+    starts: an unknown class or a keyword it refuses is a ConfigError (exit 2) here, not a failure on every worker."""
+    from stride.trainers.config import ConfigError, quote
+
+    optimizer_class(cfg.optim.name)  # its own errors name optim.name
+    dummy = nn.Linear(2, 2)  # a 2-d and a 1-d parameter: both groups
+    try:
+        optimizer = build_optimizer(cfg, dummy, 1)
+        dummy(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    except Exception as e:  # noqa: BLE001 - whatever the optimizer refuses, one line naming the setting
+        key, value = ("optim.kwargs", quote(cfg.optim.kwargs)) if cfg.optim.kwargs else ("optim.name", cfg.optim.name)
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"{key} ({value}): {cfg.optim.name} refused it ({type(e).__name__}: {reason}); fix {key} "
+                          f"to what the optimizer's constructor takes") from None
+
+
+# ---- schedules: the multiplier of the peak lr at optimizer step `step` (0-based), after a linear warm-up ----
+
+def _warmup(step: int, warmup_steps: int) -> float:
+    return (step + 1) / warmup_steps
+
+
+def cosine_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float = 1.0) -> float:
+    """Cosine from the peak to min_lr_ratio at total_steps (Stride's schedule before optim.schedule existed)."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return _warmup(step, warmup_steps)
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+lr_factor = cosine_factor  # the name callers used before optim.schedule existed
+
+
+def linear_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
+    """A straight line from the peak to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+
+
+def constant_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
+    """The peak lr after the warm-up."""
+    return _warmup(step, warmup_steps) if step < warmup_steps else 1.0
+
+
+def wsd_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
+    """Warm-up, stable at the peak, then a straight line to min_lr_ratio over the last
+    round(decay_fraction x total_steps) steps (at least 1; never starting inside the warm-up)."""
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    decay_start = max(warmup_steps, total_steps - max(1, round(decay_fraction * total_steps)))
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+
+
+def inverse_sqrt_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
+    """sqrt(warmup_steps / n) at the n-th optimizer step (n = step + 1; warmup_steps=0 counts as 1), so it continues
+    the warm-up's peak; never below min_lr_ratio."""
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    return max(min_lr_ratio, math.sqrt(max(1, warmup_steps) / (step + 1)))
+
+
+SCHEDULES: dict[str, Callable[[int, int, int, float, float], float]] = {
+    "cosine": cosine_factor, "linear": linear_factor, "constant": constant_factor, "wsd": wsd_factor,
+    "inverse_sqrt": inverse_sqrt_factor,
+}
+
+
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
     o = cfg.optim
+    factor = SCHEDULES[o.schedule]
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, o.warmup_steps, total_steps, o.min_lr_ratio))
+        optimizer, lambda s: factor(s, o.warmup_steps, total_steps, o.min_lr_ratio, o.decay_fraction))
 
 
 # ---- one optimizer step ----

@@ -106,6 +106,15 @@ class Task:
         """Tokens in one sample, for tokens_per_second (text tasks). Default: None (not reported)."""
         return None
 
+    def configure_optimizer(self, model: nn.Module,
+                            param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
+        """The optimizer, for what optim.name and optim.kwargs cannot say; None (the default): Stride builds
+        optim.name. `model` is the model as trained (under FSDP its parameters are shards); `param_groups` are
+        Stride's groups of its trainable parameters, each with "params", "lr" (optim.lr, scaled) and "weight_decay"
+        (0 for 1-d parameters): pass them on so the schedule and weight decay apply. Stride still owns precision,
+        the grad scaler, clipping, sharding, the lr schedule and checkpoints (the optimizer's state_dict)."""
+        return None
+
     def generate(self, model: nn.Module, prompt: str, tokens: int, temperature: float) -> str:
         """Text generation from a trained model (trainers/generate.py), where the task has it."""
         raise NotImplementedError(f"the task {type(self).__name__} has no text generation")

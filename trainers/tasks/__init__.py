@@ -1,4 +1,5 @@
-"""Built-in tasks and how `model.name` finds a task: a built-in name, or "<module>:<Class>" of a user's own.
+"""Built-in tasks and how `model.name` finds a task: a built-in name, or "<module>:<Class>" of a user's own
+(`optim.name` finds a user's optimizer class the same way: load_class).
 
 The user's module is imported from the working directory or PYTHONPATH. The driver passes its working directory
 to every worker as STRIDE_TASK_PATH; those folders are appended to sys.path (never prepended: a user's folder must
@@ -62,7 +63,20 @@ def task_class(name: str):
         raise ConfigError(f"model.name ({name}) is neither a built-in task ({', '.join(BUILTIN)}) nor "
                           f"\"<module>:<Class>\"; use e.g. model.name=my_task:MyTask (my_task.py in the working "
                           f"directory or on PYTHONPATH)")
-    if name not in BUILTIN:  # a user's module: from the working directory or STRIDE_TASK_PATH
+    cls = load_class("model.name", name, spec, user=name not in BUILTIN)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"model.name ({name}): {class_name} is not a stride.Task subclass; "
+                          f"define it as class {class_name}(stride.Task)")
+    if not (isinstance(cls.Config, type) and issubclass(cls.Config, Task.Config)):
+        raise ConfigError(f"model.name ({name}): {class_name}.Config must subclass stride.Task.Config")
+    return cls
+
+
+def load_class(key: str, name: str, spec: str, user: bool = True):
+    """The attribute `spec` ("<module>:<Class>") names, for the config key `key` whose value is `name`: a user's
+    module (`user`) is looked for in task_search_path() too. Raises ConfigError (one line, exit 2) naming `key`."""
+    module_name, _, class_name = spec.partition(":")
+    if user:  # a user's module: from the working directory or STRIDE_TASK_PATH
         for folder in task_search_path():
             if folder not in sys.path:
                 sys.path.append(folder)
@@ -71,27 +85,22 @@ def task_class(name: str):
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
             where = f"the working directory ({os.getcwd()}) or " if _search_working_directory else ""
-            raise ConfigError(f"model.name ({name}): module {module_name} is not importable; put {module_name}.py in "
+            raise ConfigError(f"{key} ({name}): module {module_name} is not importable; put {module_name}.py in "
                               f"{where}a folder on PYTHONPATH") from None
-        raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; install the missing "
+        raise ConfigError(f"{key} ({name}): importing {module_name} failed: {_where(e)}; install the missing "
                           f"module or fix the import") from None
     except SystemExit as e:  # else the driver would exit with the module's code, 0 included, having trained nothing
-        raise ConfigError(f"model.name ({name}): module {module_name} called sys.exit({e.code!r}) while being "
+        raise ConfigError(f"{key} ({name}): module {module_name} called sys.exit({e.code!r}) while being "
                           f"imported{_where_raised(e)}; keep sys.exit under `if __name__ == \"__main__\":`") from None
     except KeyboardInterrupt as e:
-        raise ConfigError(f"model.name ({name}): module {module_name} raised KeyboardInterrupt while being "
+        raise ConfigError(f"{key} ({name}): module {module_name} raised KeyboardInterrupt while being "
                           f"imported{_where_raised(e)} (Ctrl-C, or the module raises it); fix the module") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed to import: one line naming where
-        raise ConfigError(f"model.name ({name}): importing {module_name} failed: {_where(e)}; fix the module") from None
+        raise ConfigError(f"{key} ({name}): importing {module_name} failed: {_where(e)}; fix the module") from None
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise ConfigError(f"model.name ({name}): module {module_name} has no {class_name}; "
+        raise ConfigError(f"{key} ({name}): module {module_name} has no {class_name}; "
                           f"name a class defined in {getattr(module, '__file__', module_name)}")
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise ConfigError(f"model.name ({name}): {class_name} is not a stride.Task subclass; "
-                          f"define it as class {class_name}(stride.Task)")
-    if not (isinstance(cls.Config, type) and issubclass(cls.Config, Task.Config)):
-        raise ConfigError(f"model.name ({name}): {class_name}.Config must subclass stride.Task.Config")
     return cls
 
 

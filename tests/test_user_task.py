@@ -122,7 +122,7 @@ def test_config_takes_the_tasks_fields_and_refuses_unknown_ones(project):
     r = stride(project, "--print-config", "model.channels=8", timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     model = yaml.safe_load(r.stdout)["model"]
-    assert model == {"name": TASK, "channels": 8, "depth": 3, "dropout": 0.0, "max_shift": 8}
+    assert model == {"name": TASK, "channels": 8, "depth": 3, "dropout": 0.0, "max_shift": 8, "notes_path": None}
     r = stride(project, "--print-config", "model.chanels=8", timeout=120)
     assert r.returncode == 2
     assert f"unknown key 'model.chanels' for model.name {TASK}" in r.stderr and "channels" in r.stderr, r.stderr
@@ -134,10 +134,12 @@ def test_config_takes_the_tasks_fields_and_refuses_unknown_ones(project):
 
 @pytest.fixture(scope="module")
 def ray_run(project, shared_ray_head):
-    r = stride(project, "run.name=ray2", *RAY_ARGS, env=shared_ray_head.env())
+    (project / "notes.txt").write_text("a file the task reads, named relative to the project folder")
+    # model.notes_path is relative to where the user runs Stride (the project); Ray's workers run in another folder.
+    r = stride(project, "run.name=ray2", "model.notes_path=notes.txt", *RAY_ARGS, env=shared_ray_head.env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not shared_ray_head.wait_idle()
-    return {"dir": project / "runs" / "ray2", "stdout": r.stdout}
+    return {"dir": project / "runs" / "ray2", "stdout": r.stdout, "project": project}
 
 
 @pytest.mark.slow
@@ -146,6 +148,7 @@ def test_two_ray_workers_train_the_users_task(ray_run):
     assert s["status"] == "completed" and s["global_step"] == RAY_STEPS and s["world_size"] == 2
     assert s["strategy"] == "ddp" and s["task"] == TASK and s["facts"] == FACTS and s["restarts"] == 0
     assert s["config"]["model"]["channels"] == 16
+    assert s["config"]["model"]["notes_path"] == str(ray_run["project"] / "notes.txt")  # resolved on the driver
     losses = train_losses(run)
     assert sorted(losses) == list(range(10, RAY_STEPS + 1, 10))
     assert losses[RAY_STEPS] < 0.5 * losses[10]  # the loss falls

@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -457,9 +458,28 @@ def build_config(raw: dict[str, Any], origin: str = "config") -> Config:
     except ValidationError as e:
         raise ConfigError(describe_validation_error(e, raw, prefix="model")) from None
     try:
-        return Config.model_validate(dict(raw, model=model))
+        return absolute_paths(Config.model_validate(dict(raw, model=model)))
     except ValidationError as e:
         raise ConfigError(describe_validation_error(e, raw)) from None
+
+
+def _is_path_field(annotation: Any) -> bool:
+    return annotation is Path or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and Path in typing.get_args(annotation))
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """Every field typed Path (or Path | None), in every section and a task's own Config, made absolute against
+    the working directory where the config is loaded: the driver's, where the user wrote it. Workers (Ray, other
+    nodes, `ray job submit`) run elsewhere; they rebuild the config from the driver's dict, where the paths are
+    already absolute, so this is a no-op there."""
+    for name in type(cfg).model_fields:
+        section = getattr(cfg, name)
+        for field, info in type(section).model_fields.items():
+            value = getattr(section, field)
+            if _is_path_field(info.annotation) and isinstance(value, Path) and not value.is_absolute():
+                object.__setattr__(section, field, Path(os.path.abspath(value.expanduser())))
+    return cfg
 
 
 def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: str | None = None) -> str:

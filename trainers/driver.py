@@ -5,6 +5,7 @@ and sweeps (tune/): the task and its data checks, the TorchTrainer, resume check
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -97,7 +98,29 @@ def ensure_writable(folder: Path, key: str, value) -> Path:
 
 
 def check_storage(cfg: Config) -> Path:
+    check_job_storage(cfg)
     return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
+
+
+def _in_uploaded_working_dir() -> bool:
+    """Ray sets RAY_JOB_CONFIG_JSON_ENV_VAR for a job's driver; its runtime_env names the uploaded working_dir."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not text:
+        return False
+    try:
+        return bool(((json.loads(text) or {}).get("runtime_env") or {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        return True  # unreadable: a job of unknown shape, so keep results safe
+
+
+def check_job_storage(cfg: Config) -> None:
+    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the uploaded folder: a
+    relative run.storage_path would put the results there, deleted with the session. Refuse it (exit 2)."""
+    if not _in_uploaded_working_dir() or Path(cfg.run.storage_path).expanduser().is_absolute():
+        return
+    raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would land "
+                     f"in the job's temporary copy of --working-dir and be lost with it; set run.storage_path=<an "
+                     f"absolute path on shared storage, e.g. /mnt/shared/runs>")
 
 
 def check_multinode_paths(cfg: Config, nodes: int) -> None:

@@ -7,6 +7,8 @@ which of a few frequencies the waveform oscillates at, under random phase, offse
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import datasets  # Hugging Face `datasets`: Stride must never shadow it (its repository has a datasets/ folder)
 import numpy as np
 import torch
@@ -53,6 +55,9 @@ class SignalTask(Task):
         depth: int = Field(3, ge=2, description="Identical residual conv blocks")
         dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout in each block")
         max_shift: int = Field(8, ge=0, description="Augmentation: random circular shift of up to this many samples")
+        # A file of the user's, named relative to where they run Stride: every worker must get it absolute, whatever
+        # its own working directory (Ray workers run elsewhere).
+        notes_path: Path | None = Field(None, description="A text file build_model reads (optional)")
 
     columns = ("signal", "target")
     metric_names = ("accuracy",)
@@ -91,6 +96,10 @@ class SignalTask(Task):
         c, f = self.config, self.facts  # facts: what inspect found in the data, on every process
         if c.max_shift >= f["signal_length"]:
             raise DataError(f"model.max_shift ({c.max_shift}) must be below the signal length ({f['signal_length']})")
+        if c.notes_path is not None:
+            if not c.notes_path.is_absolute():
+                raise DataError(f"model.notes_path ({c.notes_path}) reached this process relative")
+            c.notes_path.read_text()  # FileNotFoundError on a worker that resolved it against its own folder
         return SignalCNN(f["num_classes"], c.channels, c.depth, c.dropout)
 
     def loss(self, model, batch):

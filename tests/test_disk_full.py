@@ -7,6 +7,7 @@ The full disk is a small tmpfs (the tests run as root here; skipped where mounti
 
 import json
 import os
+import re
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,7 @@ def _model(folder: Path) -> dict[str, torch.Tensor]:
     return checkpointing.load_model_state(folder)
 
 
+@pytest.mark.slow
 def test_a_full_disk_mid_checkpoint_ends_in_one_line_and_the_rerun_resumes_bitwise(tmp_path, tabular_data):
     """torchrun, one process: checkpoints 10 and 20 fit, 30 does not. Exit 1, one line on stderr naming 30 and 20,
     no retries (a full disk stays full), 10 and 20 intact; after the filler is deleted the same command resumes
@@ -97,6 +99,7 @@ def test_a_full_disk_mid_checkpoint_ends_in_one_line_and_the_rerun_resumes_bitwi
         assert losses == {r["step"]: r["train_loss"] for r in read_jsonl(ref_run / "metrics.jsonl") if "train_loss" in r}
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_ray_ends_in_one_line(tmp_path, tabular_data, ray_cluster):
     """The Ray driver on the shared head, same full disk: exit 1 and exactly one line on stderr (Ray Train's
     tracebacks of the failure, about 90 lines, stay in its session logs and the summary's error_detail), naming the
@@ -108,8 +111,11 @@ def test_a_full_disk_under_ray_ends_in_one_line(tmp_path, tabular_data, ray_clus
         assert full.returncode == 1, full.stdout[-2000:] + full.stderr[-3000:]
         lines = full.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("stride: error: "), full.stderr[-4000:]
-        assert "could not be written (No space left on device); the last complete checkpoint is " in lines[0]
-        assert lines[0].endswith(": free space and rerun to resume from it"), lines[0]
+        # Whichever write meets the full disk first names itself: the worker's checkpoint, or Ray Train's own record of
+        # the checkpoints (its snapshot, written by the controller), a race between the two processes.
+        assert re.search(r"(checkpoint checkpoint_\d+|Ray Train's checkpoint_manager_snapshot\.json in \S+) could not "
+                         r"be written \([^;]*No space left on device[^;]*\); the last complete checkpoint is "
+                         r"\S+/checkpoint_000000[12]0: free space and rerun to resume from it$", lines[0]), lines[0]
         assert checkpointing.verify(fs / "r" / "checkpoint_00000020") is None
 
         filler.unlink()

@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import PYTHON, REPO, descendants, kill_pids
 from stride.ray_cluster import connect
 from stride.trainers import runlock
@@ -54,6 +56,7 @@ def _wait_for_training(proc: subprocess.Popen, run: Path, timeout: float = 240) 
     raise AssertionError(f"no training within {timeout} s")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it_and_a_rerun_takes_over(tmp_path, tabular_data):
     before = _auth_folders()
     driver = _start(tmp_path, tabular_data, "k")

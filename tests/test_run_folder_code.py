@@ -33,6 +33,7 @@ def _one_line(r, code: int = 2) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["file", "module"])
 def test_generate_imports_no_module_a_run_folder_names_without_consent(tmp_path, how):
     run, marker = _tampered_run(tmp_path)

@@ -33,7 +33,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from stride.ray_cluster.connect import UsageError
+from stride.ray_cluster.connect import UsageError, process_start
 from stride.trainers.policies import TrainingError
 
 LOCK = "stride.lock"
@@ -52,16 +52,6 @@ class RunLockLostError(TrainingError):
 def heartbeat_interval(stale_s: float) -> float:
     """Several beats per stale period, so that a late beat or two (a busy GIL, an NFS hiccup) never looks stale."""
     return min(5.0, stale_s / 4)
-
-
-def process_start(pid: int) -> str | None:
-    """`pid`'s start time (clock ticks since boot, /proc/<pid>/stat field 22), or None when there is no such process:
-    with the pid it names one process, where a pid alone may have been reused."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()[19]  # the name in (...) may hold spaces; field 3 is the first after it
 
 
 def _alive(pid: int, start) -> bool:

@@ -130,6 +130,10 @@ class OptimSection(Section):
     decay_fraction: float = Field(0.1, allow_inf_nan=False, gt=0.0, le=1.0, description="schedule=wsd: the last fraction of "
                                   "the training steps over which the lr decays to min_lr_ratio")
     grad_clip_norm: float | None = Field(1.0, allow_inf_nan=False, gt=0.0, description="Clip the global gradient norm (null: no clipping)")
+    groups: list[ParamGroup] = Field(default_factory=list, description="Parameter groups, e.g. [{match: '^encoder\\.', "
+                                     "lr_scale: 0.1}, {match: '^decoder\\.embed', freeze: true}]: the first match wins, "
+                                     "unmatched parameters form the default group; each group's lr is logged as "
+                                     "lr/<name or index> (docs/fine-tuning.md)")
 
     @field_validator("name")
     @classmethod
@@ -151,6 +155,47 @@ class OptimSection(Section):
             raise ValueError(f"sets {', '.join(taken)}, which Stride sets itself; use optim.lr and optim.weight_decay "
                              f"instead and remove them from optim.kwargs")
         return v
+
+
+class ParamGroup(Section):
+    """One entry of optim.groups: the parameters whose names `match` selects (the first entry that matches wins)."""
+
+    match: str = Field(description="Regex searched in each parameter's name (as model.named_parameters() names it)")
+    name: str | None = Field(None, description="The group's name in logs (lr/<name>); null: its index in optim.groups")
+    lr_scale: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="The group's lr as a multiple of the schedule's")
+    weight_decay: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="Weight decay of the group's "
+                                       "2-d and larger parameters (null: optim.weight_decay); 1-d ones never decay")
+    freeze: bool = Field(False, description="Frozen: no gradient, no optimizer state, no weight decay, no all-reduce; "
+                                            "bitwise unchanged")
+    unfreeze_at_step: int | None = Field(None, ge=1, le=MAX_STEPS, description="Frozen before this optimizer step, "
+                                         "trained from it on, warming up again over optim.warmup_steps")
+
+    @field_validator("match")
+    @classmethod
+    def _a_regex(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"is not a regular expression ({e}); use e.g. match: '^encoder\\.'") from None
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _a_label(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError("must be 1-64 letters, digits, '_', '.' or '-' (it names a metric, lr/<name>); use e.g. "
+                             "name: encoder")
+        return v
+
+    def frozen_at(self, step: int) -> bool:
+        """Whether the group is frozen for the optimizer step that follows `step` completed steps."""
+        if self.unfreeze_at_step is not None:
+            return step < self.unfreeze_at_step
+        return self.freeze
+
+    @property
+    def label(self) -> str:
+        return self.name or ""
 
 
 class TrainSection(Section):
@@ -225,6 +270,59 @@ class ScalingSection(Section):
 class CheckpointSection(Section):
     every_steps: int | None = Field(200, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and always at the end)")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on storage")
+    trainable_only: bool = Field(False, description="Save only the trainable parameters and their optimizer state "
+                                 "(adapters: LoRA); a resume reads the frozen rest from init.from again, and exits 2 "
+                                 "if that file changed")
+
+
+class InitSection(Section):
+    """Pretrained weights, loaded once at step 0 of a fresh run (docs/fine-tuning.md). A resume never reads them
+    again (the checkpoint holds everything), except for checkpoint.trainable_only."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_: str | None = Field(None, alias="from", description="A .safetensors file, a Hugging Face model folder "
+                              "(save_pretrained's safetensors shards), a .pt/.pth/.bin state dict (read with "
+                              "weights_only), or a Stride run or checkpoint folder; a path or an object-store URI "
+                              "(s3://...). Relative paths are resolved where the config is loaded")
+    strict: bool = Field(True, description="Every selected model parameter loaded and every selected source tensor "
+                                           "used, with equal shapes; else exit 2")
+    include: list[str] = Field(default_factory=list, description="Regexes on the model's parameter names: load only "
+                               "those that match one (empty: all)")
+    exclude: list[str] = Field(default_factory=list, description="Regexes on the model's parameter names: never load "
+                               "those that match one")
+    rename: list[tuple[str, str]] = Field(default_factory=list, description="[pattern, replacement] pairs applied in "
+                                          "order (re.sub) to the source's tensor names, e.g. [['^', 'encoder.']]")
+
+    @field_validator("from_")
+    @classmethod
+    def _resolved_here(cls, v: str | None) -> str | None:
+        # Resolved where the config is loaded (the driver); workers receive it absolute (see absolute_paths).
+        if v is None or "://" in v:
+            return v
+        if not v.strip():
+            raise ValueError("is empty; set init.from=<a .safetensors file, a model folder or a run folder>, or null")
+        return os.path.abspath(os.path.expanduser(v))
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"has {quote(pattern)}, not a regular expression ({e}); use e.g. ['^encoder\\.']") from None
+        return v
+
+    @field_validator("rename")
+    @classmethod
+    def _rename_pairs(cls, v: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        for pattern, _ in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"has {quote(pattern)}, not a regular expression ({e}); use e.g. [['^model\\.', '']]") from None
+        return v
 
 
 class TrackingSection(Section):
@@ -252,6 +350,7 @@ def _mlflow_plugin_schemes() -> set[str]:
 class Config(Section):
     run: RunSection = RunSection()
     data: DataSection = DataSection()
+    init: InitSection = InitSection()
     # SerializeAsAny: the dict and YAML of a config carry the task's own fields, not only TaskConfig's.
     model: SerializeAsAny[TaskConfig] = Field(default_factory=lambda: _default_task_config())
     optim: OptimSection = OptimSection()
@@ -278,12 +377,25 @@ class Config(Section):
                                  f"[{nw[0]}, {nw[1]}]); use train.batch_size_per_worker={fit}")
         return self
 
+    @model_validator(mode="after")
+    def _unfreeze_within_run(self) -> "Config":
+        steps = self.train.max_steps
+        for i, g in enumerate(self.optim.groups):
+            if steps is not None and g.unfreeze_at_step is not None and g.unfreeze_at_step > steps:
+                raise ValueError(f"optim.groups[{i}].unfreeze_at_step ({g.unfreeze_at_step}) is beyond train.max_steps "
+                                 f"({steps}): the group would never train; use unfreeze_at_step <= {steps}, or "
+                                 f"freeze: true to keep it frozen")
+        names = [g.name for g in self.optim.groups if g.name]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"optim.groups: the name {dup[0]!r} is used twice; give each group its own name")
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.storage_path).expanduser().resolve() / self.run.name
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
 
 # The model section's class depends on the task (section_class); TaskConfig holds the fields every task has.
@@ -312,6 +424,11 @@ def section_class(section: str, raw: dict[str, Any] | None = None) -> type[Secti
     return task_class(_task_name(raw)).Config
 
 
+def section_keys(cls: type[BaseModel]) -> list[str]:
+    """The keys a section takes in YAML: each field's alias where it has one (init.from: `from` is a keyword)."""
+    return [f.alias or name for name, f in cls.model_fields.items()]
+
+
 def _closest(word: str, options: list[str]) -> str:
     match = difflib.get_close_matches(word, options, n=1)
     return f"did you mean {match[0]}?" if match else f"valid: {', '.join(options)}"
@@ -325,7 +442,7 @@ def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = 
             continue
         if not isinstance(body, dict):
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {quote(body)}")
-        fields = list(section_class(section, full if full is not None else raw).model_fields)
+        fields = section_keys(section_class(section, full if full is not None else raw))
         for key in body:
             if key not in fields:
                 where = f" for model.name {_task_name(full if full is not None else raw)}" if section == "model" else ""
@@ -586,7 +703,8 @@ def json_text(value: Any) -> str:
 
 
 def _rows(prefix: str, cls: type[BaseModel]) -> list[str]:
-    return [f"| `{prefix}.{name}` | `{_default_text(f)}` | {f.description or ''} |" for name, f in cls.model_fields.items()]
+    return [f"| `{prefix}.{f.alias or name}` | `{_default_text(f)}` | {f.description or ''} |"
+            for name, f in cls.model_fields.items()]
 
 
 def reference_markdown() -> str:

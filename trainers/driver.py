@@ -63,11 +63,63 @@ def prepare(cfg: Config, num_workers: int | None = None):
     task = make_task(cfg)
     check_optimizer(cfg)
     specs = inspect(cfg, task)
+    check_model(cfg, task)
     if num_workers is None and isinstance(cfg.scaling.num_workers, int):
         num_workers = cfg.scaling.num_workers
     if num_workers is not None or elastic(cfg):  # num_workers "auto": checked once the cluster is known
         check_batch_fits(cfg, specs, num_workers or 1)
     return task, specs
+
+
+def check_model(cfg: Config, task) -> None:
+    """optim.groups and init.from against the task's model built on the meta device (shapes only, no weights),
+    before any worker starts: prints each group's counts and init's table; a group that takes nothing, groups that
+    freeze everything at step 0, a source that does not fit, or a changed base under a checkpoint.trainable_only
+    resume is a ConfigError (exit 2). A resume of any other run never reads init.from again."""
+    if not cfg.optim.groups and cfg.init.from_ is None:
+        return
+    import torch
+
+    from stride.trainers import checkpointing, pretrained
+    from stride.trainers.config import ConfigError
+    from stride.trainers.step import resolve_groups
+
+    with torch.device("meta"):
+        model = task.build_model()
+    show = os.environ.get("RANK", "0") == "0"  # torchrun: every rank checks, rank 0 prints
+    groups = resolve_groups(cfg, model)
+    if cfg.optim.groups:
+        if show:
+            print(group_table(groups), flush=True)
+        if not any(g.params and not g.frozen_at(0) for g in groups):
+            raise ConfigError("optim.groups: every trainable parameter is frozen at step 0, so there is nothing to "
+                              "train; leave a group unfrozen, or unmatched parameters in the default group")
+    if cfg.init.from_ is None:
+        return
+    newest = checkpointing.newest_complete(cfg.run_dir) if cfg.run_dir.is_dir() else None
+    meta = checkpointing.read_meta(newest) if newest is not None else None
+    if meta is not None and not meta.get("trainable_only"):
+        return
+    i = cfg.init
+    plan = pretrained.check_init(model, i.from_, strict=i.strict, include=i.include, exclude=i.exclude,
+                                 rename=i.rename, adapt=pretrained.adapter(task))
+    if show:
+        print(plan.table(), flush=True)
+    recorded = ((meta or {}).get("init") or {}).get("sha256")
+    if meta is not None and recorded != plan.sha256:
+        raise ConfigError(pretrained.changed_base_line(i.from_, recorded, plan.sha256))
+
+
+def group_table(groups) -> str:
+    """optim.groups as the driver prints it: each group's tensors, parameters, lr scale and freezing."""
+    lines = ["stride: optim.groups (first match wins; unmatched: default)"]
+    for g in groups:
+        spec = g.spec
+        how = "frozen" if spec is not None and spec.freeze and not spec.unfreeze_at_step else \
+            f"frozen until step {spec.unfreeze_at_step}" if spec is not None and spec.unfreeze_at_step else "trained"
+        lines.append(f"  {g.label:<16} {len(g.params):>6} tensors {sum(p.numel() for p in g.params):>14,} parameters  "
+                     f"lr x{spec.lr_scale if spec else 1.0:g}  {how}")
+    return "\n".join(lines)
 
 
 def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) -> None:
@@ -257,7 +309,9 @@ def check_resume(cfg: Config, run_dir: Path, task) -> None:
         saved = checkpointing.saved_model_shapes(newest)
     except checkpointing.UnsafeCheckpointError as e:
         raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
-    if mismatch := checkpointing.shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()}, saved):
+    partial = checkpointing.read_meta(newest).get("trainable_only")  # its frozen base comes from init.from
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not partial or k in saved}
+    if mismatch := checkpointing.shape_mismatch(shapes, saved):
         raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
                          f"use a new run.name, or the model.* settings it was trained with")
     print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)

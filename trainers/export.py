@@ -61,8 +61,9 @@ def resolve(folder: Path) -> Path:
     return folder
 
 
-def export(checkpoint: Path, out: Path, force: bool = False) -> dict:
-    """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written."""
+def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False) -> dict:
+    """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
+    the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -81,11 +82,13 @@ def export(checkpoint: Path, out: Path, force: bool = False) -> dict:
     except checkpointing.UnsafeCheckpointError as e:
         raise ExportError(str(e)) from None
     meta = checkpointing.read_meta(ckpt)
+    if trainable_only and meta.get("trainable") is not None:
+        weights = {k: v for k, v in weights.items() if k in set(meta["trainable"])}
     # Tied weights (a head sharing the embedding) are separate tensors here, each under its own name, as
     # load_state_dict expects; safetensors refuses tensors that share memory, so copies of the earlier format's.
     weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
-              "checkpoint": str(ckpt.resolve())}
+              "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower()}
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         save_file(weights, str(tmp), metadata=header)
@@ -104,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
     ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     ap.add_argument("--force", action="store_true", help="replace `out` if it exists")
+    ap.add_argument("--trainable-only", action="store_true",
+                    help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
     args = ap.parse_args(argv)
     try:
-        info = export(args.checkpoint, args.out, args.force)
+        info = export(args.checkpoint, args.out, args.force, args.trainable_only)
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -18,6 +18,7 @@ up.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -43,6 +44,47 @@ def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device, 
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+# ---- building a model that no rank holds whole: parameters on the meta device, sharded, then materialised ----
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters created inside are moved to the meta device as they are registered (one at a time: the largest
+    parameter is the most ever allocated); buffers stay real, so that what a model computes at build time (a causal
+    mask, rotary tables) survives `materialize`. Tied parameters stay tied (the second registration is the same
+    meta parameter). Accelerate's init_empty_weights(include_buffers=False) does the same."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a sharded meta model's parameters on `device` (each rank its shards, uninitialised) and keep the
+    buffers as built (to_empty would leave them uninitialised too)."""
+    buffers = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            model.get_buffer(name).copy_(b)
+
+
+def broadcast_full_model(model: nn.Module, full: nn.Module | None, rank: int) -> None:
+    """Fill a sharded, materialised model from rank 0's full model (`full`, None elsewhere), tensor by tensor: the
+    other ranks never hold more than one full tensor. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = full.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -26,12 +26,12 @@ from stride.datasets.order import Order
 from stride.datasets.parquet import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 from stride.trainers import blocks as trainer_blocks
-from stride.trainers import checkpointing, fsdp, runlock, telemetry
-from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict
+from stride.trainers import checkpointing, fsdp, pretrained, runlock, telemetry
+from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import MetricsFile, Sinks
-from stride.trainers.step import (Precision, StepResult, all_reduce_mean_many, build_optimizer, build_scheduler,
-                                  evaluate, resolve_precision, train_step)
+from stride.trainers.step import (Freezer, Precision, StepResult, all_reduce_mean_many, build_optimizer,
+                                  build_scheduler, evaluate, logged_lrs, resolve_groups, resolve_precision, train_step)
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 
@@ -195,9 +195,16 @@ class Trainer:
                  val.num_rows if val else 0, cfg.data.shuffle_window_rows, global_batch_size(cfg, W),
                  self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)
 
-        torch.manual_seed(cfg.run.seed)  # identical init on every rank
-        model = self.task.build_model().to(env.device)
         self.precision_name = resolve_precision(t.precision, env.device)
+        # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
+        self.sharded = t.strategy == "fsdp" and W > 1
+        if t.strategy == "fsdp" and not self.sharded and self.rank0:
+            log.info("train.strategy=fsdp with 1 worker: nothing to shard, training unsharded")
+        self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
+        self.precision = Precision.create(self.precision_name, env.device, self.sharded)
+        self.checkpoint_dir = env.latest_checkpoint()
+        self.resume_meta = checkpointing.read_meta(self.checkpoint_dir) if self.checkpoint_dir else None
+        model = self.build_model()
         self.sample_flops = self.task.flops_per_sample(model)
         self.device_peak = telemetry.peak_flops(env.device, self.precision_name, t.peak_flops)
         if self.device_peak and self.sample_flops and type(self.task).flops_per_sample is Task.flops_per_sample \
@@ -207,18 +214,14 @@ class Trainer:
         if self.precision_name != "fp32" and env.device.type == "cpu" and self.rank0:
             log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; use "
                         "train.precision=auto (fp32 on CPU) unless you are testing mixed precision", self.precision_name)
-        # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
-        self.sharded = t.strategy == "fsdp" and W > 1
-        if t.strategy == "fsdp" and not self.sharded and self.rank0:
-            log.info("train.strategy=fsdp with 1 worker: nothing to shard, training unsharded")
-        self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
-        self.precision = Precision.create(self.precision_name, env.device, self.sharded)
-        self.apply_block_settings(model)
-        if self.sharded:
-            model = fsdp.shard_model(model, self.task.blocks(model), env.device, W, self.precision.fsdp_param_dtype)
         self.model = model
+        # optim.groups over the trainable parameters as built (before any freezing), then the step-0 freeze
+        self.groups = resolve_groups(cfg, model)
         self.optimizer = build_optimizer(cfg, model, W, self.task)
-        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.peak_lr = scaled_lr(cfg, W)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps, self.groups)
+        self.freezer = Freezer(self.groups)
+        self.freezer.apply(0)
         self.scaler = self.precision.grad_scaler()
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
@@ -226,6 +229,67 @@ class Trainer:
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group,
                                                      lambda folder, s: env.checkpoint_write_s.append(s),
                                                      fence=self.fence.still_holds)
+
+    def build_model(self) -> torch.nn.Module:
+        """The task's model on this rank's device, with its initial weights: seeded (the same on every rank), then
+        init.from where a fresh run loads it. Under FSDP it is built on the meta device and sharded before any
+        weight exists, so no rank ever holds it whole: rank 0 builds the seeded weights on the CPU and broadcasts
+        them tensor by tensor (the same weights as DDP's at any world size), or, with init.from or a task's own
+        init_weights, every rank initialises its shards and reads only its slices of the file."""
+        cfg, env = self.cfg, self.env
+        torch.manual_seed(cfg.run.seed)
+        if not self.sharded:
+            model = self.task.build_model()
+            self.init_record = self.load_init(model)
+            model = model.to(env.device)
+            self.apply_block_settings(model)
+            return model
+        with fsdp.params_on_meta():
+            model = self.task.build_model()
+        self.apply_block_settings(model)
+        model = fsdp.shard_model(model, self.task.blocks(model), env.device, env.world_size,
+                                 self.precision.fsdp_param_dtype)
+        fsdp.materialize(model, env.device)
+        if self.init_source() is None and type(self.task).init_weights is Task.init_weights:
+            torch.manual_seed(cfg.run.seed)
+            fsdp.broadcast_full_model(model, self.task.build_model() if self.rank0 else None, env.world_rank)
+            self.init_record = self.load_init(model)
+        else:
+            self.init_record = self.load_init(model, initialise=self.task.init_weights)
+        return model
+
+    def init_source(self) -> str | None:
+        """init.from where this run reads it: at a fresh start, and on resuming a checkpoint.trainable_only run
+        (its checkpoints lack the frozen base)."""
+        meta = self.resume_meta
+        if meta is not None and not meta.get("trainable_only"):
+            return None
+        return self.cfg.init.from_
+
+    def load_init(self, model: torch.nn.Module, initialise: Callable[[torch.nn.Module], None] | None = None
+                  ) -> dict[str, Any] | None:
+        """init.from into `model` (under FSDP each rank reads its slices); `initialise` (a model built on the meta
+        device) first, unless init.from fills every parameter. Returns what was loaded (summary.json, meta.json,
+        MLflow); a resumed run keeps the record of its first start."""
+        earlier = (self.resume_meta or {}).get("init")
+        source = self.init_source()
+        if source is None:
+            if initialise is not None:
+                initialise(model)
+            return earlier
+        i, adapt = self.cfg.init, pretrained.adapter(self.task)
+        options = dict(strict=i.strict, include=i.include, exclude=i.exclude, rename=i.rename, adapt=adapt)
+        plan = pretrained.check_init(model, source, **options)
+        if initialise is not None and not set(plan.mapping) >= {n for n, _ in model.named_parameters()}:
+            initialise(model)  # what init.from leaves out
+        plan = pretrained.init_model(model, source, sha256=plan.sha256, **options)
+        record = plan.record()
+        if earlier and earlier.get("sha256") != record["sha256"]:  # the driver refuses it first (check_model)
+            raise DataError(pretrained.changed_base_line(source, earlier["sha256"], record["sha256"]))
+        if self.rank0:
+            log.info("init: %d tensors (%d parameters) loaded from %s", record["loaded"], record["parameters_loaded"],
+                     source)
+        return earlier or record
 
     def apply_block_settings(self, model: torch.nn.Module) -> None:
         """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""
@@ -248,7 +312,6 @@ class Trainer:
     # ---- restore: the newest complete checkpoint, at any world size and either strategy ----
 
     def restore(self) -> None:
-        self.checkpoint_dir = self.env.latest_checkpoint()
         if self.checkpoint_dir is not None:
             self._load(self.checkpoint_dir)
         if not self.sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded in setup
@@ -256,9 +319,14 @@ class Trainer:
         self.raw_model = getattr(self.model, "module", self.model)
 
     def _load(self, ckpt_dir: Path) -> None:
-        meta = checkpointing.read_meta(ckpt_dir)
-        if mismatch := checkpointing.shape_mismatch({k: tuple(v.shape) for k, v in self.model.state_dict().items()},
-                                                    checkpointing.saved_model_shapes(ckpt_dir)):
+        meta = self.resume_meta
+        # As when it was saved, after its last step: the groups frozen then hold no optimizer state (and, under
+        # trainable_only, no tensors), so the state to fill must not either. The next step applies its own.
+        self.freezer.apply(max(meta["step"] - 1, 0))
+        saved = checkpointing.saved_model_shapes(ckpt_dir)
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()
+                  if not meta.get("trainable_only") or k in saved}  # the rest came from init.from
+        if mismatch := checkpointing.shape_mismatch(shapes, saved):
             raise DataError(f"checkpoint {ckpt_dir} does not fit model (the {mismatch}); use a new run.name "
                             f"or the model settings it was trained with")
         if checkpointing.is_sharded(ckpt_dir):
@@ -287,12 +355,27 @@ class Trainer:
         """DCP: each rank reads the slices of the tensors it holds, whatever world size and strategy wrote them."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # this rank's tensors, to fill
+        options = self.state_dict_options(bool(meta.get("trainable_only")))
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)  # this rank's, to fill
         state = {"model": model_state, "optim": optim_state}
         checkpointing.load_sharded(ckpt_dir, state, self.checkpoint_group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["scaler"])
+
+    def trainable_names(self) -> list[str] | None:
+        """The parameters that train now, where some do not (export --trainable-only writes these); None: all."""
+        names = [n for n, p in self.raw_model.named_parameters()]
+        trainable = [n for n, p in self.raw_model.named_parameters() if p.requires_grad]
+        return None if len(trainable) == len(names) else trainable
+
+    @staticmethod
+    def state_dict_options(trainable_only: bool):
+        """checkpoint.trainable_only: the model tensors that require grad (and every buffer); else all of them."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def _load_full(self, ckpt_dir: Path) -> None:
         """The earlier format: one state.pt holding the full model (FSDP: rank 0 reads it and broadcasts, the other
@@ -323,6 +406,8 @@ class Trainer:
                 # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
                 self.state.mlflow_run_id = tracker.start(self.cfg.run.name, self.state.mlflow_run_id,
                                                          public_dict(self.cfg), self.plan.mlflow_parent_run_id)
+                for key, value in (self.init_record or {}).items():  # where the weights came from
+                    tracker.set_tag(f"init.{key}", value)
             if self.env.progress_bar is not None:
                 bar = self.env.progress_bar(total=self.total_steps, initial=self.state.step, desc=self.cfg.run.name)
         self.tracker = tracker
@@ -350,7 +435,20 @@ class Trainer:
             self.state.micro_step += 1
         return batches
 
+    def unfreeze(self) -> None:
+        """optim.groups' schedule for the coming step. DDP all-reduces only the parameters that required grad when
+        it was built: a change needs a new reducer (the old one's hooks removed first, or both would reduce)."""
+        if not self.freezer.apply(self.state.step) or self.model is self.raw_model or self.sharded:
+            return
+        old, self.model = self.model, None
+        old._remove_autograd_hooks()
+        del old
+        self.model = self.env.wrap_model(self.raw_model)
+        if self.rank0:
+            log.info("step %d: optim.groups' trainable parameters changed; DDP rebuilt over them", self.state.step)
+
     def step(self, batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        self.unfreeze()
         try:
             result = train_step(self.task.loss, self.model, self.optimizer, self.scaler, self.precision, batches,
                                 self.cfg.optim.grad_clip_norm)
@@ -403,8 +501,12 @@ class Trainer:
         s = self.state
         epoch, in_epoch = self.order.position(s.micro_step)
         # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
-        model_state, optim_state = get_state_dict(self.raw_model, self.optimizer)  # FSDP: this rank's shards
-        meta = {"step": s.step, "epoch": epoch, "epoch_offset_samples": in_epoch * self.global_micro,
+        trainable_only = self.cfg.checkpoint.trainable_only
+        # FSDP: this rank's shards; trainable_only: without the frozen base (init.from has it)
+        model_state, optim_state = get_state_dict(self.raw_model, self.optimizer,
+                                                  options=self.state_dict_options(trainable_only))
+        meta = {"trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
+                "step": s.step, "epoch": epoch, "epoch_offset_samples": in_epoch * self.global_micro,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "mlflow_run_id": s.mlflow_run_id,
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
@@ -424,8 +526,9 @@ class Trainer:
         keys = ("step_time_s", "data_wait_s", "data_wait_fraction")
         mean = all_reduce_mean_many([result.loss, *(own[k] for k in keys)], self.env.device)
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
-        metrics = {"train_loss": mean[0], "lr": self.scheduler.get_last_lr()[0], "samples_per_second": sps,
-                   **dict(zip(keys, mean[1:]))}
+        lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
+        metrics = {"train_loss": mean[0], **lrs,
+                   "samples_per_second": sps, **dict(zip(keys, mean[1:]))}
         if (tokens := self.task.tokens_per_sample()) is not None:
             metrics["tokens_per_second"] = sps * tokens
         if self.device_peak and self.sample_flops:  # model FLOPs per second of step time, over the device's peak
@@ -515,8 +618,8 @@ class Trainer:
             staged = self.checkpoint(metrics) if due.checkpoint else None
             # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
             # where someone reads it (checkpoints, evaluations; a Tune trial's every log step), not every log step.
-            if due.checkpoint or due.eval or self.plan.report_log_steps:
-                env.report({k: v for k, v in metrics.items() if v is not None}, staged)
+            if due.checkpoint or due.eval or self.plan.report_log_steps:  # (Tune reads "/" as nesting: no lr/<group>)
+                env.report({k: v for k, v in metrics.items() if v is not None and "/" not in k}, staged)
             if due.checkpoint:  # what training waited for: the previous write (if still going) and staging
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
@@ -560,6 +663,7 @@ class Trainer:
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],
+            **({"init": self.init_record} if self.init_record else {}),
         }
 
 

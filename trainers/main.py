@@ -33,13 +33,13 @@ from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers import runfolder, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
-                                    public_dict, redact, to_yaml)
+                                    public_dict, redact, section_keys, to_yaml)
 from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, check_resume, check_storage,  # noqa: E402
                                     install_signal_handlers, prepare, record_summary, train_on_ray)
 
 
 def parse_args(argv: list[str] | None):
-    sections = "\n".join(f"  {name:<11} {', '.join(cls.model_fields)}" for name, cls in SECTIONS.items())
+    sections = "\n".join(f"  {name:<11} {', '.join(section_keys(cls))}" for name, cls in SECTIONS.items())
     ap = ArgumentParser(
         prog="python trainers/main.py",
         description="Train a model with Stride (Ray Train + Ray Data).",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -90,12 +91,82 @@ def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
     return cls, False
 
 
+@dataclass
+class GroupPlan:
+    """One optim.groups entry (None: the default group) and the trainable parameters it took."""
+
+    label: str  # lr/<label>: the entry's name or its index; "default"
+    spec: Any  # config.ParamGroup | None
+    names: list[str]
+    params: list[nn.Parameter]
+
+    def frozen_at(self, step: int) -> bool:
+        return self.spec is not None and self.spec.frozen_at(step)
+
+
+def resolve_groups(cfg: Config, model: nn.Module) -> list[GroupPlan]:
+    """The model's trainable parameters by optim.groups, the default group first: the first entry whose `match`
+    is found in a name takes it. A parameter the task built with requires_grad=False (a PEFT model's base) is in no
+    group: it is the task's to freeze. An entry that takes nothing is a ConfigError (exit 2)."""
+    from stride.trainers.config import ConfigError
+
+    specs = cfg.optim.groups
+    plans = [GroupPlan("default", None, [], [])] + [GroupPlan(g.name or str(i), g, [], []) for i, g in enumerate(specs)]
+    patterns = [re.compile(g.match) for g in specs]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, p in named:
+        i = next((i for i, pat in enumerate(patterns) if pat.search(name)), None)
+        plan = plans[0 if i is None else i + 1]
+        plan.names.append(name)
+        plan.params.append(p)
+    for plan in plans[1:]:
+        if not plan.params:
+            first = ", ".join(n for n, _ in named[:3])
+            raise ConfigError(f"optim.groups[{plans.index(plan) - 1}].match ({plan.spec.match!r}) matches none of the "
+                              f"model's {len(named)} trainable parameters not taken by an earlier group (first names: "
+                              f"{first}); fix the pattern")
+    return plans
+
+
+def split_groups(cfg: Config, groups: list[GroupPlan], lr: float) -> list[tuple[GroupPlan, dict[str, Any]]]:
+    """The optimizer's groups, two per GroupPlan (the default first): its 2-d and larger parameters with the group's
+    weight decay, and its 1-d ones (biases, norms) without (the usual GPT recipe); each with the group's lr (lr x
+    lr_scale). With optim.groups, empty ones are left out (torch's distributed state dict takes one at most)."""
+    out = []
+    for g in groups:
+        scale = g.spec.lr_scale if g.spec else 1.0
+        decay = g.spec.weight_decay if g.spec and g.spec.weight_decay is not None else cfg.optim.weight_decay
+        out += [(g, {"params": [p for p in g.params if p.dim() >= 2], "weight_decay": decay, "lr": lr * scale}),
+                (g, {"params": [p for p in g.params if p.dim() < 2], "weight_decay": 0.0, "lr": lr * scale})]
+    return [(g, d) for g, d in out if d["params"] or not cfg.optim.groups]
+
+
 def param_groups(cfg: Config, model: nn.Module, lr: float) -> list[dict[str, Any]]:
-    """The trainable parameters in optimizer groups, each with its own lr and weight_decay (so per-group settings
-    can be layered on later): no weight decay on biases, norms and embeddings' 1-d parameters (the usual GPT recipe)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay, "lr": lr},
-            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+    """The trainable parameters in optimizer groups (split_groups of resolve_groups)."""
+    return [d for _, d in split_groups(cfg, resolve_groups(cfg, model), lr)]
+
+
+class Freezer:
+    """optim.groups' freeze schedule: frozen groups' parameters have requires_grad=False (no gradient, so no
+    optimizer state, weight decay or all-reduce: bitwise unchanged), set for each step before it runs."""
+
+    def __init__(self, groups: list[GroupPlan]):
+        self.groups = [g for g in groups if g.spec is not None and (g.spec.freeze or g.spec.unfreeze_at_step)]
+
+    def apply(self, step: int) -> bool:
+        """Set requires_grad for the optimizer step after `step` completed ones; True if any parameter changed
+        (DDP then needs a new reducer: it all-reduces only what required grad when it was built)."""
+        changed = False
+        for g in self.groups:
+            trainable = not g.frozen_at(step)
+            for p in g.params:
+                if p.requires_grad != trainable:
+                    p.requires_grad_(trainable)
+                    changed = True
+        return changed
+
+    def frozen_names(self, step: int) -> list[str]:
+        return [n for g in self.groups if g.frozen_at(step) for n in g.names]
 
 
 def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = None) -> torch.optim.Optimizer:
@@ -125,8 +196,9 @@ def check_optimizer(cfg: Config) -> None:
 
     optimizer_class(cfg.optim.name)  # its own errors name optim.name
     dummy = nn.Linear(2, 2)  # a 2-d and a 1-d parameter: both groups
+    plain = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"groups": []})})  # groups: the real model's
     try:
-        optimizer = build_optimizer(cfg, dummy, 1)
+        optimizer = build_optimizer(plain, dummy, 1)
         dummy(torch.ones(1, 2)).sum().backward()
         optimizer.step()
     except Exception as e:  # noqa: BLE001 - whatever the optimizer refuses, one line naming the setting
@@ -193,11 +265,53 @@ SCHEDULES: dict[str, Callable[[int, int, int, float, float], float]] = {
 }
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+def group_factor(factor: Callable[[int], float], spec: Any, warmup_steps: int) -> Callable[[int], float]:
+    """A group's lr multiplier: 0 while frozen; from unfreeze_at_step on, the schedule's times a linear warm-up of
+    its own over warmup_steps (a group that starts training late does not start at the peak lr)."""
+    if spec is None or not (spec.freeze or spec.unfreeze_at_step):
+        return factor
+    u = spec.unfreeze_at_step
+
+    def frozen_then_warm(s: int) -> float:
+        if spec.frozen_at(s):
+            return 0.0
+        rewarm = min(1.0, (s - u + 1) / warmup_steps) if u is not None and warmup_steps else 1.0
+        return factor(s) * rewarm
+    return frozen_then_warm
+
+
+def schedule(cfg: Config, total_steps: int) -> Callable[[int], float]:
+    """optim.schedule's multiplier of the peak lr at each optimizer step."""
     o = cfg.optim
-    factor = SCHEDULES[o.schedule]
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: factor(s, o.warmup_steps, total_steps, o.min_lr_ratio, o.decay_fraction))
+
+    def factor(s: int) -> float:
+        return SCHEDULES[o.schedule](s, o.warmup_steps, total_steps, o.min_lr_ratio, o.decay_fraction)
+    return factor
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
+                    groups: list[GroupPlan] | None = None):
+    """LambdaLR with the optim.schedule multiplier; with optim.groups, each optimizer group's own (group_factor).
+    A task's own optimizer (configure_optimizer) with other groups gets the schedule alone."""
+    factor = schedule(cfg, total_steps)
+    lambdas: Any = factor
+    if cfg.optim.groups and groups:
+        owners = [g for g, _ in split_groups(cfg, groups, 1.0)]
+        if len(owners) == len(optimizer.param_groups):
+            lambdas = [group_factor(factor, g.spec, cfg.optim.warmup_steps) for g in owners]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
+def logged_lrs(cfg: Config, scheduler, groups: list[GroupPlan], peak_lr: float, total_steps: int) -> dict[str, float]:
+    """lr (the schedule's, what the default group trains at) and, with optim.groups, lr/<label> of every group,
+    for the optimizer step after the last one taken (what the scheduler has set)."""
+    if not cfg.optim.groups:
+        return {"lr": scheduler.get_last_lr()[0]}
+    step = scheduler.last_epoch
+    factor = schedule(cfg, total_steps)
+    return {"lr": peak_lr * factor(step)} | {
+        f"lr/{g.label}": 0.0 if g.frozen_at(step) else peak_lr * (g.spec.lr_scale if g.spec else 1.0)
+        * group_factor(factor, g.spec, cfg.optim.warmup_steps)(step) for g in groups}
 
 
 # ---- one optimizer step ----

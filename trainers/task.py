@@ -115,6 +115,23 @@ class Task:
         the grad scaler, clipping, sharding, the lr schedule and checkpoints (the optimizer's state_dict)."""
         return None
 
+    def init_weights(self, model: nn.Module) -> None:
+        """Initialise the model's weights in place where Stride builds it on the meta device (train.strategy=fsdp on
+        several workers: `model` is sharded, its parameters DTensor shards) and init.from does not fill them all,
+        or always there when you override it. Default: reset_parameters() of every module that has one. A task whose
+        model initialises itself otherwise (a scaled init, zeroed output layers) overrides it: see
+        docs/fine-tuning.md."""
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+
+    def adapt_init_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """init.from's tensors (after init.rename) -> the names and layouts of this task's model, for what a regex
+        cannot express: fused or transposed weights, another library's names. Called on the driver with meta
+        tensors (shapes only: use tensor operations, not data) and on the workers with real ones. Default: as
+        they are. Overriding it makes every rank read the whole file (no sliced reads under FSDP)."""
+        return state
+
     def generate(self, model: nn.Module, prompt: str, tokens: int, temperature: float) -> str:
         """Text generation from a trained model (trainers/generate.py), where the task has it."""
         raise NotImplementedError(f"the task {type(self).__name__} has no text generation")

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact
+from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact, section_keys
 from stride.trainers.tasks import task_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def split_key(key: str, origin: str) -> tuple[str, str]:
         raise ConfigError(f"{origin}.{key} is not a field of the training config (no section '{section}'); {hint}")
     if section == "model":  # the task's fields: checked against the base config's task when the space is built
         return section, field
-    fields = list(SECTIONS[section].model_fields)
+    fields = section_keys(SECTIONS[section])
     if field not in fields:
         match = difflib.get_close_matches(field, fields, n=1)
         hint = f"did you mean {section}.{match[0]}?" if match else f"fields of {section}: {', '.join(fields)}"

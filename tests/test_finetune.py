@@ -1,0 +1,171 @@
+"""Fine-tuning a user's model (issue 23): a pretrained encoder loaded with init.include, frozen by optim.groups or
+frozen until unfreeze_at_step, a group at a tenth of the learning rate, resumed across the unfreeze step; under
+DDP and FSDP, with torchrun (one launch of every case: tests/torchrun_cases.py) and on Ray (the session's head).
+
+The model is tests/user_project's SignalCNN (a task outside Stride's packages): `stem` and `blocks.*` are the
+"encoder", `head` the rest. The pretrained encoder is a safetensors file of another seed's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, free_port, read_jsonl
+
+PROJECT = Path(__file__).resolve().parent / "user_project"
+ENCODER = r"^(stem|blocks)\."
+STEPS = 20
+# Encoder from the pretrained file and frozen until step 10; head at 0.1x the lr. A constant schedule (after a warm-up
+# of 3 steps) does not depend on train.max_steps, so a run cut at step k with max_steps=k and resumed with
+# max_steps=20 is the uninterrupted run: what a SIGKILL after step k's checkpoint leaves to resume.
+GROUPS = f"optim.groups=[{{match: '{ENCODER}', name: encoder, unfreeze_at_step: 10}}, {{match: '^head\\.', name: head, lr_scale: 0.1}}]"
+FROZEN = f"optim.groups=[{{match: '{ENCODER}', name: encoder, freeze: true}}, {{match: '^head\\.', name: head, lr_scale: 0.1}}]"
+
+
+def common(project: Path, storage: Path, encoder: Path) -> list[str]:
+    return ["--config", str(project / "signal.yaml"), f"run.storage_path={storage}", "tracking.mlflow=false",
+            f"data.train_path={project}/data/train", f"data.val_path={project}/data/val", "train.log_every_steps=1",
+            "train.eval_every_steps=100", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "optim.schedule=constant",
+            "optim.warmup_steps=3", "train.deterministic=true", f"init.from={encoder}", f"init.include=['{ENCODER}']"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("finetune") / "project"
+    shutil.copytree(PROJECT, dst, ignore=shutil.ignore_patterns("__pycache__", "runs", "data"))
+    subprocess.run([PYTHON, "make_data.py"], cwd=dst, check=True, capture_output=True, timeout=120)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def encoder(project) -> Path:
+    """The 'pretrained' encoder: random weights of the shapes of signal.yaml's stem and 3 blocks, as safetensors."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1234)
+    shapes = {"stem.weight": (16, 1, 7), "stem.bias": (16,)}
+    for i in range(3):
+        shapes |= {f"blocks.{i}.conv.weight": (16, 16, 3), f"blocks.{i}.conv.bias": (16,)}
+    save_file({k: torch.randn(shape, generator=g) * 0.2 for k, shape in shapes.items()},
+              str(project / "encoder.safetensors"))
+    return project / "encoder.safetensors"
+
+
+@pytest.fixture(scope="module")
+def runs(project, encoder, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("finetune_runs")
+    base = common(project, storage, encoder)
+
+    def case(label, name, steps, *extra):
+        return {"label": label, "args": [*base, f"run.name={name}", f"train.max_steps={steps}", *extra]}
+
+    cases = []
+    for strategy in ("ddp", "fsdp"):
+        s = f"train.strategy={strategy}"
+        cases += [case(strategy, strategy, STEPS, GROUPS, s),
+                  case(f"{strategy}@10", f"{strategy}_cut10", 10, GROUPS, s),
+                  case(f"{strategy}@10->20", f"{strategy}_cut10", STEPS, GROUPS, s),
+                  case(f"{strategy}@15", f"{strategy}_cut15", 15, GROUPS, s),
+                  case(f"{strategy}@15->20", f"{strategy}_cut15", STEPS, GROUPS, s),
+                  case(f"{strategy} frozen", f"{strategy}_frozen", 10, FROZEN, s)]
+    results = tmp_path_factory.mktemp("finetune_cases")
+    (results / "cases.json").write_text(json.dumps(cases))
+    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
+                        str(results)], cwd=project, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(project)))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return {"storage": storage, "stdout": r.stdout}
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from stride.trainers import checkpointing
+
+    return checkpointing.load_model_state(run / f"checkpoint_{step:08d}")
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def encoder_names(state: dict) -> list[str]:
+    return [k for k in state if k.startswith(("stem", "blocks"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_pretrained_encoder_is_loaded_and_stays_bitwise_frozen(runs, encoder, strategy):
+    """init.from with init.include loads the encoder; freeze: true keeps it bitwise equal to the file through
+    training (no gradient, no weight decay), while the head trains; summary.json records the source."""
+    from safetensors.torch import load_file
+
+    pretrained = load_file(str(encoder))
+    run = runs["storage"] / f"{strategy}_frozen"
+    final = weights(run, 10)
+    assert sorted(encoder_names(final)) == sorted(pretrained)
+    for name, tensor in pretrained.items():
+        assert torch.equal(final[name], tensor), name
+    first = weights(run, 5)
+    assert not torch.equal(first["head.weight"], final["head.weight"])  # the rest trains
+    s = summary(run)
+    assert s["status"] == "completed" and s["strategy"] == strategy
+    init = s["init"]
+    assert init["from"] == str(encoder) and init["loaded"] == len(pretrained) and init["missing"] == 0
+    assert len(init["sha256"]) == 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_unfreeze_at_step_freezes_before_and_trains_after(runs, encoder, strategy):
+    from safetensors.torch import load_file
+
+    pretrained = load_file(str(encoder))
+    run = runs["storage"] / strategy
+    for step in (5, 10):  # frozen for steps 1..10: exactly the file
+        state = weights(run, step)
+        assert all(torch.equal(state[n], pretrained[n]) for n in pretrained), step
+    later = weights(run, 15)
+    assert any(not torch.equal(later[n], pretrained[n]) for n in pretrained)  # step 11 on: it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_each_groups_lr_is_logged_and_the_head_trains_at_a_tenth(runs, strategy):
+    lines = [r for r in read_jsonl(runs["storage"] / strategy / "metrics.jsonl") if "lr" in r]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    for r in lines:
+        assert r["lr/head"] == pytest.approx(0.1 * r["lr"], rel=1e-12) and r["lr/default"] == r["lr"]
+        # logged at step n: the lr of step n+1 (0-based index n). Frozen through index 9; then a warm-up of its own.
+        expected = 0.0 if r["step"] < 10 else r["lr"] * min(1.0, (r["step"] - 10 + 1) / 3)
+        assert r["lr/encoder"] == pytest.approx(expected, rel=1e-12), r["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("cut", [10, 15])
+def test_a_resume_across_the_unfreeze_step_is_bitwise_the_uninterrupted_run(runs, strategy, cut):
+    """Cut at step 10 (the last frozen step: the encoder has no optimizer state yet) and at 15 (after): resumed to
+    step 20, the weights and the validation loss equal the uninterrupted run's bitwise."""
+    full, resumed = summary(runs["storage"] / strategy), summary(runs["storage"] / f"{strategy}_cut{cut}")
+    assert resumed["restarts"] == 1 and resumed["global_step"] == STEPS
+    assert resumed["param_checksums"] == full["param_checksums"] and resumed["val_loss"] == full["val_loss"]
+    a, b = weights(runs["storage"] / strategy, STEPS), weights(runs["storage"] / f"{strategy}_cut{cut}", STEPS)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["init"] == full["init"]  # the record of the first start, not re-read
+
+
+@pytest.mark.slow
+def test_the_driver_prints_the_groups_and_the_init_table(runs):
+    out = runs["stdout"]
+    assert re.search(r"encoder +8 tensors +2,480 parameters +lr x1 +frozen until step 10", out)
+    assert re.search(r"head +2 tensors +68 parameters +lr x0.1 +trained", out)
+    assert re.search(r"init\.from .*encoder\.safetensors \(sha256 [0-9a-f]{12}, 2,480 parameters\)", out)
+    assert re.search(r"loaded +8 +stem\.weight", out) and re.search(r"missing +0", out)

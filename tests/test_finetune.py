@@ -169,3 +169,101 @@ def test_the_driver_prints_the_groups_and_the_init_table(runs):
     assert re.search(r"head +2 tensors +68 parameters +lr x0.1 +trained", out)
     assert re.search(r"init\.from .*encoder\.safetensors \(sha256 [0-9a-f]{12}, 2,480 parameters\)", out)
     assert re.search(r"loaded +8 +stem\.weight", out) and re.search(r"missing +0", out)
+
+
+# ---- bad inputs: each exits 2 with one line before anything is written; the user's files stay as they were ----
+
+class NotAStateDict:  # torch.save of an object: unpickling it would import and run this module's code
+    def __init__(self):
+        self.weights = torch.ones(2)
+
+
+@pytest.fixture(scope="module")
+def mlp_source(tabular_data, tmp_path_factory) -> dict:
+    """A 2-step tabular MLP run and its weights exported to safetensors: a source that fits the model."""
+    from safetensors.torch import load_file
+
+    from stride.trainers.export import export
+    from stride.trainers.torchrun import main as torchrun_main
+
+    tmp = tmp_path_factory.mktemp("mlp_source")
+    assert torchrun_main(mlp_args(tabular_data, tmp, "src", 2)) == 0
+    export(tmp / "src", tmp / "mlp.safetensors")
+    return {"dir": tmp, "file": tmp / "mlp.safetensors", "weights": load_file(str(tmp / "mlp.safetensors"))}
+
+
+def mlp_args(data: Path, storage: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
+            f"train.max_steps={steps}", "checkpoint.every_steps=2", "tracking.mlflow=false", *extra]
+
+
+def refused(capsys, args: list[str]) -> str:
+    from stride.trainers.torchrun import main as torchrun_main
+
+    capsys.readouterr()
+    assert torchrun_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_bad_init_and_groups_exit_2_in_one_line_and_touch_nothing(mlp_source, tabular_data, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    w = mlp_source["weights"]
+    torch.save({"model": NotAStateDict()}, tmp_path / "pickled.pt")
+    save_file({**w, "net.0.weight": torch.zeros(3, 3)}, str(tmp_path / "wrong_shape.safetensors"))
+    save_file({k: v for k, v in w.items() if k.startswith("net.0.")}, str(tmp_path / "half.safetensors"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cases = [
+        ([f"init.from={tmp_path}/nope.safetensors"], ["init.from", "nope.safetensors", "does not exist"]),
+        ([f"init.from={tmp_path}/pickled.pt"], ["init.from", "pickled.pt", "is not a plain state dict",
+                                                  "NotAStateDict"]),
+        ([f"init.from={tmp_path}/wrong_shape.safetensors"], ["init.from", "1 mismatched", "net.0.weight",
+                                                             "init.strict=false"]),
+        ([f"init.from={tmp_path}/half.safetensors"], ["init.from", "4 model tensors missing", "net.2.weight"]),
+        ([f"init.from={mlp_source['file']}", "init.include=['^encoder']"], ["init.include", "^encoder",
+                                                                            "matches none"]),
+        (["optim.groups=[{match: '^encoder', freeze: true}]"], ["optim.groups[0].match", "'^encoder'",
+                                                                "matches none", "fix the pattern"]),
+        (["optim.groups=[{match: 'net', freeze: true}]"], ["optim.groups", "every trainable parameter is frozen"]),
+        (["optim.groups=[{match: 'net', unfreeze_at_step: 9}]"], ["unfreeze_at_step (9) is beyond train.max_steps (4)"]),
+        (["optim.name=torch.optim:NoSuchOptimizer"], ["optim.name", "NoSuchOptimizer"]),
+        (["optim.kwargs={nope: 1}"], ["optim.kwargs", "nope"]),
+    ]
+    for i, (extra, says) in enumerate(cases):
+        err = refused(capsys, mlp_args(tabular_data, tmp_path / "runs", f"bad{i}", 4, *extra))
+        assert all(s in err for s in says), (extra, err)
+        assert not (tmp_path / "runs" / f"bad{i}").exists()  # refused before the run folder was made
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_a_trainable_only_run_saves_only_what_trains_and_refuses_a_changed_base(mlp_source, tabular_data, tmp_path,
+                                                                                capsys):
+    """checkpoint.trainable_only with the first two layers frozen: the checkpoints hold the last layer and its
+    optimizer state only; a resume reads the base from init.from again and continues exactly; once the base file
+    changes, a resume exits 2 in one line and the checkpoints stay as they were."""
+    from safetensors.torch import load_file, save_file
+
+    from stride.trainers import checkpointing
+    from stride.trainers.torchrun import main as torchrun_main
+
+    base = tmp_path / "base.safetensors"
+    shutil.copy(mlp_source["file"], base)
+    extra = (f"init.from={base}", "optim.groups=[{match: '^net\\.[02]\\.', freeze: true}]",
+             "checkpoint.trainable_only=true", "checkpoint.keep_last=5", "train.deterministic=true")
+    runs = tmp_path / "runs"
+    assert torchrun_main(mlp_args(tabular_data, runs, "full", 6, *extra)) == 0
+    assert torchrun_main(mlp_args(tabular_data, runs, "cut", 4, *extra)) == 0
+    shapes = checkpointing.saved_model_shapes(runs / "cut" / "checkpoint_00000004")
+    assert sorted(shapes) == ["net.4.bias", "net.4.weight"]
+    assert torchrun_main(mlp_args(tabular_data, runs, "cut", 6, *extra)) == 0  # resumed at 4: the base re-read
+    full, cut = (json.loads((runs / n / "summary.json").read_text()) for n in ("full", "cut"))
+    assert cut["restarts"] == 1 and cut["param_checksums"] == full["param_checksums"]
+    w = load_file(str(base))
+    save_file({**w, "net.0.bias": w["net.0.bias"] + 1}, str(base))
+    kept = {p: p.read_bytes() for p in (runs / "cut").rglob("*") if p.is_file()}
+    err = refused(capsys, mlp_args(tabular_data, runs, "cut", 8, *extra))
+    assert "init.from" in err and "checkpoint.trainable_only" in err and "sha256" in err
+    assert {p: p.read_bytes() for p in (runs / "cut").rglob("*") if p.is_file()} == kept

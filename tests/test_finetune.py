@@ -267,3 +267,31 @@ def test_a_trainable_only_run_saves_only_what_trains_and_refuses_a_changed_base(
     err = refused(capsys, mlp_args(tabular_data, runs, "cut", 8, *extra))
     assert "init.from" in err and "checkpoint.trainable_only" in err and "sha256" in err
     assert {p: p.read_bytes() for p in (runs / "cut").rglob("*") if p.is_file()} == kept
+
+
+# ---- on Ray: the same freeze, unfreeze and lr scale through Ray Train's DDP (prepare_model rebuilt at step 10) ----
+
+@pytest.mark.slow
+def test_on_ray_the_encoder_is_loaded_frozen_then_trained_and_each_lr_logged(project, encoder, shared_ray_head):
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+
+    storage = project / "ray_runs"
+    args = [a for a in common(project, storage, encoder) if a != "--config" and not a.endswith("signal.yaml")]
+    r = run_cli(["-m", "stride", "--config", "signal.yaml", *args, "run.name=ray", f"train.max_steps={STEPS}", GROUPS,
+                 "scaling.num_workers=2", "tracking.mlflow=true"], cwd=project, env=shared_ray_head.env(), timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert not shared_ray_head.wait_idle()
+    run, pretrained = storage / "ray", load_file(str(encoder))
+    assert all(torch.equal(weights(run, 10)[n], pretrained[n]) for n in pretrained)  # frozen through step 10
+    assert any(not torch.equal(weights(run, 15)[n], pretrained[n]) for n in pretrained)  # trained after
+    lines = [x for x in read_jsonl(run / "metrics.jsonl") if "lr" in x]
+    assert len(lines) == STEPS and all(x["lr/head"] == pytest.approx(0.1 * x["lr"], rel=1e-12) for x in lines)
+    s = summary(run)
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["init"]["loaded"] == len(pretrained)
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}").get_run(s["mlflow_run_id"]).data.tags
+    assert tags["init.from"] == str(encoder) and tags["init.sha256"] == s["init"]["sha256"]
+    assert tags["init.loaded"] == str(len(pretrained)) and tags["init.missing"] == "0"

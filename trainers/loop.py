@@ -278,11 +278,12 @@ class Trainer:
                 initialise(model)
             return earlier
         i, adapt = self.cfg.init, pretrained.adapter(self.task)
-        options = dict(strict=i.strict, include=i.include, exclude=i.exclude, rename=i.rename, adapt=adapt)
-        plan = pretrained.check_init(model, source, **options)
-        if initialise is not None and not set(plan.mapping) >= {n for n, _ in model.named_parameters()}:
-            initialise(model)  # what init.from leaves out
-        plan = pretrained.init_model(model, source, sha256=plan.sha256, **options)
+        with pretrained.open_source(source) as src:
+            plan = pretrained.plan_model(model, src, self.source_sha256(src), strict=i.strict, include=i.include,
+                                         exclude=i.exclude, rename=i.rename, adapt=adapt)
+            if initialise is not None and not set(plan.mapping) >= {n for n, _ in model.named_parameters()}:
+                initialise(model)  # what init.from leaves out
+            pretrained.load_into(model, src, plan, rename=i.rename, adapt=adapt)
         record = plan.record()
         if earlier and earlier.get("sha256") != record["sha256"]:  # the driver refuses it first (check_model)
             raise DataError(pretrained.changed_base_line(source, earlier["sha256"], record["sha256"]))
@@ -290,6 +291,13 @@ class Trainer:
             log.info("init: %d tensors (%d parameters) loaded from %s", record["loaded"], record["parameters_loaded"],
                      source)
         return earlier or record
+
+    def source_sha256(self, source: pretrained.Source) -> str:
+        """init.from's sha256, hashed by rank 0 alone (a file of gigabytes) and sent to the others."""
+        digest = [source.sha256() if self.rank0 else None]
+        if self.env.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(digest, src=0)
+        return digest[0]
 
     def apply_block_settings(self, model: torch.nn.Module) -> None:
         """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""

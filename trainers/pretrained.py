@@ -559,7 +559,9 @@ def load_into(model: torch.nn.Module, source: Source, plan: InitPlan, *, rename:
             local.copy_(value)
 
 
-def _plan(model: torch.nn.Module, source: Source, sha256: str | None, **init: Any) -> InitPlan:
+def plan_model(model: torch.nn.Module, source: Source, sha256: str | None, **init: Any) -> InitPlan:
+    """plan_init of an opened source against `model` (meta-device, sharded or whole); `sha256`: the source's, when
+    known (None: hashed here)."""
     infos, optional = model_infos(model)
     return plan_init(source.infos(), infos, location=source.location, sha256=sha256 or source.sha256(),
                      buffers=optional, **init)
@@ -570,7 +572,7 @@ def check_init(model: torch.nn.Module, location: str, *, strict: bool, include: 
     """The driver's check, before any worker starts: open init.from, plan against `model` (meta-device is enough),
     load nothing."""
     with open_source(location) as source:
-        return _plan(model, source, None, strict=strict, include=include, exclude=exclude, rename=rename,
+        return plan_model(model, source, None, strict=strict, include=include, exclude=exclude, rename=rename,
                      adapt=adapt)
 
 
@@ -580,7 +582,7 @@ def init_model(model: torch.nn.Module, location: str, *, strict: bool, include: 
     """A worker's load: open init.from, plan, copy into `model`, close. `sha256`: the driver's check_init result,
     so that every rank does not hash the whole source again."""
     with open_source(location) as source:
-        plan = _plan(model, source, sha256, strict=strict, include=include, exclude=exclude, rename=rename,
+        plan = plan_model(model, source, sha256, strict=strict, include=include, exclude=exclude, rename=rename,
                      adapt=adapt)
         load_into(model, source, plan, rename=rename, adapt=adapt)
         return plan

@@ -157,6 +157,14 @@ class OptimSection(Section):
         return v
 
 
+def _not_a_regex(pattern: str, example: str) -> None:
+    """A ValueError (one line with an example) unless `pattern` compiles as a Python regular expression."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"has {quote(pattern)}, not a regular expression ({e}); use e.g. {example}") from None
+
+
 class ParamGroup(Section):
     """One entry of optim.groups: the parameters whose names `match` selects (the first entry that matches wins)."""
 
@@ -173,10 +181,7 @@ class ParamGroup(Section):
     @field_validator("match")
     @classmethod
     def _a_regex(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as e:
-            raise ValueError(f"is not a regular expression ({e}); use e.g. match: '^encoder\\.'") from None
+        _not_a_regex(v, "match: '^encoder\\.'")
         return v
 
     @field_validator("name")
@@ -308,20 +313,14 @@ class InitSection(Section):
     @classmethod
     def _regexes(cls, v: list[str]) -> list[str]:
         for pattern in v:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"has {quote(pattern)}, not a regular expression ({e}); use e.g. ['^encoder\\.']") from None
+            _not_a_regex(pattern, "['^encoder\\.']")
         return v
 
     @field_validator("rename")
     @classmethod
     def _rename_pairs(cls, v: list[tuple[str, str]]) -> list[tuple[str, str]]:
         for pattern, _ in v:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"has {quote(pattern)}, not a regular expression ({e}); use e.g. [['^model\\.', '']]") from None
+            _not_a_regex(pattern, "[['^model\\.', '']]")
         return v
 
 

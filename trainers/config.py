@@ -175,8 +175,8 @@ class ParamGroup(Section):
                                        "2-d and larger parameters (null: optim.weight_decay); 1-d ones never decay")
     freeze: bool = Field(False, description="Frozen: no gradient, no optimizer state, no weight decay, no all-reduce; "
                                             "bitwise unchanged")
-    unfreeze_at_step: int | None = Field(None, ge=1, le=MAX_STEPS, description="Frozen before this optimizer step, "
-                                         "trained from it on, warming up again over optim.warmup_steps")
+    unfreeze_at_step: int | None = Field(None, ge=1, le=MAX_STEPS, description="N: frozen for the first N optimizer "
+                                         "steps, trained from step N+1 on, its lr warming up again over optim.warmup_steps")
 
     @field_validator("match")
     @classmethod
@@ -187,6 +187,8 @@ class ParamGroup(Section):
     @field_validator("name")
     @classmethod
     def _a_label(cls, v: str | None) -> str | None:
+        if v == "default":  # lr/default is the unmatched parameters' group
+            raise ValueError("'default' names the group of unmatched parameters; use another name, e.g. name: encoder")
         if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
             raise ValueError("must be 1-64 letters, digits, '_', '.' or '-' (it names a metric, lr/<name>); use e.g. "
                              "name: encoder")
@@ -382,7 +384,7 @@ class Config(Section):
         for i, g in enumerate(self.optim.groups):
             if steps is not None and g.unfreeze_at_step is not None and g.unfreeze_at_step > steps:
                 raise ValueError(f"optim.groups[{i}].unfreeze_at_step ({g.unfreeze_at_step}) is beyond train.max_steps "
-                                 f"({steps}): the group would never train; use unfreeze_at_step <= {steps}, or "
+                                 f"({steps}): the group would never train; use unfreeze_at_step < {steps}, or "
                                  f"freeze: true to keep it frozen")
         names = [g.name for g in self.optim.groups if g.name]
         if dup := sorted({n for n in names if names.count(n) > 1}):
@@ -676,6 +678,7 @@ def public_dict(cfg: Config) -> dict[str, Any]:
     """The config as written to summary.json and MLflow: secrets redacted."""
     d = cfg.to_dict()
     d["tracking"]["mlflow_uri"] = redact(d["tracking"]["mlflow_uri"])
+    d["init"]["from"] = redact(d["init"]["from"])  # an object-store URI may carry a password too
     return d
 
 

@@ -117,7 +117,7 @@ def group_table(groups) -> str:
         spec = g.spec
         how = "frozen" if spec is not None and spec.freeze and not spec.unfreeze_at_step else \
             f"frozen until step {spec.unfreeze_at_step}" if spec is not None and spec.unfreeze_at_step else "trained"
-        lines.append(f"  {g.label:<16} {len(g.params):>6} tensors {sum(p.numel() for p in g.params):>14,} parameters  "
+        lines.append(f"  {g.label:<16} {len(g.params):>6} tensor(s) {sum(p.numel() for p in g.params):>14,} parameters  "
                      f"lr x{spec.lr_scale if spec else 1.0:g}  {how}")
     return "\n".join(lines)
 

@@ -305,7 +305,8 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: 
 def logged_lrs(cfg: Config, scheduler, groups: list[GroupPlan], peak_lr: float, total_steps: int) -> dict[str, float]:
     """lr (the schedule's, what the default group trains at) and, with optim.groups, lr/<label> of every group,
     for the optimizer step after the last one taken (what the scheduler has set)."""
-    if not cfg.optim.groups:
+    owners = [g for g, _ in split_groups(cfg, groups, 1.0)] if cfg.optim.groups else []
+    if len(owners) != len(scheduler.get_last_lr()):  # no optim.groups, or a task's own optimizer's groups
         return {"lr": scheduler.get_last_lr()[0]}
     step = scheduler.last_epoch
     factor = schedule(cfg, total_steps)

@@ -82,6 +82,10 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     except checkpointing.UnsafeCheckpointError as e:
         raise ExportError(str(e)) from None
     meta = checkpointing.read_meta(ckpt)
+    if meta.get("trainable_only") and not trainable_only:
+        raise ExportError(f"checkpoint ({ckpt}) holds only the trainable parameters (checkpoint.trainable_only): "
+                          f"its frozen base is init.from's ({(meta.get('init') or {}).get('from')}); pass "
+                          f"--trainable-only to export them, and load them on that base")
     if trainable_only and meta.get("trainable") is not None:
         weights = {k: v for k, v in weights.items() if k in set(meta["trainable"])}
     # Tied weights (a head sharing the embedding) are separate tensors here, each under its own name, as

@@ -118,7 +118,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     model = task.build_model()
-    model.load_state_dict(weights)
+    meta = checkpointing.read_meta(ckpt)
+    if meta.get("trainable_only"):  # the frozen base is init.from's, as in training
+        from stride.trainers import pretrained
+
+        try:
+            init = cfg.init
+            plan = pretrained.init_model(model, init.from_, strict=init.strict, include=init.include,
+                                         exclude=init.exclude, rename=init.rename, adapt=pretrained.adapter(task))
+            recorded = (meta.get("init") or {}).get("sha256")
+            if recorded != plan.sha256:
+                raise ConfigError(pretrained.changed_base_line(init.from_, recorded, plan.sha256))
+        except ConfigError as e:
+            print(f"generate: error: {e}", file=sys.stderr)
+            return 2
+        model.load_state_dict(weights, strict=False)
+    else:
+        model.load_state_dict(weights)
     model.eval()
     torch.manual_seed(args.seed)
     try:

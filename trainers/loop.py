@@ -214,7 +214,7 @@ class Trainer:
         if self.precision_name != "fp32" and env.device.type == "cpu" and self.rank0:
             log.warning("train.precision=%s on CPU runs in emulation, many times slower than fp32; use "
                         "train.precision=auto (fp32 on CPU) unless you are testing mixed precision", self.precision_name)
-        self.model = model
+        self.model = self.raw_model = model  # restore wraps self.model (DDP); raw_model stays the module
         # optim.groups over the trainable parameters as built (before any freezing), then the step-0 freeze
         self.groups = resolve_groups(cfg, model)
         self.optimizer = build_optimizer(cfg, model, W, self.task)
@@ -361,14 +361,14 @@ class Trainer:
 
     def _load_sharded(self, ckpt_dir: Path, meta: dict[str, Any]) -> None:
         """DCP: each rank reads the slices of the tensors it holds, whatever world size and strategy wrote them."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        options = self.state_dict_options(bool(meta.get("trainable_only")))
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)  # this rank's, to fill
+        partial = bool(meta.get("trainable_only"))  # the rest is init.from's, loaded in build_model
+        model_state, optim_state = self.training_state(partial)  # this rank's tensors, to fill
         state = {"model": model_state, "optim": optim_state}
         checkpointing.load_sharded(ckpt_dir, state, self.checkpoint_group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=options)
+        set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not partial))
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["scaler"])
 
@@ -378,12 +378,17 @@ class Trainer:
         trainable = [n for n, p in self.raw_model.named_parameters() if p.requires_grad]
         return None if len(trainable) == len(names) else trainable
 
-    @staticmethod
-    def state_dict_options(trainable_only: bool):
-        """checkpoint.trainable_only: the model tensors that require grad (and every buffer); else all of them."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+    def training_state(self, trainable_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state as checkpoints hold them (FSDP: this rank's shards). trainable_only:
+        without the frozen parameters, under every name they have (a tied copy too: torch's ignore_frozen_params
+        keeps it), which init.from holds."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+        model_state, optim_state = get_state_dict(self.raw_model, self.optimizer)
+        if trainable_only:
+            frozen = {n for n, p in self.raw_model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            model_state = {k: v for k, v in model_state.items() if k not in frozen}
+        return model_state, optim_state
 
     def _load_full(self, ckpt_dir: Path) -> None:
         """The earlier format: one state.pt holding the full model (FSDP: rank 0 reads it and broadcasts, the other
@@ -504,15 +509,11 @@ class Trainer:
     def checkpoint(self, metrics: dict[str, Any]) -> Future:
         """Every rank stages its own shards (a CPU copy: what training waits for); they are written in the
         background, and rank 0 marks the folder complete after every rank's files are in."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         s = self.state
         epoch, in_epoch = self.order.position(s.micro_step)
         # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
         trainable_only = self.cfg.checkpoint.trainable_only
-        # FSDP: this rank's shards; trainable_only: without the frozen base (init.from has it)
-        model_state, optim_state = get_state_dict(self.raw_model, self.optimizer,
-                                                  options=self.state_dict_options(trainable_only))
+        model_state, optim_state = self.training_state(trainable_only)
         meta = {"trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
                 "step": s.step, "epoch": epoch, "epoch_offset_samples": in_epoch * self.global_micro,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "mlflow_run_id": s.mlflow_run_id,

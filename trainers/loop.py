@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -278,12 +278,15 @@ class Trainer:
                 initialise(model)
             return earlier
         i, adapt = self.cfg.init, pretrained.adapter(self.task)
-        with pretrained.open_source(source) as src:
-            plan = pretrained.plan_model(model, src, self.source_sha256(src), strict=i.strict, include=i.include,
+        with pretrained.open_source(source) as src, ThreadPoolExecutor(1) as pool:
+            # Rank 0 hashes the file while every rank loads it (both read it; hashing releases the GIL).
+            digest = pool.submit(src.sha256) if self.rank0 else None
+            plan = pretrained.plan_model(model, src, "pending", strict=i.strict, include=i.include,
                                          exclude=i.exclude, rename=i.rename, adapt=adapt)
             if initialise is not None and not set(plan.mapping) >= {n for n, _ in model.named_parameters()}:
                 initialise(model)  # what init.from leaves out
             pretrained.load_into(model, src, plan, rename=i.rename, adapt=adapt)
+            plan.sha256 = self.from_rank0(digest.result() if digest is not None else None)
         record = plan.record()
         if earlier and earlier.get("sha256") != record["sha256"]:  # the driver refuses it first (check_model)
             raise DataError(pretrained.changed_base_line(source, earlier["sha256"], record["sha256"]))
@@ -292,12 +295,12 @@ class Trainer:
                      source)
         return earlier or record
 
-    def source_sha256(self, source: pretrained.Source) -> str:
-        """init.from's sha256, hashed by rank 0 alone (a file of gigabytes) and sent to the others."""
-        digest = [source.sha256() if self.rank0 else None]
+    def from_rank0(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (a collective where there are several)."""
+        box = [value]
         if self.env.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(digest, src=0)
-        return digest[0]
+            torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     def apply_block_settings(self, model: torch.nn.Module) -> None:
         """train.activation_checkpointing and train.compile on the task's repeated blocks, before FSDP wraps them."""

@@ -18,6 +18,9 @@ tests/test_bench.py replays benchmarks/results/latest.json's raw runs through th
     checkpoint    {model, params, runs: [{method: gather|dcp, rep, rank, peak_increase_bytes, blocked_s, complete_s}]}
     blocks        {runs: [{variant, rep, step_s, peak_increase_bytes, allocated_peak_increase_bytes, warmup_s}]}
     lock          {log_every, heartbeat_s, runs: [{variant: lock|none, rep, chunk_s: [...], chunk_steps}]} (or absent)
+    finetune      {model, memory: {runs: [{strategy: fsdp|ddp, rep, rank, peak_increase_bytes, full_bytes, ...}]},
+                   step: {chunk_steps, runs: [{variant: frozen|trainable, rep, rank, chunk_s: [...]}]},
+                   load: {runs: [{variant: init_model|load_file_read|..., rep, seconds}]}} (or absent)
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ GOALS = {  # figure: (operator, threshold)
     "ac_step_time_ratio": ("<=", 1.5),
     "compile_step_time_ratio": ("<=", 1.0),
     "lock_overhead_ratio": ("<=", 1.005),
+    "init_peak_memory_ratio": ("<=", 0.6),
+    "frozen_step_time_ratio": ("<=", 0.8),
+    "init_load_ratio": ("<=", 1.5),
 }
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
@@ -59,6 +65,10 @@ LABELS = {
     "ac_step_time_ratio": "step time, activation checkpointing on / off (12 layers)",
     "compile_step_time_ratio": "step time, train.compile on / off (default char_gpt)",
     "lock_overhead_ratio": "step time, run lock's fence and heartbeat on / off (tabular_mlp, one thread)",
+    "init_peak_memory_ratio": "largest rank's memory rise building a model from init.from under FSDP / its fp32 size",
+    "init_peak_memory_ratio_ddp": "the same under DDP (every rank builds the whole model and reads the whole file)",
+    "frozen_step_time_ratio": "step time, half the blocks frozen (optim.groups) / all trainable, 2 DDP ranks",
+    "init_load_ratio": "init.from's load on a worker (pretrained.init_model, the driver's sha256) / safetensors load_file with its tensors read",
 }
 
 
@@ -349,17 +359,97 @@ def lock_figure(raw: dict) -> dict:
                   notes=[] if samples else ["not measured in this result: python benchmarks/run.py --only lock"])
 
 
+def finetune_parts(raw: dict) -> dict:
+    """benchmarks/finetune_bench.py's raw runs by part and repetition: memory {strategy: {rep: [ranks]}}, step
+    {variant: {rep: chunk times, each the slowest rank's}}, load {variant: {rep: seconds}}."""
+    ft = raw.get("finetune") or {}
+    memory: dict = {}
+    for r in (ft.get("memory") or {}).get("runs", []):
+        memory.setdefault(r["strategy"], {}).setdefault(r["rep"], []).append(r)
+    per_rank: dict = {}
+    for r in (ft.get("step") or {}).get("runs", []):
+        per_rank.setdefault(r["variant"], {}).setdefault(r["rep"], []).append(r["chunk_s"])
+    step = {v: {rep: [max(ranks) for ranks in zip(*chunks)] for rep, chunks in reps.items()}
+            for v, reps in per_rank.items()}
+    load: dict = {}
+    for r in (ft.get("load") or {}).get("runs", []):
+        load.setdefault(r["variant"], {})[r["rep"]] = r["seconds"]
+    return {"memory": memory, "step": step, "load": load}
+
+
+def finetune_figures(raw: dict) -> dict:
+    """benchmarks/finetune_bench.py, a sample per repetition each: the largest rank's memory rise while it builds
+    the model from init.from / the model's fp32 size (FSDP, and DDP for comparison); the median over interleaved
+    chunk pairs of the step time with half the blocks frozen / all trainable; init_model given the digest / load_file (+ read)."""
+    ft = raw.get("finetune") or {}
+    parts = finetune_parts(raw)
+    missing = [] if ft else ["not measured in this result: python benchmarks/run.py --only finetune"]
+    m = ft.get("model") or {}
+    model = (f"{m['params'] / 1e6:.1f}M parameters ({m['blocks']} blocks of {m['width']} -> {m['hidden']} -> "
+             f"{m['width']}), init.from a {m['file_bytes'] / 1e9:.2f} GB safetensors file, 2 ranks" if m else None)
+
+    def memory(strategy: str, key: str) -> list:  # the largest rank's; None where a rank has no figure
+        per = parts["memory"].get(strategy, {})
+        largest = [[r.get(key) for r in per[i]] for i in sorted(per)]
+        return [ratio(max(xs) if all(finite(x) for x in xs) else None, per[i][0]["full_bytes"])
+                for i, xs in zip(sorted(per), largest)]
+
+    def memory_figure(strategy: str, what: str) -> dict:
+        devices = sorted({r["device"] for ranks in parts["memory"].get(strategy, {}).values() for r in ranks})
+        return figure(memory(strategy, "peak_increase_bytes"), "ratio", what, notes=missing, model=model,
+                      devices=devices, rss_ratio=summary(memory(strategy, "peak_rss_increase_bytes")))
+
+    counted = ("the largest rank's peak memory rise during Trainer.build_model (building the model and loading "
+               "init.from, up to the optimizer) / the model's full fp32 size, per repetition: on CPU the rank's "
+               "anonymous resident memory (RssAnon; rss_ratio counts the file's mmap'd pages too), on CUDA "
+               "max_memory_allocated (benchmarks/finetune_bench.py)")
+    frozen, trainable = parts["step"].get("frozen", {}), parts["step"].get("trainable", {})
+    reps = sorted(frozen.keys() & trainable.keys())
+    st = ft.get("step") or {}
+    per_step = st.get("chunk_steps") or 1
+    load = parts["load"]
+
+    def load_ratio(a: str, b: str) -> list:
+        x, y = load.get(a, {}), load.get(b, {})
+        return [ratio(x[i], y[i]) for i in sorted(x.keys() & y.keys())]
+
+    return {
+        "init_peak_memory_ratio": memory_figure("fsdp", f"train.strategy=fsdp: {counted}"),
+        "init_peak_memory_ratio_ddp": memory_figure("ddp", f"train.strategy=ddp: {counted}"),
+        "frozen_step_time_ratio": figure(
+            [summary([ratio(a, b) for a, b in zip(frozen[i], trainable[i])])["median"] for i in reps], "ratio",
+            "step time (Trainer.step) with optim.groups freezing the first half of the blocks / all trainable, the "
+            "same model on 2 DDP ranks, the median of interleaved chunk pairs per repetition "
+            "(benchmarks/finetune_bench.py)", notes=missing,
+            model=(f"{st['params'] / 1e6:.1f}M parameters, {st['trainable_params']['frozen'] / 1e6:.1f}M trainable "
+                   f"when frozen, {st['batch_per_rank']} rows per rank, {st['world_size']} ranks" if st else None),
+            frozen_step_s=summary([summary(frozen[i])["median"] / per_step for i in reps]),
+            trainable_step_s=summary([summary(trainable[i])["median"] / per_step for i in reps])),
+        "init_load_ratio": figure(
+            load_ratio("init_model_given_sha256", "load_file_read"), "ratio",
+            "time to load the init.from file into a built model as a worker does (stride.trainers.pretrained."
+            "init_model with the driver's sha256, RunPlan.init_sha256) / safetensors.torch.load_file of the same file "
+            "with every tensor it returns read into memory (.clone(); load_file alone maps the file and reads "
+            "nothing), one process, warm page cache, per repetition",
+            notes=missing, model=model, lazy_ratio=summary(load_ratio("init_model_given_sha256", "load_file")),
+            hashing_ratio=summary(load_ratio("init_model", "load_file_read")),
+            **{f"{v}_s": summary(list(load.get(v, {}).values()))
+               for v in ("init_model", "init_model_given_sha256", "load_file_read", "load_file")}),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction", "memory_growth_ratio",
          "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio",
-         "compile_step_time_ratio", "lock_overhead_ratio")
+         "compile_step_time_ratio", "lock_overhead_ratio", "init_peak_memory_ratio", "init_peak_memory_ratio_ddp",
+         "frozen_step_time_ratio", "init_load_ratio")
 
 
 def figures(raw: dict) -> dict:
     """Every figure, in the table's order."""
     figs = {**pair_figures(raw), "ingest_ratio": ingest_figure(raw), "scaling_2_over_1": scaling_figure(raw),
             "memory_growth_ratio": memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
-            "lock_overhead_ratio": lock_figure(raw)}
+            "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw)}
     return {name: figs[name] for name in ORDER}
 
 
@@ -473,12 +563,35 @@ def markdown(result: dict) -> str:
                       "-" if x["allocated_peak_increase_bytes"] is None else
                       f"{x['allocated_peak_increase_bytes'] / 2**20:.1f} MiB",
                       f"{x['peak_increase_bytes'] / 2**20:.1f} MiB"] for v, x in blocks_medians(raw).items()])
+    ft = finetune_parts(raw)
+    if ft["memory"]:
+        model = figs["init_peak_memory_ratio"]["model"]
+        out += ["", f"The fine-tuning benchmark's set-up per path, the largest rank, median over repetitions ({model}; "
+                "own memory: anonymous RSS on CPU, allocated memory on CUDA; with the file's pages: the RSS, which "
+                "also counts the pages of the mmap'd file the rank read):", ""]
+        rows = []
+        for strategy, per in ft["memory"].items():
+            worst = [max(ranks, key=lambda r: r.get("peak_increase_bytes") or 0) for ranks in per.values()]
+            med = {k: summary([r.get(k) for r in worst])["median"]
+                   for k in ("peak_increase_bytes", "peak_rss_increase_bytes", "full_bytes", "build_s")}
+            gib = {k: "-" if v is None else f"{v / GIB:.2f} GiB" for k, v in med.items()}
+            rows.append([f"`{strategy}`", gib["full_bytes"], gib["peak_increase_bytes"],
+                         gib["peak_rss_increase_bytes"], fmt(med["build_s"], "s")])
+        out += md_table(["train.strategy", "model (fp32)", "own memory rise", "with the file's pages",
+                         "build_model"], rows)
+    if ft["load"]:
+        out += ["", "init.from's load, seconds, median over repetitions (one process, one thread, warm page cache):",
+                ""]
+        out += md_table(["`init_model`", "`init_model` given the sha256", "`load_file` + read", "`load_file` alone"],
+                        [[f"{summary(list(ft['load'].get(v, {}).values()))['median'] or 0:.3f} s"
+                          for v in ("init_model", "init_model_given_sha256", "load_file_read", "load_file")]])
     return "\n".join(out)
 
 
 HEADLINE = ("step_time_ratio", "wall_ratio", "ingest_ratio", "data_wait_fraction", "scaling_2_over_1",
             "memory_growth_ratio", "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio",
-            "ac_step_time_ratio", "compile_step_time_ratio", "lock_overhead_ratio")
+            "ac_step_time_ratio", "compile_step_time_ratio", "lock_overhead_ratio", "init_peak_memory_ratio",
+            "frozen_step_time_ratio", "init_load_ratio")
 
 
 def headline(result: dict) -> str:

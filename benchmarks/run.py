@@ -1,10 +1,12 @@
-"""`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing and compile.
+"""`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile and
+fine-tuning.
 
     python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
     python benchmarks/run.py --smoke --out DIR  # one tiny repetition: a check that every part runs (no verdicts)
     python benchmarks/run.py --render           # rewrite the READMEs' generated blocks from results/latest.json
     python benchmarks/run.py --only lock        # measure one part again, into results/latest.json's other figures
+    python benchmarks/run.py --only finetune    # the same, the fine-tuning part (--only takes lock or finetune)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -28,6 +30,10 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    times (-> ac_memory_ratio, ac_step_time_ratio, compile_step_time_ratio).
 6. benchmarks/lock_bench.py: a training loop in this process with the run lock's fence and heartbeat and without,
    interleaved, `reps` times (-> lock_overhead_ratio).
+7. benchmarks/finetune_bench.py: init.from of a 302M-parameter safetensors file into 2 FSDP and 2 DDP ranks (fresh
+   process pairs, alternating), a step with half the blocks frozen and all trainable (2 DDP ranks, interleaved), and
+   init.from's load beside safetensors' load_file (one process, alternating), `reps` times (-> init_peak_memory_ratio,
+   init_peak_memory_ratio_ddp, frozen_step_time_ratio, init_load_ratio).
 """
 
 from __future__ import annotations
@@ -391,6 +397,7 @@ def measure(mode: Mode, tmp: Path) -> dict:
     raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
                                  smoke=mode.tiny_models, timeout_s=mode.timeout_s)
     raw["lock"] = measure_lock(mode)
+    raw["finetune"] = measure_finetune(mode)
     return raw
 
 
@@ -401,7 +408,15 @@ def measure_lock(mode: Mode) -> dict:
     return lock_bench(reps=mode.reps, chunks=mode.lock_chunks)
 
 
-ONLY = {"lock": ("lock", measure_lock)}  # --only NAME: raw[key] = measure(mode)
+def measure_finetune(mode: Mode) -> dict:
+    from benchmarks.finetune_bench import measure as finetune_bench
+
+    print("bench: fine-tuning's set-up memory, frozen step and load (benchmarks/finetune_bench.py)", flush=True)
+    return finetune_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+
+
+# --only NAME: raw[key] = measure(mode)
+ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune)}
 
 
 def measure_only(name: str, mode: Mode, latest: Path) -> dict:

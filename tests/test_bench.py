@@ -42,7 +42,7 @@ def test_replaying_latest_json_gives_the_figures_verdicts_and_table_it_stored(F,
 
 def test_every_figure_is_in_latest_json_with_its_goal_median_spread_and_rule_applied(F, latest):
     figs, verdicts, table = latest["figures"], latest["goals"], latest["table"].splitlines()
-    assert set(F.GOALS) < set(F.ORDER) and len(F.GOALS) == 12
+    assert set(F.GOALS) < set(F.ORDER) and len(F.GOALS) == 15
     for name in F.ORDER:
         f, v = figs[name], verdicts[name]
         counted = [x for x in f["samples"] if F.finite(x)]

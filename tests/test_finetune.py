@@ -295,3 +295,40 @@ def test_on_ray_the_encoder_is_loaded_frozen_then_trained_and_each_lr_logged(pro
     tags = MlflowClient(f"sqlite:///{storage / 'mlflow.db'}").get_run(s["mlflow_run_id"]).data.tags
     assert tags["init.from"] == str(encoder) and tags["init.sha256"] == s["init"]["sha256"]
     assert tags["init.loaded"] == str(len(pretrained)) and tags["init.missing"] == "0"
+
+
+def test_the_drivers_digest_of_init_from_reaches_the_workers_so_none_hashes_it_again(tmp_path):
+    """The driver's check hashes init.from once; plan_run hands that digest to the workers (RunPlan.init_sha256),
+    and a file changed since is hashed again, never given a stale digest."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from stride.trainers import pretrained
+
+    path = tmp_path / "a.safetensors"
+    save_file({"w": torch.ones(1, 4)}, str(path))
+    assert pretrained.known_sha256(str(path)) is None
+    model = torch.nn.Linear(4, 1, bias=False)
+    plan = pretrained.check_init(model, str(path), strict=False, include=[], exclude=[], rename=[("^w$", "weight")])
+    assert pretrained.known_sha256(str(path)) == plan.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    save_file({"w": torch.full((1, 4), 2.0)}, str(path))
+    assert pretrained.known_sha256(str(path)) is None
+
+
+def test_a_resume_never_reads_init_from_again(mlp_source, tabular_data, tmp_path):
+    """The checkpoint holds everything: with the source deleted after the first start, the run resumes and ends as
+    an uninterrupted one, and keeps the record of where its weights came from."""
+    from stride.trainers.torchrun import main as torchrun_main
+
+    source = tmp_path / "base.safetensors"
+    shutil.copy(mlp_source["file"], source)
+    extra = (f"init.from={source}", "train.deterministic=true")
+    runs = tmp_path / "runs"
+    assert torchrun_main(mlp_args(tabular_data, runs, "full", 4, *extra)) == 0
+    assert torchrun_main(mlp_args(tabular_data, runs, "cut", 2, *extra)) == 0
+    source.unlink()
+    assert torchrun_main(mlp_args(tabular_data, runs, "cut", 4, *extra)) == 0
+    full, cut = (json.loads((runs / n / "summary.json").read_text()) for n in ("full", "cut"))
+    assert cut["restarts"] == 1 and cut["param_checksums"] == full["param_checksums"]
+    assert cut["init"] == full["init"] and cut["init"]["from"] == str(source)

@@ -105,3 +105,27 @@ def test_a_missing_s3_path_is_one_line_naming_the_key(s3_server, tab_on_s3, tmp_
     assert len(lines) == 1 and lines[0].startswith("stride: error: "), r.stderr[-3000:]
     assert "data.train_path" in lines[0] and missing in lines[0], lines[0]
     assert not list((tmp_path / "runs").glob("missing/checkpoint_*"))
+
+
+def test_init_from_an_s3_uri_loads_what_the_local_file_loads(s3_server, tab_on_s3, tmp_path):
+    """init.from takes an object-store URI where data paths do: a run starting from s3://.../mlp.safetensors starts
+    from exactly the weights of the same file on disk (the same untrained loss and sha256)."""
+    local, _ = tab_on_s3
+    data = [f"data.train_path={local}/train", f"data.val_path={local}/val", "train.max_steps=2", "train.epochs=null",
+            "tracking.mlflow=false", "checkpoint.every_steps=2"]
+    r = run_job(s3_server, *data, f"run.storage_path={tmp_path}/runs", "run.name=src")
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    e = subprocess.run([PYTHON, "trainers/export.py", str(tmp_path / "runs" / "src"), str(weights / "mlp.safetensors")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert e.returncode == 0, e.stderr[-3000:]
+    uri = s3_server.upload(weights, BUCKET, "init")
+    summaries = []
+    for name, source in (("from_s3", f"{uri}/mlp.safetensors"), ("from_disk", str(weights / "mlp.safetensors"))):
+        r = run_job(s3_server, *data, f"run.storage_path={tmp_path}/runs", f"run.name={name}", f"init.from={source}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        summaries.append(_summary(tmp_path / "runs" / name))
+    s3, disk = summaries
+    assert s3["init"]["from"] == f"{uri}/mlp.safetensors" and s3["init"]["loaded"] == disk["init"]["loaded"] == 6
+    assert s3["init"]["sha256"] == disk["init"]["sha256"] and s3["initial_val_loss"] == disk["initial_val_loss"]

@@ -101,12 +101,13 @@ def check_model(cfg: Config, task) -> None:
     if meta is not None and not meta.get("trainable_only"):
         return
     i = cfg.init
+    # torchrun: rank 0 hashes the file (and compares it with a trainable_only run's), the other ranks check names
     plan = pretrained.check_init(model, i.from_, strict=i.strict, include=i.include, exclude=i.exclude,
-                                 rename=i.rename, adapt=pretrained.adapter(task))
+                                 rename=i.rename, adapt=pretrained.adapter(task), sha256=None if show else "-" * 64)
     if show:
         print(plan.table(), flush=True)
     recorded = ((meta or {}).get("init") or {}).get("sha256")
-    if meta is not None and recorded != plan.sha256:
+    if show and meta is not None and recorded != plan.sha256:
         raise ConfigError(pretrained.changed_base_line(i.from_, recorded, plan.sha256))
 
 

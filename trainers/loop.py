@@ -82,15 +82,18 @@ class RunPlan:
     data_pipeline: str = "thread"  # or "ray_data" (the driver's choice for data.pipeline)
     data_cpus_per_task: float = 1.0  # data.pipeline=ray_data: CPUs of each Ray Data task
     run_lock_token: str | None = None  # the launcher's run lock (trainers/runlock.py); None: no lock, no fence
+    init_sha256: str | None = None  # init.from's digest as the driver's check computed it; None: rank 0 hashes it
 
 
 def plan_run(cfg: Config, specs: dict[str, DataSpec], facts: dict[str, Any], **extra: Any) -> RunPlan:
     from stride.trainers.tracking import default_uri
 
     uri = (cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path)) if cfg.tracking.mlflow else None
+    from stride.trainers.pretrained import known_sha256
+
     return RunPlan(run_dir=str(cfg.run_dir), train=specs["train"], val=specs.get("val"), facts=facts,
                    cpus_per_worker=cfg.scaling.cpus_per_worker, mlflow_uri=uri,
-                   sample_log=os.environ.get("STRIDE_SAMPLE_LOG"), **extra)
+                   sample_log=os.environ.get("STRIDE_SAMPLE_LOG"), init_sha256=known_sha256(cfg.init.from_), **extra)
 
 
 @dataclass
@@ -279,14 +282,15 @@ class Trainer:
             return earlier
         i, adapt = self.cfg.init, pretrained.adapter(self.task)
         with pretrained.open_source(source) as src, ThreadPoolExecutor(1) as pool:
-            # Rank 0 hashes the file while every rank loads it (both read it; hashing releases the GIL).
-            digest = pool.submit(src.sha256) if self.rank0 else None
+            # The driver's digest; else rank 0 hashes the file while every rank loads it (hashing releases the GIL).
+            known = self.plan.init_sha256
+            digest = pool.submit(src.sha256) if self.rank0 and known is None else None
             plan = pretrained.plan_model(model, src, "pending", strict=i.strict, include=i.include,
                                          exclude=i.exclude, rename=i.rename, adapt=adapt)
             if initialise is not None and not set(plan.mapping) >= {n for n, _ in model.named_parameters()}:
                 initialise(model)  # what init.from leaves out
             pretrained.load_into(model, src, plan, rename=i.rename, adapt=adapt)
-            plan.sha256 = self.from_rank0(digest.result() if digest is not None else None)
+            plan.sha256 = self.from_rank0(known or (digest.result() if digest is not None else None))
         record = plan.record()
         if earlier and earlier.get("sha256") != record["sha256"]:  # the driver refuses it first (check_model)
             raise DataError(pretrained.changed_base_line(source, earlier["sha256"], record["sha256"]))

@@ -62,12 +62,25 @@ def _unusable(location: str, what: str) -> ConfigError:
     return ConfigError(f"init.from ({redact(location)}) {what}; set init.from={KINDS}")
 
 
+# Digests this process computed, by file identity: the driver hashes init.from once for its check, and hands the
+# digest to the workers (known_sha256 -> RunPlan.init_sha256), so no worker reads the whole file again for it.
+_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+    key = _identity(path)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def _digest(entries: Iterable[tuple[str, str]]) -> str:
@@ -568,11 +581,12 @@ def plan_model(model: torch.nn.Module, source: Source, sha256: str | None, **ini
 
 
 def check_init(model: torch.nn.Module, location: str, *, strict: bool, include: Iterable[str],
-               exclude: Iterable[str], rename: Iterable[tuple[str, str]], adapt: Adapt | None = None) -> InitPlan:
+               exclude: Iterable[str], rename: Iterable[tuple[str, str]], adapt: Adapt | None = None,
+               sha256: str | None = None) -> InitPlan:
     """The driver's check, before any worker starts: open init.from, plan against `model` (meta-device is enough),
-    load nothing."""
+    load nothing. `sha256`: a placeholder where the digest is not wanted (None: hashed)."""
     with open_source(location) as source:
-        return plan_model(model, source, None, strict=strict, include=include, exclude=exclude, rename=rename,
+        return plan_model(model, source, sha256, strict=strict, include=include, exclude=exclude, rename=rename,
                      adapt=adapt)
 
 
@@ -601,3 +615,17 @@ def changed_base_line(location: str, recorded: str | None, now: str) -> str:
     return (f"init.from ({redact(location)}) has sha256 {now[:12]}..., but this run's checkpoints were trained on "
             f"{(recorded or 'an unrecorded base')[:12]}... and hold only the trainable parameters "
             f"(checkpoint.trainable_only); restore the original file, or start a new run.name")
+
+
+def known_sha256(location: str | None) -> str | None:
+    """init.from's sha256 if this process already hashed its files as they are now (the driver's check_model), else
+    None (an object-store URI: not fetched again for this)."""
+    if location is None or "://" in location:
+        return None
+    try:
+        with open_source(location) as source:
+            if source.kind == "stride_checkpoint" or all(_identity(f) in _DIGESTS for f in source._files()):
+                return source.sha256()
+    except (ConfigError, OSError):
+        pass
+    return None

@@ -9,6 +9,7 @@ The model is tests/user_project's SignalCNN (a task outside Stride's packages): 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -332,3 +333,26 @@ def test_a_resume_never_reads_init_from_again(mlp_source, tabular_data, tmp_path
     full, cut = (json.loads((runs / n / "summary.json").read_text()) for n in ("full", "cut"))
     assert cut["restarts"] == 1 and cut["param_checksums"] == full["param_checksums"]
     assert cut["init"] == full["init"] and cut["init"]["from"] == str(source)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_on_cuda_mixed_precision_keeps_the_frozen_layers_bitwise_and_loads_init_from(mlp_source, tabular_data,
+                                                                                    tmp_path, precision):
+    """On a GPU, under autocast (bf16) and the GradScaler (fp16): init.from lands on the device, the frozen layers end
+    bitwise equal to the file, the rest trains with finite losses."""
+    from stride.trainers import checkpointing
+    from stride.trainers.torchrun import main as torchrun_main
+
+    extra = (f"init.from={mlp_source['file']}", "optim.groups=[{match: '^net\\.0\\.', freeze: true}]",
+             "scaling.use_gpu=true", f"train.precision={precision}", "train.log_every_steps=1")
+    assert torchrun_main(mlp_args(tabular_data, tmp_path, "gpu", 6, *extra)) == 0
+    s = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert s["precision"] == precision and s["init"]["loaded"] == 6
+    final = checkpointing.load_model_state(tmp_path / "gpu" / "checkpoint_00000006")
+    w = mlp_source["weights"]
+    assert torch.equal(final["net.0.weight"], w["net.0.weight"]) and torch.equal(final["net.0.bias"], w["net.0.bias"])
+    assert not torch.equal(final["net.4.weight"], w["net.4.weight"])
+    losses = [r["train_loss"] for r in read_jsonl(tmp_path / "gpu" / "metrics.jsonl") if "train_loss" in r]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)

@@ -236,9 +236,9 @@ class Trainer:
     def build_model(self) -> torch.nn.Module:
         """The task's model on this rank's device, with its initial weights: seeded (the same on every rank), then
         init.from where a fresh run loads it. Under FSDP it is built on the meta device and sharded before any
-        weight exists, so no rank ever holds it whole: rank 0 builds the seeded weights on the CPU and broadcasts
-        them tensor by tensor (the same weights as DDP's at any world size), or, with init.from or a task's own
-        init_weights, every rank initialises its shards and reads only its slices of the file."""
+        weight exists, so no device ever holds it whole. From scratch, rank 0 builds the seeded weights in host
+        memory and broadcasts them tensor by tensor (DDP's weights, at any world size); with init.from or a task's
+        own init_weights, no rank holds it whole anywhere: each initialises its shards and reads its slices."""
         cfg, env = self.cfg, self.env
         torch.manual_seed(cfg.run.seed)
         if not self.sharded:

@@ -33,8 +33,9 @@ MAIN_CASES = [
     (["run.storage_path=/proc/stride"], "run.storage_path"), (["run.nope=1"], "run.nope"),
     (["data.train_path={tmp}/missing"], "data.train_path"), (["data.val_path={tmp}/missing"], "data.val_path"),
     (["data.train_path={tmp}/notes"], "data.train_path"), (["data.train_path={tmp}/empty"], "data.train_path"),
-    (["data.label_column=nope"], "data.label_column"), (["data.feature_columns=[nope]"], "data.feature_columns"),
-    (["data.nan_policy=maybe"], "data.nan_policy"), (["data.standardize=maybe"], "data.standardize"),
+    (["model.label_column=nope"], "model.label_column"), (["model.feature_columns=[nope]"], "model.feature_columns"),
+    (["model.nan_policy=maybe"], "model.nan_policy"), (["model.standardize=maybe"], "model.standardize"),
+    (["data.label_column=label"], "moved to model.label_column"), (["data.nan_policy=impute"], "moved to model.nan_policy"),
     (["data.shuffle_window_rows=0"], "data.shuffle_window_rows"), (["data.read_ahead_windows=0"], "data.read_ahead_windows"),
     (["data.pipeline=gpu"], "data.pipeline"), (["data.pipeline_timeout_s=0"], "data.pipeline_timeout_s"),
     (["data.nope=1"], "data.nope"),
@@ -113,9 +114,9 @@ def finished(tmp_path_factory) -> Path:
     # module, a copy of the data with damaged pages.
     (tmp / "files" / "duplicate.yaml").write_text("train:\n  max_steps: 10\n  max_steps: 20\n")
     bomb = ", ".join(["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)])
-    (tmp / "files" / "bomb.yaml").write_text(f"data:\n  feature_columns: [{bomb}]\n")
+    (tmp / "files" / "bomb.yaml").write_text(f"init:\n  include: [{bomb}]\n")
     small = ", ".join(["&l0 [lol]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 6)])
-    (tmp / "files" / "small_bomb.yaml").write_text(f"data:\n  feature_columns: [{small}]\n")
+    (tmp / "files" / "small_bomb.yaml").write_text(f"init:\n  include: [{small}]\n")
     (tmp / "loop").mkdir()
     (tmp / "loop" / "a").symlink_to(tmp / "loop" / "b")
     (tmp / "loop" / "b").symlink_to(tmp / "loop" / "a")

@@ -69,7 +69,7 @@ def test_nan_features_are_refused_by_default_naming_the_column_and_the_fix(tmp_p
     data = _nan_data(tmp_path / "data")
     r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val",
                  f"run.storage_path={tmp_path}/runs"], timeout=60)
-    line = _one_line_usage_error(r, "'c'", "58", "data.nan_policy=impute")
+    line = _one_line_usage_error(r, "'c'", "58", "model.nan_policy=impute")
     assert "'a'" not in line
 
 
@@ -201,7 +201,7 @@ def test_wrong_token_is_refused_naming_the_token_file(tmp_path, tabular_data, sh
 def test_impute_unreachable_mlflow_and_cpu_bf16_train_and_warn_once(tmp_path, ray_cluster):
     data = _nan_data(tmp_path / "data")
     dead = f"http://127.0.0.1:{free_port()}"
-    r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val", "data.nan_policy=impute",
+    r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val", "model.nan_policy=impute",
                  f"run.storage_path={tmp_path}/runs", f"tracking.mlflow_uri={dead}", "train.precision=bf16", "scaling.preflight=true", *TINY],
                 env=ray_cluster, timeout=300)
     out = r.stdout + r.stderr

@@ -166,7 +166,7 @@ def _bomb_value(levels: int, width: int = 9) -> str:
 
 
 def _alias_bomb(levels: int) -> str:
-    return f"data:\n  feature_columns: {_bomb_value(levels)}\n"
+    return f"init:\n  include: {_bomb_value(levels)}\n"
 
 
 def test_yaml_with_a_byte_order_mark_loads(tmp_path):
@@ -197,8 +197,8 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path):
         load_config(p)
     assert time.perf_counter() - t0 < 2
     with pytest.raises(ConfigError, match="aliases expand to more than"):
-        load_config(None, ["data.feature_columns=" + _bomb_value(9)])
-    p.write_text("data: {feature_columns: &x [*x]}\n")
+        load_config(None, ["init.include=" + _bomb_value(9)])
+    p.write_text("init: {include: &x [*x]}\n")
     with pytest.raises(ConfigError, match="an alias refers to a node that contains it"):
         load_config(p)
 
@@ -209,7 +209,7 @@ def test_a_smaller_bomb_is_quoted_in_at_most_200_characters(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     line = str(e.value)
-    assert line.startswith("data.feature_columns (") and "characters)" in line and len(line) < 600, line[:1000]
+    assert line.startswith("init.include (") and "characters)" in line and len(line) < 600, line[:1000]
 
 
 @pytest.mark.parametrize("override, bound", [
@@ -243,3 +243,19 @@ def test_a_symlink_loop_storage_path_is_refused(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(ConfigError, match=r"^run.storage_path \(.*/a/runs'\) is a loop of symbolic links"):
         load_config(None, [f"run.storage_path={tmp_path}/a/runs"])
+
+
+def test_the_mlps_old_data_keys_exit_2_naming_their_new_place(tmp_path):
+    """data.label_column, data.feature_columns, data.standardize and data.nan_policy are the MLP task's own now
+    (model.*): a config that still sets one is refused in one line naming the new key, from YAML or an override."""
+    cfg = load_config(REPO / "trainers/configs/tabular_mlp.yaml", ["model.label_column=y", "model.nan_policy=impute"])
+    assert cfg.model.label_column == "y" and cfg.model.nan_policy == "impute" and cfg.model.standardize is True
+    for key, value in (("label_column", "y"), ("feature_columns", "[a, b]"), ("standardize", "true"),
+                       ("nan_policy", "impute")):
+        with pytest.raises(ConfigError, match=rf"data\.{key} moved to model\.{key} .*write model\.{key}="):
+            load_config(REPO / "trainers/configs/tabular_mlp.yaml", [f"data.{key}={value}"])
+    p = tmp_path / "old.yaml"
+    p.write_text("model: {name: mlp}\ndata: {label_column: target}\n")
+    with pytest.raises(ConfigError, match=r"data\.label_column moved to model\.label_column .*'target'") as e:
+        load_config(p)
+    assert "\n" not in str(e.value)

@@ -117,8 +117,8 @@ def _write(d, **cols):
     ("empty", "empty folder"),
     ("non_parquet", "non-Parquet file"),
     ("corrupt", "not a readable Parquet file"),
-    ("no_label", "data.label_column (label) is not a column"),
-    ("bad_features", "data.feature_columns (['nope'])"),
+    ("no_label", "model.label_column (label) is not a column"),
+    ("bad_features", "model.feature_columns (['nope'])"),
     ("string_feature", "not numeric"),
     ("labels_out_of_range", "model.num_classes (2)"),
     ("negative_labels", "has negative labels in data.train_path (min -1); labels must be 0..num_classes-1: relabel them"),
@@ -138,10 +138,10 @@ def test_bad_inputs_are_usage_errors(tmp_path, case, expect):
         _write(d, a=[1.0], y=[0])
     elif case == "bad_features":
         _write(d, a=[1.0], label=[0])
-        extra = ["data.feature_columns=[nope]"]
+        extra = ["model.feature_columns=[nope]"]
     elif case == "string_feature":
         _write(d, a=[1.0], s=["x"], label=[0])
-        extra = ["data.feature_columns=[a, s]"]
+        extra = ["model.feature_columns=[a, s]"]
     elif case == "negative_labels":  # the fix is to relabel: no model.num_classes value fixes a negative label
         _write(d, a=[1.0, 2.0, 3.0], label=[-1, 0, 1])
         extra = ["model.num_classes=2"]

@@ -90,10 +90,6 @@ class DataSection(Section):
     read_ahead_windows: int = Field(2, ge=1, description="Windows whose row groups each worker reads ahead of training (background threads)")
     pipeline: Literal["auto", "thread", "ray_data"] = Field("auto", description="Who reads and transforms the training rows: a thread of each worker, or Ray Data tasks on the CPUs beside the worker gang (any node); auto: ray_data for GPU workers when CPUs are free, else thread. Same batches either way")
     pipeline_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="data.pipeline=ray_data: fail the run when no batch arrives for this long (Ray Data starved of CPUs)")
-    label_column: str = Field("label", description="Tabular tasks (mlp): the integer class column")
-    feature_columns: list[str] = Field(default_factory=list, description="Tabular tasks (mlp): input columns (empty: every numeric column but label and sample_id)")
-    standardize: bool = Field(False, description="Tabular tasks (mlp): scale features by mean/std of the training split")
-    nan_policy: Literal["error", "impute"] = Field("error", description="Tabular tasks (mlp): NaN in features is an error, or imputed with the training mean")
 
 
 class TaskConfig(Section):
@@ -435,6 +431,10 @@ def _closest(word: str, options: list[str]) -> str:
     return f"did you mean {match[0]}?" if match else f"valid: {', '.join(options)}"
 
 
+# Keys that moved, and where to: a config that still sets one exits 2 naming the new key.
+MOVED_KEYS = {f"data.{k}": f"model.{k}" for k in ("label_column", "feature_columns", "standardize", "nan_policy")}
+
+
 def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = None) -> None:
     for section, body in raw.items():
         if section not in SECTIONS:
@@ -445,6 +445,9 @@ def _check_keys(raw: dict[str, Any], origin: str, full: dict[str, Any] | None = 
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of field: value, got {quote(body)}")
         fields = section_keys(section_class(section, full if full is not None else raw))
         for key in body:
+            if (moved := MOVED_KEYS.get(f"{section}.{key}")) is not None:
+                raise ConfigError(f"{origin}: {section}.{key} moved to {moved} (the task's own setting); write "
+                                  f"{moved}={quote(body[key])} instead")
             if key not in fields:
                 where = f" for model.name {_task_name(full if full is not None else raw)}" if section == "model" else ""
                 raise ConfigError(f"{origin}: unknown key {quote(f'{section}.{key}')}{where}; {_closest(str(key), fields)}")

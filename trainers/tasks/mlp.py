@@ -7,6 +7,7 @@ on the driver (`inspect`); the workers get them as facts and apply them in `tran
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import numpy as np
 import torch.nn.functional as F
@@ -28,6 +29,12 @@ class MLPTask(Task):
         hidden_sizes: list[int] = Field(default_factory=lambda: [256, 256], description="Hidden layer widths")
         num_classes: int | None = Field(None, ge=2, description="Number of classes (null: inferred from the labels)")
         dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability")
+        label_column: str = Field("label", description="The integer class column")
+        feature_columns: list[str] = Field(default_factory=list, description="Input columns (empty: every numeric "
+                                           "column but the label and sample_id)")
+        standardize: bool = Field(False, description="Scale features by the mean/std of the training split")
+        nan_policy: Literal["error", "impute"] = Field("error", description="NaN in features is an error, or imputed "
+                                                       "with the training mean")
 
     metric_names = ("accuracy",)
 
@@ -39,7 +46,7 @@ class MLPTask(Task):
     # ---- driver: which columns, how many classes, the statistics of the training features ----
 
     def inspect(self, train: DataSplit, val: DataSplit | None) -> dict:
-        d = self.data_config
+        d = self.config
         feats = self._feature_columns(train)
         splits = (train, val) if val is not None else (train,)
         for split in splits[1:]:
@@ -65,43 +72,43 @@ class MLPTask(Task):
         return facts
 
     def _feature_columns(self, train: DataSplit) -> tuple[str, ...]:
-        d, schema = self.data_config, train.schema
+        d, schema = self.config, train.schema
         if d.label_column not in schema.names:
-            raise DataError(f"data.label_column ({d.label_column}) is not a column of {train.key} (columns: "
-                            f"{schema.names}); set data.label_column=<name>")
+            raise DataError(f"model.label_column ({d.label_column}) is not a column of {train.key} (columns: "
+                            f"{schema.names}); set model.label_column=<name>")
         import pyarrow as pa
 
         if not pa.types.is_integer(schema.field(d.label_column).type):
-            raise DataError(f"data.label_column ({d.label_column}) has type {schema.field(d.label_column).type}; "
+            raise DataError(f"model.label_column ({d.label_column}) has type {schema.field(d.label_column).type}; "
                             f"labels must be integers 0..C-1")
         if d.feature_columns:
             missing = [c for c in d.feature_columns if c not in schema.names]
             if missing:
-                raise DataError(f"data.feature_columns ({missing}) are not columns of {train.key} (columns: "
-                                f"{schema.names}); fix the names or leave data.feature_columns empty to use every "
+                raise DataError(f"model.feature_columns ({missing}) are not columns of {train.key} (columns: "
+                                f"{schema.names}); fix the names or leave model.feature_columns empty to use every "
                                 f"numeric column")
             non_numeric = [c for c in d.feature_columns if not _is_numeric(schema.field(c).type)]
             if non_numeric:
-                raise DataError(f"data.feature_columns ({non_numeric}) are not numeric; remove them from "
-                                f"data.feature_columns")
+                raise DataError(f"model.feature_columns ({non_numeric}) are not numeric; remove them from "
+                                f"model.feature_columns")
             return tuple(d.feature_columns)
         feats = tuple(n for n in schema.names if n not in (d.label_column, SAMPLE_ID) and _is_numeric(schema.field(n).type))
         if not feats:
-            raise DataError(f"{train.key}: no numeric feature columns besides '{d.label_column}'; set data.feature_columns")
+            raise DataError(f"{train.key}: no numeric feature columns besides '{d.label_column}'; set model.feature_columns")
         return feats
 
     def _check_labels(self, splits, stats) -> int:
-        label = self.data_config.label_column
+        label = self.config.label_column
         num_classes = self.config.num_classes
         for split in splits:
             st = stats[split.name]
             if st.label_nulls:
-                raise DataError(f"data.label_column ({label}) has {st.label_nulls} missing values in {split.key}; "
+                raise DataError(f"model.label_column ({label}) has {st.label_nulls} missing values in {split.key}; "
                                 f"drop those rows")
             lo, hi = st.label_min, st.label_max
             num_classes = num_classes or hi + 1
             if lo < 0:
-                raise DataError(f"data.label_column ({label}) has negative labels in {split.key} (min {lo}); labels "
+                raise DataError(f"model.label_column ({label}) has negative labels in {split.key} (min {lo}); labels "
                                 f"must be 0..num_classes-1: relabel them")
             if hi >= num_classes:
                 raise DataError(f"model.num_classes ({num_classes}) does not cover the labels in {split.key} (range "
@@ -180,7 +187,7 @@ class _SplitStats:
                 split = self.split
                 where = os.path.basename(split.files[0]) if len(split.files) == 1 else f"{len(split.files)} files"
                 raise DataError(f"{split.key}: feature column '{name}' has {bad} NaN/missing values in {where}; clean "
-                                f"the data or set data.nan_policy=impute (training mean)")
+                                f"the data or set model.nan_policy=impute (training mean)")
 
 
 def _features(table, feats) -> np.ndarray:

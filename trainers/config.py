@@ -196,10 +196,6 @@ class ParamGroup(Section):
             return step < self.unfreeze_at_step
         return self.freeze
 
-    @property
-    def label(self) -> str:
-        return self.name or ""
-
 
 class TrainSection(Section):
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")

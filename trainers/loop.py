@@ -381,9 +381,9 @@ class Trainer:
 
     def trainable_names(self) -> list[str] | None:
         """The parameters that train now, where some do not (export --trainable-only writes these); None: all."""
-        names = [n for n, p in self.raw_model.named_parameters()]
-        trainable = [n for n, p in self.raw_model.named_parameters() if p.requires_grad]
-        return None if len(trainable) == len(names) else trainable
+        named = list(self.raw_model.named_parameters())
+        trainable = [n for n, p in named if p.requires_grad]
+        return None if len(trainable) == len(named) else trainable
 
     def training_state(self, trainable_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimizer's state as checkpoints hold them (FSDP: this rank's shards). trainable_only:

@@ -165,9 +165,6 @@ class Freezer:
                     changed = True
         return changed
 
-    def frozen_names(self, step: int) -> list[str]:
-        return [n for g in self.groups if g.frozen_at(step) for n in g.names]
-
 
 def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = None) -> torch.optim.Optimizer:
     """The optimizer over `model`'s parameter groups: the task's own (Task.configure_optimizer) if it builds one,

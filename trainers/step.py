@@ -152,13 +152,17 @@ class Freezer:
 
     def __init__(self, groups: list[GroupPlan]):
         self.groups = [g for g in groups if g.spec is not None and (g.spec.freeze or g.spec.unfreeze_at_step)]
+        self.trainable: list[bool | None] = [None] * len(self.groups)  # as last set: the step loop skips the rest
 
     def apply(self, step: int) -> bool:
         """Set requires_grad for the optimizer step after `step` completed ones; True if any parameter changed
         (DDP then needs a new reducer: it all-reduces only what required grad when it was built)."""
         changed = False
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             trainable = not g.frozen_at(step)
+            if self.trainable[i] == trainable:  # every step calls this: touch the parameters only on a change
+                continue
+            self.trainable[i] = trainable
             for p in g.params:
                 if p.requires_grad != trainable:
                     p.requires_grad_(trainable)

@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stride.cli import ArgumentParser
+from stride.cli import ArgumentParser, error_line
 from stride.ray_cluster import node
 
 DEFAULT_TEMP_DIR = Path("/tmp/stride-ray")
@@ -276,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             pids = stop_head(load_head(args.temp_dir))
             print(f"stride: stopped the Ray head in {args.temp_dir} ({len(pids)} processes); none is left")
     except (node.UnsafeStateDir, HeadUsageError) as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return 2
     except HeadError as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return 1
     return 0
 

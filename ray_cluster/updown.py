@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from stride.cli import error_line
+
 TOKEN_MOUNT = "~/stride_ray/auth_token"
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         down(argv[1])
         print(f"stride: stopped the Ray processes of {argv[1]} on every node; nothing else was touched")
     except UpDownError as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return 1
     return 0
 

@@ -23,6 +23,21 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
 
 
+def error_line(message: object) -> None:
+    """Print "stride: error: <message>" as one write(2): the ranks of a torchrun gang share one stderr, and print()
+    writes the text and its newline separately, so two ranks' lines could run together into one."""
+    text = f"stride: error: {message}\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a file (pytest's capture): one write() is enough
+        sys.stderr.write(text)
+        return
+    sys.stderr.flush()
+    data = text.encode("utf-8", "replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def drop_working_directory_from_path() -> None:
     """Take the working directory off the front of sys.path, where `python -m` and `python -c` put it: a command that
     reads a run folder (generate.py) must not import a module someone planted beside it. PYTHONPATH stays."""

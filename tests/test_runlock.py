@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -326,3 +327,17 @@ def test_a_refused_lock_ends_every_torchrun_rank_with_exit_2_and_no_hang(tmp_pat
     assert len(refusals) == 2 and f"pid {os.getpid()}," in refusals[0], r.stderr[-3000:]
     assert "exitcode  : 2" in r.stderr  # torchrun's report of the ranks' own exit code
     assert sorted(p.name for p in run_dir.iterdir()) == [runlock.LOCK]  # nothing written by the refused run
+
+
+def test_an_error_line_is_one_write_so_two_ranks_lines_never_run_together(tmp_path, monkeypatch):
+    """torchrun's ranks share one stderr; print() writes the text and the newline apart, and two ranks' refusals were
+    once read back as one line. error_line hands the kernel the whole line, newline included, in one write."""
+    from stride.cli import error_line
+
+    writes = []
+    with open(tmp_path / "stderr", "w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
+        error_line("run.name (shared): in use by another run")
+        fd = stream.fileno()
+    assert writes == [(fd, b"stride: error: run.name (shared): in use by another run\n")]

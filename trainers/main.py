@@ -28,7 +28,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
-from stride.cli import ArgumentParser  # noqa: E402
+from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers import runfolder, runlock  # noqa: E402
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         code, summary, embedded = _train(cfg, progress_bar=sys.stdout.isatty())
     except (ConfigError, DataError, UsageError) as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     report_paths(cfg, cfg.run_dir, summary, embedded)
     return code
@@ -117,7 +117,7 @@ def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> N
     print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "
           f"val_loss {fmt(summary.get('val_loss'))} (untrained {fmt(summary.get('initial_val_loss'))}){val}")
     if summary.get("error"):
-        print(f"stride: error: {summary['error']}", file=sys.stderr)
+        error_line(summary['error'])
     print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
     print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
     print(f"stride: checkpoint  {summary.get('checkpoint')}")

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, GPUs this node
     lacks, a checkpoint of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed
     stop."""
-    from stride.cli import ArgumentParser
+    from stride.cli import ArgumentParser, error_line
 
     ap = ArgumentParser(prog="torchrun ... trainers/torchrun.py")
     ap.add_argument("--config", required=True)
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args.config, args.overrides)
     except (ConfigError, DataError, UsageError, checkpointing.UnsafeCheckpointError) as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     except (TrainingError, checkpointing.CheckpointWriteError) as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_FAILED
 
 

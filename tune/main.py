@@ -37,7 +37,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
-from stride.cli import ArgumentParser  # noqa: E402
+from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.datasets.parquet import DataError  # noqa: E402
 from stride.trainers.config import Config, ConfigError, build_config, redact  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = load_sweep(args.config, args.overrides)
         cfg = sweep.base_cfg()
     except ConfigError as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     if args.print_space:
         print(json.dumps({"sweep": sweep.sweep.model_dump(mode="json"), "base": sweep.base,
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency, num_workers, use_gpu = resolve_concurrency(sweep, cfg)
         check_batches(sweep, cfg, specs["train"].num_rows, num_workers)
     except (ConfigError, DataError, UsageError) as e:
-        print(f"stride: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("stride: interrupted before any trial started", file=sys.stderr)

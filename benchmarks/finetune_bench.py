@@ -158,7 +158,7 @@ def config(dims: dict, storage: Path, **sections):
 def trainer(cfg, rank: int, world: int, local_rank: int, device: torch.device):
     """A Trainer as trainers/torchrun.py builds one: its Config, WorkerEnv and RunPlan. The data spec is one
     invented row group: setup() reads its row counts (the data order), and nothing here reads data."""
-    from stride.datasets.parquet import DataSpec
+    from stride.datasets.splits import DataSpec
     from stride.trainers.loop import Trainer, WorkerEnv, plan_run
 
     def wrap_model(m):

@@ -39,7 +39,7 @@ def ingest_loop(config: dict) -> dict:
     import torch
 
     from stride.datasets.order import Order
-    from stride.datasets.parquet import column_to_numpy
+    from stride.datasets.splits import column_to_numpy
     from stride.datasets.stream import READ_THREADS, TrainStream
 
     pa.set_cpu_count(READ_THREADS)  # pyarrow gets the stream's threads (the worker's OMP_NUM_THREADS=1 gave it one)

@@ -16,7 +16,7 @@ from itertools import repeat
 import numpy as np
 import pyarrow as pa
 
-from stride.datasets.parquet import Columns, column_to_numpy
+from stride.datasets.splits import Columns, column_to_numpy
 
 
 @dataclass(frozen=True)

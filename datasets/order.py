@@ -1,12 +1,13 @@
-"""The order in which training samples are seen: a function of (seed, epoch, the split's row groups) only.
+"""The order in which training samples are seen: a function of (seed, epoch, the split's blocks) only.
 
 An epoch is built in two seeded steps, so that it can be read as a stream:
-1. the split's blocks (Parquet row groups, in file order) are permuted, and laid end to end as one sequence;
+1. the split's blocks (file parts: Parquet row groups, line ranges of text files; in file order) are permuted,
+   and laid end to end as one sequence;
 2. the sequence is cut into windows of `window_rows` positions, and the rows inside each window are permuted.
 Position p of the epoch holds one row; global micro-batch i is positions [i*G, (i+1)*G) (G = the global
 micro-batch); rank r of W takes its slice [r*G/W, (r+1)*G/W) of every global micro-batch. Nothing here depends on
 W, so a run resumed at another world size (same G) continues the same sequence. A reader needs one window (plus the
-row groups it overlaps) at a time, and a resume at position p starts reading at window p // window_rows.
+blocks it overlaps) at a time, and a resume at position p starts reading at window p // window_rows.
 
 The tail of each epoch that does not fill a global micro-batch is dropped, so every rank runs the same number of
 steps: at most G - 1 rows per epoch. The window trades memory for mixing: rows from blocks further apart than a

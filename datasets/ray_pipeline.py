@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stride.datasets.order import Order
-from stride.datasets.parquet import DataSpec
+from stride.datasets.splits import DataSpec
 from stride.datasets.stream import BlockReader, Prefetcher, rank_rows
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks

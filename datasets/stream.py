@@ -1,12 +1,13 @@
-"""Streaming a split to one rank: row groups read on demand, in the order of datasets/order.py.
+"""Streaming a split to one rank: blocks (file parts: Parquet row groups, line ranges of text files) read on
+demand, in the order of datasets/order.py.
 
-A worker holds the row groups of the `read_ahead` windows after the current one (and the blocks they share with
+A worker holds the blocks of the `read_ahead` windows after the current one (and the blocks they share with
 it), plus the rows it kept of the current window and of the windows already cut ahead, however large the split.
 Background threads read ahead while the loop trains (pyarrow releases the GIL while it decodes). Both runtimes, Ray
 Train and torchrun, read the files the same way, with pyarrow, from a local folder, a shared filesystem or an
 object store (s3://, gs://).
 
-Every rank reads every row group of a window and keeps its own rows: read amplification equals the world size. This
+Every rank reads every block of a window and keeps its own rows: read amplification equals the world size. This
 is what makes the order independent of the world size (rank r takes its slice of every global micro-batch); on local
 or shared disks the page cache absorbs it, on an object store it is W x the egress (docs/data.md).
 """
@@ -21,28 +22,27 @@ from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
+from stride.datasets.formats import PartReader, formats
 from stride.datasets.frame import EMPTY, Frame
 from stride.datasets.order import EpochPlan, Order, eval_blocks
-from stride.datasets.parquet import SAMPLE_ID, Columns, DataError, DataSpec
+from stride.datasets.splits import SAMPLE_ID, Columns, DataError, DataSpec
 
 
 READ_THREADS = 2  # windows read at once by each worker
 
 
 class BlockReader:
-    """Reads one split's blocks (row groups) with the columns the task needs; counts the rows it read."""
+    """Reads one split's blocks (file parts) with the columns the task needs; counts the rows it read."""
 
-    OPEN_FILES = 16  # footers kept open: an object store pays a request per open
+    OPEN_FILES = 16  # files kept open: an object store pays a request per open
 
     def __init__(self, spec: DataSpec):
         self.spec = spec
         self.columns = [c for c in spec.columns if c != SAMPLE_ID or spec.has_sample_id]
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
-        self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self._files: OrderedDict[int, PartReader] = OrderedDict()
         self._last: tuple[int, pa.Table] | None = None  # a block two windows share is read once
 
     @property
@@ -59,43 +59,29 @@ class BlockReader:
         return rows
 
     def read_file_blocks(self, blocks: list[int]) -> dict[int, pa.Table]:
-        """Blocks of one file, read in one call: pyarrow sets up a reader per column at each call (a call per
-        4,096-row group took 5-20 % more CPU than a call per file and window, side by side here)."""
+        """Blocks of one file, read in one call (the format reads the parts as one request where it can)."""
         f = self.spec.blocks[blocks[0]][0]
-        path, groups = self.spec.files[f], [self.spec.blocks[b][1] for b in blocks]
         try:
-            table = self._file(f).read_row_groups(groups, columns=self.columns, use_threads=False)
-        except (OSError, pa.ArrowException) as e:
+            table = self._file(f).read([self.spec.blocks[b][1] for b in blocks], self.columns)
+        except DataError:
             self._files.pop(f, None)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"data.{self.spec.split}_path: {path} could not be read (row groups "
-                            f"{', '.join(map(str, groups))}: {why}); it changed or disappeared after the run started: "
-                            f"restore it, or start a new run.name without it") from None
+            raise
         sizes = [self.spec.blocks[b][2] for b in blocks]
-        if table.num_rows != sum(sizes):
-            raise DataError(f"data.{self.spec.split}_path: {path} row groups {', '.join(map(str, groups))} hold "
-                            f"{table.num_rows} rows, not the {sum(sizes)} they held when the run started; restore the "
-                            f"file or start a new run.name")
         if not self.spec.has_sample_id:
             table = table.append_column(SAMPLE_ID, pa.array(np.concatenate(
                 [np.arange(self.base[b], self.base[b] + n, dtype=np.int64) for b, n in zip(blocks, sizes)])))
         out, lo = {}, 0
-        for b, n in zip(blocks, sizes):  # the order asked for: pyarrow keeps it
+        for b, n in zip(blocks, sizes):  # the order asked for: the reader keeps it
             out[b], lo = table.slice(lo, n), lo + n
         self.rows_read += lo
         return out
 
-    def _file(self, f: int) -> pq.ParquetFile:
+    def _file(self, f: int) -> PartReader:
         if f not in self._files:
-            path = self.spec.files[f]
-            if "://" in path:
-                fs, p = pafs.FileSystem.from_uri(path)
-                source = fs.open_input_file(p)
-            else:
-                source = path
-            self._files[f] = pq.ParquetFile(source)
+            layout = self.spec.layouts[f]
+            self._files[f] = formats()[layout.format].reader(layout, self.spec.key)
             while len(self._files) > self.OPEN_FILES:
-                self._files.popitem(last=False)
+                self._files.popitem(last=False)[1].close()
         self._files.move_to_end(f)
         return self._files[f]
 
@@ -201,7 +187,7 @@ class Prefetcher:
 
 class TrainStream:
     """This rank's micro-batches from `micro_step` up to `end_micro_step` (the run's last; None: no end), across
-    epochs. READ_THREADS background threads read the row groups of the next `read_ahead` windows and cut each
+    epochs. READ_THREADS background threads read the blocks of the next `read_ahead` windows and cut each
     window (one Arrow gather) as its last read completes; the caller's thread only slices micro-batches. `next_batch`
     applies `transform(rows, micro_step)` in the caller's thread too (the task's transform may draw from the global
     random streams, which belong to the training thread)."""
@@ -209,7 +195,7 @@ class TrainStream:
     def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
                  end_micro_step: int | None = None, transform: Callable[[Columns, int], dict] | None = None):
         self.spec, self.order, self.rank, self.world_size = spec, order, rank, world_size
-        self._readers: list[BlockReader] = []  # one per read thread: a ParquetFile is not safe to share
+        self._readers: list[BlockReader] = []  # one per read thread: a file reader is not safe to share
         self._local = threading.local()
         self.per_worker = order.global_micro_batch // world_size
         self.transform = transform
@@ -255,7 +241,7 @@ class TrainStream:
                 yield rows.slice(0, whole)
 
     def _windows_in_order(self, micro_step: int, end_micro_step: int | None, read_ahead: int) -> Iterator[Frame]:
-        """This rank's rows, window after window. The read threads read the row groups `read_ahead` windows ahead
+        """This rank's rows, window after window. The read threads read the blocks `read_ahead` windows ahead
         of the one being consumed, one call per file and window (pyarrow releases the GIL while it decodes); each
         block is read once, though two windows share it. The thread that completes a window's last read also cuts
         it, so the consumer's thread only slices micro-batches."""

@@ -24,8 +24,8 @@ __version__ = "0.2.0"
 
 _PUBLIC = {
     "Task": "stride.trainers.task",
-    "DataSplit": "stride.datasets.parquet",
-    "DataError": "stride.datasets.parquet",
+    "DataSplit": "stride.datasets.splits",
+    "DataError": "stride.datasets.splits",
     "Config": "stride.trainers.config",
     "load_config": "stride.trainers.config",
     "fit": "stride.trainers.main",

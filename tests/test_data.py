@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli
-from stride.datasets.parquet import DataError
+from stride.datasets.splits import DataError
 from stride.datasets.stream import concat_columns, eval_stream
 from stride.datasets.prepare import stdlib_files
 from stride.trainers.config import load_config
@@ -115,7 +115,7 @@ def _write(d, **cols):
 @pytest.mark.parametrize("case, expect", [
     ("missing", "does not exist"),
     ("empty", "empty folder"),
-    ("non_parquet", "non-Parquet file"),
+    ("non_parquet", "holds notes.txt, whose extension is not a data format Stride reads (.csv, .json, .jsonl, .ndjson, .parquet, .pq)"),
     ("corrupt", "not a readable Parquet file"),
     ("no_label", "model.label_column (label) is not a column"),
     ("bad_features", "model.feature_columns (['nope'])"),
@@ -170,7 +170,7 @@ def test_missing_data_path_exits_2_before_ray_starts(tmp_path):
 
 
 def test_duplicate_sample_ids_are_refused_and_unique_ones_cost_no_read(tmp_path, monkeypatch):
-    import stride.datasets.parquet as P
+    import stride.datasets.splits as P
 
     d = tmp_path / "ok"
     d.mkdir()
@@ -178,10 +178,11 @@ def test_duplicate_sample_ids_are_refused_and_unique_ones_cost_no_read(tmp_path,
         pq.write_table(pa.table({"a": np.zeros(300), "label": np.zeros(300, np.int64),
                                  "sample_id": np.arange(i * 300, (i + 1) * 300)}), d / f"p{i}.parquet",
                        row_group_size=100)
-    read = []
-    monkeypatch.setattr(P.pq, "read_table", lambda *a, **k: read.append(a) or pq.read_table(*a, **k))
+    read, batches = [], P.DataSplit.batches
+    monkeypatch.setattr(P.DataSplit, "batches", lambda self, columns=None, rows=65536: read.append(columns) or
+                        batches(self, columns, rows))
     prepare(cfg_for(d, d, "train.batch_size_per_worker=2"))
-    assert read == []  # no id column was read to check it
+    assert [P.SAMPLE_ID] not in read  # no id column was read to check it
     monkeypatch.undo()
 
     dup = tmp_path / "dup"
@@ -200,7 +201,7 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
     from stride.datasets.order import Order
     from stride.datasets.stream import cut_window
     from stride.datasets.frame import Frame
-    from stride.datasets.parquet import column_to_numpy
+    from stride.datasets.splits import column_to_numpy
 
     n = 50
     table = pa.table({

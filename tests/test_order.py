@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stride.datasets.order import Order
-from stride.datasets.parquet import DataError, DataSpec, open_split
+from stride.datasets.splits import DataError, DataSpec, open_split
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 
 
@@ -33,7 +33,7 @@ def spec_of(folder, columns=("x", "sample_id")):
         train_path = str(folder)
 
     split = open_split(Data, "train")
-    return DataSpec(tuple(columns), True, split.num_rows, split.files, split.blocks, "train")
+    return DataSpec(tuple(columns), True, split.num_rows, split.layouts, split.blocks, "train")
 
 
 def order_of(spec, seed=0, G=24, window=100):
@@ -92,7 +92,7 @@ def test_a_split_without_sample_ids_streams_row_indices_in_the_reference_order(t
     for f in folder.glob("*.parquet"):
         pq.write_table(pq.read_table(f).drop(["sample_id"]), f, row_group_size=37)
     spec = spec_of(folder, columns=("x",))
-    spec = DataSpec(("x",), False, spec.num_rows, spec.files, spec.blocks, "train")
+    spec = DataSpec(("x",), False, spec.num_rows, spec.layouts, spec.blocks, "train")
     order = order_of(spec, G=24)
     got, _ = streamed(spec, order, 2, 0, order.micro_steps_per_epoch)
     for m, ids in enumerate(got):

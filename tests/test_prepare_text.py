@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from stride.datasets import prepare as P
-from stride.datasets.parquet import DataError
+from stride.datasets.splits import DataError
 from stride.trainers.config import load_config
 from stride.trainers.driver import prepare as inspect_data
 

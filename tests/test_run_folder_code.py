@@ -138,7 +138,7 @@ def test_damaged_parquet_pages_are_a_data_error_naming_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stride.datasets.parquet import DataError, open_split, read_files
+    from stride.datasets.splits import DataError, open_split, read_files
 
     (tmp_path / "train").mkdir()
     f = tmp_path / "train" / "part-0.parquet"
@@ -158,7 +158,7 @@ def test_a_workers_data_error_is_recognised_through_rays_wrapping():
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
-    from stride.datasets.parquet import DataError
+    from stride.datasets.splits import DataError
     from stride.trainers.driver import _worker_data_error
 
     try:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from stride.datasets.parquet import DataSpec, inspect
+from stride.datasets.splits import DataSpec, inspect
 from stride.ray_cluster.connect import UsageError, elastic, resolve_scaling
 from stride.trainers.config import Config
 
@@ -125,7 +125,7 @@ def group_table(groups) -> str:
 
 def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) -> None:
     """One global micro-batch must fit in the training split, or no worker could take a step."""
-    from stride.datasets.parquet import DataError
+    from stride.datasets.splits import DataError
     from stride.trainers.config import global_micro_batch
 
     rows, G = specs["train"].num_rows, global_micro_batch(cfg, num_workers)
@@ -336,7 +336,7 @@ def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:
 
 def _worker_data_error(e: BaseException) -> bool:
     """Whether a worker failed with DataError (Ray re-raises a worker's exception as an instance of its class)."""
-    from stride.datasets.parquet import DataError
+    from stride.datasets.splits import DataError
 
     return any(isinstance(f, DataError) for f in (getattr(e, "worker_failures", None) or {}).values())
 

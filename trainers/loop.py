@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from stride.datasets.order import Order
-from stride.datasets.parquet import DataError, DataSpec
+from stride.datasets.splits import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import checkpointing, fsdp, pretrained, runlock, telemetry

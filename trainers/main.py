@@ -29,7 +29,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.datasets.parquet import DataError  # noqa: E402
+from stride.datasets.splits import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers import runfolder, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402

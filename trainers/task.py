@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from stride.datasets.parquet import DataError, DataSplit  # noqa: F401 - part of the task API
+from stride.datasets.splits import DataError, DataSplit  # noqa: F401 - part of the task API
 from stride.trainers.config import TaskConfig
 
 
@@ -71,9 +71,12 @@ class Task:
         """The model, built from self.config (and self.facts). Plain nn.Module: Stride wraps it (DDP, FSDP)."""
         raise NotImplementedError(f"{type(self).__name__}.build_model")
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The mean loss of this micro-batch (Stride handles accumulation, precision, DDP/FSDP). The validation
-        loss (val_loss) is this on the validation split, averaged over samples."""
+        loss (val_loss) is this on the validation split, averaged over samples. Where batches hold different numbers
+        of terms (variable-length sequences, masked tokens), return `(loss_sum, count)` instead: Stride divides by
+        the count summed over the step's micro-batches and all ranks, so every term weighs the same, and val_loss
+        is weighted by count. Return the same form for every batch."""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     # ---- optional hooks ----

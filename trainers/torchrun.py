@@ -26,7 +26,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stride.datasets.parquet import DataError  # noqa: E402
+from stride.datasets.splits import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
 from stride.trainers import checkpointing, runfolder, runlock  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402

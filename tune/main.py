@@ -38,7 +38,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.datasets.parquet import DataError  # noqa: E402
+from stride.datasets.splits import DataError  # noqa: E402
 from stride.trainers.config import Config, ConfigError, build_config, redact  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from stride.datasets.parquet import DataError
+from stride.datasets.splits import DataError
 from stride.trainers.models import CharGPT
 from stride.trainers.task import DataSplit, Task, cross_entropy_bits
 
@@ -76,16 +76,16 @@ class CharGPTTask(Task):
         return facts
 
     def _check_ids_fit(self, split: DataSplit, tokenizer_path: str | None) -> None:
-        """Token ids must be < model.vocab_size: checked from the Parquet footers' statistics (no data read), and only
-        where the id type could hold a larger one (bytes as uint8 with vocab_size 256: nothing to check)."""
+        """Token ids must be < model.vocab_size: checked from the files' metadata (Parquet statistics: no data read),
+        and only where the id type could hold a larger one (bytes as uint8 with vocab_size 256: nothing to check)."""
         import pyarrow as pa
 
         t = split.schema.field("tokens").type.value_type
         if not pa.types.is_signed_integer(t) and 2 ** t.bit_width <= self.config.vocab_size:
             return
-        lo, hi = token_id_range(split.files)
-        if hi is None:
+        if (found := split.value_range("tokens")) is None:
             return
+        lo, hi = found
         if lo < 0:
             raise DataError(f"{split.key}: token ids go down to {lo}; ids must be >= 0")
         if hi >= self.config.vocab_size:
@@ -203,28 +203,3 @@ def tokenizer_facts(text: str, path: str) -> dict:
                         f"prepare the data again or remove it (bytes)") from None
     return {"tokenizer": text, "tokenizer_sha256": _sha256(text),
             "tokenizer_vocab_size": tok.get_vocab_size(), "tokenizer_path": path}
-
-
-def token_id_range(files) -> tuple[int | None, int | None]:
-    """(min, max) of the tokens column's ids from the Parquet footers' statistics; (None, None) when a file has none."""
-    import pyarrow.parquet as pq
-
-    from stride.datasets.parquet import _open
-
-    lo, hi = None, None
-    for f in files:
-        meta = pq.ParquetFile(_open(f)).metadata
-        col = next((i for i in range(meta.num_columns)
-                    if meta.schema.column(i).path.split(".")[0] == "tokens"), None)
-        if col is None:
-            return None, None
-        for rg in range(meta.num_row_groups):
-            c = meta.row_group(rg).column(col)
-            if c.num_values == 0:
-                continue
-            st = c.statistics
-            if st is None or not st.has_min_max:
-                return None, None
-            lo = st.min if lo is None else min(lo, st.min)
-            hi = st.max if hi is None else max(hi, st.max)
-    return lo, hi

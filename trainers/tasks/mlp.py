@@ -13,7 +13,7 @@ import numpy as np
 import torch.nn.functional as F
 from pydantic import Field
 
-from stride.datasets.parquet import SAMPLE_ID, DataError
+from stride.datasets.splits import SAMPLE_ID, DataError
 from stride.trainers.models import MLP
 from stride.trainers.task import DataSplit, Task
 

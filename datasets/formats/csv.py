@@ -1,0 +1,93 @@
+"""CSV (`.csv`) with a header line, parsed by pyarrow.csv part by part; one row per line (a quoted value may not
+span lines: such data is better kept as JSON Lines or Parquet)."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pyarrow as pa
+import pyarrow.csv as pc
+
+from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
+from stride.datasets.lines import LineReader, bad_line, buffer, line_extents
+
+
+def _parse(data: bytes, names: list[str], types: dict[str, pa.DataType] | None = None,
+           columns: list[str] | None = None) -> pa.Table:
+    read = pc.ReadOptions(column_names=names, use_threads=False, block_size=max(len(data) + 1, 1 << 16))
+    convert = pc.ConvertOptions(column_types=types or {}, include_columns=columns or [])
+    return pc.read_csv(buffer(data), read_options=read, convert_options=convert)
+
+
+def _header(f, path: str, key: str) -> tuple[list[str], int]:
+    """The column names and the offset of the first data line."""
+    head = f.read_at(min(f.size(), 1 << 20), 0)
+    end = head.find(b"\n")
+    if end < 0 and len(head) == f.size():
+        end = len(head)
+    if end < 0:
+        raise DataError(f"{key}: {path} has no header line within its first MiB; give the CSV a header line")
+    text = head[:end].decode("utf-8-sig", errors="replace").rstrip("\r")
+    names = next(csv.reader([text]), [])
+    if not names or any(not n for n in names) or len(set(names)) != len(names):
+        raise DataError(f"{key}: {path} line 1 is not a header of distinct column names ({text[:120]!r}); give the CSV "
+                        f"a header line")
+    return names, min(end + 1, f.size())
+
+
+def _unify(schemas: list[pa.Schema]) -> pa.Schema:
+    """The parts' inferred types, widened where they differ: int and float to float, anything else to string (a
+    column that is numbers in one part and words in another stays text, as a spreadsheet would keep it)."""
+    fields = []
+    for i, f in enumerate(schemas[0]):
+        types = {s.field(i).type for s in schemas}
+        try:
+            merged = pa.unify_schemas([pa.schema([pa.field(f.name, t)]) for t in types],
+                                      promote_options="permissive").field(0).type
+        except (pa.ArrowTypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            merged = pa.string()
+        fields.append(pa.field(f.name, merged))
+    return pa.schema(fields)
+
+
+class Csv(Format):
+    name = "csv"
+    cached = True  # a layout costs a parse of the file: datasets/index.py keeps it
+    extensions = (".csv",)
+
+    def layout(self, path: str, key: str) -> FileLayout:
+        size_mtime = stamp(path)
+        extents, rows, schemas = [], [], []
+        with open_input(path) as f:
+            names, start = _header(f, path, key)
+            for offset, length, first in line_extents(path, start):
+                data = f.read_at(length, offset)
+                try:
+                    table = _parse(data, names)
+                except pa.ArrowException as e:
+                    line, why = bad_line(data, first, lambda s: _ragged(s, len(names)))
+                    raise DataError(f"{key}: {path} line {line} is malformed ({why or first_line(e)}); fix or remove "
+                                    f"that line") from None
+                extents.append((offset, length, first))
+                rows.append(table.num_rows)
+                schemas.append(table.schema)
+        if not schemas:
+            raise DataError(f"{key}: {path} holds a header and no rows; remove it or add rows")
+        return FileLayout(path, self.name, _unify(schemas), tuple(rows), tuple(extents), size_mtime)
+
+    def reader(self, layout: FileLayout, key: str) -> PartReader:
+        names, schema = layout.schema.names, layout.schema
+
+        def parse(data: bytes, columns: list[str]) -> pa.Table:
+            return _parse(data, names, {c: schema.field(c).type for c in columns}, columns).select(columns)
+
+        return LineReader(layout, key, parse)
+
+
+def _ragged(line: bytes, width: int) -> str | None:
+    fields = next(csv.reader(io.StringIO(line.decode("utf-8", errors="replace").rstrip("\r"))), [])
+    return None if len(fields) == width else f"{len(fields)} fields where the header has {width}"
+
+
+FORMAT = Csv()

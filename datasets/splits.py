@@ -1,0 +1,272 @@
+"""A split's files, whatever their format: find them, check them against the config and the task, and turn Arrow
+tables into arrays.
+
+The driver calls `inspect()` once (the files' layouts: Parquet footers, text files' cached indexes; plus whatever the
+task's own `inspect` reads) so that a wrong path, a missing column or a damaged file is a one-line usage error
+before any worker starts. The layouts give the split's blocks (a file's parts), from which datasets/order.py builds
+the order and datasets/stream.py streams the rows to each worker. Nothing here knows a model (the task names its
+columns and turns rows into tensors) or a format (datasets/formats/ reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from stride.datasets.formats import DataError, FileLayout, extensions, first_line, format_of, formats
+from stride.datasets.index import cached_layout
+
+__all__ = ["DataError", "DataSpec", "DataSplit", "SAMPLE_ID", "Columns", "column_to_numpy", "inspect", "open_split",
+           "resolve_files", "read_files"]
+
+SAMPLE_ID = "sample_id"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a worker reads of one split: the files' layouts and their blocks, the columns (the task's, plus sample_id
+    when present)."""
+
+    columns: tuple[str, ...]
+    has_sample_id: bool = True
+    num_rows: int = 0
+    layouts: tuple[FileLayout, ...] = field(default=(), repr=False)
+    # (file index, part, rows) of every non-empty part, in file order: the units the order permutes and reads.
+    blocks: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    split: str = "train"
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(layout.path for layout in self.layouts)
+
+    @property
+    def key(self) -> str:
+        return f"data.{self.split}_path"
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """One split as the driver sees it before training: its files, schema and row count, and a reader.
+
+    `Task.inspect` gets one per split to check the data and derive facts from it (input width, class count,
+    feature statistics). Errors it raises as `DataError` reach the user as one line, exit 2."""
+
+    name: str  # "train" or "val"
+    key: str  # the config key that named it, for messages: data.train_path
+    layouts: tuple[FileLayout, ...]
+    schema: pa.Schema
+    num_rows: int
+    blocks: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(layout.path for layout in self.layouts)
+
+    def read(self, columns: list[str] | tuple[str, ...] | None = None) -> pa.Table:
+        """The split's rows (all columns, or `columns`) as one pyarrow Table, in file order: the whole split in
+        the driver's memory (fine for a label column; use `batches` for statistics over large splits)."""
+        return pa.concat_tables(list(self.batches(columns, rows=1 << 62)) or [self.schema.empty_table()])
+
+    def batches(self, columns: list[str] | tuple[str, ...] | None = None, rows: int = 65536):
+        """The split's rows as pyarrow Tables of about `rows` rows at most (a file part at least), in file order."""
+        columns = list(columns) if columns is not None else self.schema.names
+        for layout in self.layouts:
+            reader = formats()[layout.format].reader(layout, self.key)
+            try:
+                parts, n = [], 0
+                for p, count in enumerate(layout.rows):
+                    if parts and n + count > rows:
+                        yield reader.read(parts, columns)
+                        parts, n = [], 0
+                    parts.append(p)
+                    n += count
+                if parts:
+                    yield reader.read(parts, columns)
+            finally:
+                reader.close()
+
+    def value_range(self, column: str) -> tuple | None:
+        """(min, max) of a numeric column (of a list column's values) where every file's metadata tells it without
+        reading the data (Parquet statistics); None otherwise."""
+        ranges = self.part_ranges(column)
+        found = [r for r in ranges or () if r is not None]
+        return (min(lo for lo, _ in found), max(hi for _, hi in found)) if found else None
+
+    def part_ranges(self, column: str) -> list[tuple | None] | None:
+        """value_range of every file part, in file order (None: a part without values); None if a file cannot tell."""
+        ranges = []
+        for layout in self.layouts:
+            found = formats()[layout.format].value_ranges(layout, column)
+            if found is None:
+                return None
+            ranges += found
+        return ranges
+
+
+def resolve_files(path: str, key: str) -> list[str]:
+    """A folder, a file, a glob, or a URI pyarrow understands (s3://, gs://, hdfs://) -> sorted data files."""
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"{key} ({path}) matches no files; check the glob or run python datasets/prepare.py")
+        return _only_data(files, key, path)
+    try:
+        fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)))
+        info = fs.get_file_info(root)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{key} ({path}) cannot be opened: {e}; use a local path or a URI pyarrow can read") from None
+    if info.type == pafs.FileType.NotFound:
+        raise DataError(f"{key} ({path}) does not exist; run python datasets/prepare.py or set {key}=<a data file, "
+                        f"folder or glob>")
+    if info.type == pafs.FileType.File:
+        files = [root]
+    else:
+        entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+        files = sorted(e.path for e in entries if e.type == pafs.FileType.File and not _hidden(e.path, root))
+        if not files:
+            raise DataError(f"{key} ({path}) is an empty folder; put data files ({', '.join(extensions())}) in it "
+                            f"or point {key} elsewhere")
+    files = _only_data(files, key, path)
+    prefix = path.split("://")[0] + "://" if "://" in path else ""
+    return [prefix + f if prefix and not f.startswith(prefix) else f for f in files]
+
+
+def _hidden(p: str, root: str) -> bool:
+    rel = os.path.relpath(p, root)
+    return any(part.startswith((".", "_")) for part in rel.split(os.sep))
+
+
+def _only_data(files: list[str], key: str, path: str) -> list[str]:
+    bad = [f for f in files if format_of(f) is None]
+    if bad:
+        raise DataError(f"{key} ({path}) holds {os.path.basename(bad[0])}, whose extension is not a data format "
+                        f"Stride reads ({', '.join(extensions())}); remove it or point {key} at the data files only")
+    return files
+
+
+def read_layouts(files: list[str], key: str, cache: Path | None = None) -> tuple[tuple[FileLayout, ...], pa.Schema]:
+    """Every file's layout, and the split's schema: the same columns in every file; types widened across text
+    files (ints in one JSONL file, floats in another), exact across Parquet files as the footers give them."""
+    layouts = [cached_layout(format_of(f), f, key, cache) for f in files]
+    first = layouts[0]
+    for layout in layouts[1:]:
+        if layout.schema.names != first.schema.names:
+            raise DataError(f"{key}: {layout.path} has columns {layout.schema.names}, unlike {first.path} "
+                            f"({first.schema.names}); give every file the same columns")
+    try:
+        schema = pa.unify_schemas([lay.schema for lay in layouts], promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        raise DataError(f"{key}: the files' column types disagree ({first_line(e)}); give every file the same "
+                        f"types") from None
+    # Text files are parsed to the split's types, so that every file's rows come out alike.
+    layouts = [dataclasses.replace(lay, schema=schema) if formats()[lay.format].cached else lay for lay in layouts]
+    if not any(layout.num_rows for layout in layouts):
+        raise DataError(f"{key}: the files hold no rows; point it at a non-empty data set")
+    return tuple(layouts), schema
+
+
+def open_split(data_cfg, split: str, cache: Path | None = None) -> DataSplit:
+    """`split` ("train" or "val") of the data section: its files, checked to be readable with one schema."""
+    key = f"data.{split}_path"
+    layouts, schema = read_layouts(resolve_files(getattr(data_cfg, f"{split}_path"), key), key, cache)
+    blocks = tuple((i, p, n) for i, layout in enumerate(layouts) for p, n in enumerate(layout.rows) if n)
+    return DataSplit(split, key, layouts, schema, sum(n for _, _, n in blocks), blocks)
+
+
+UNIQUE_CHECK_ROWS = 50_000_000  # above this, sample_ids the metadata cannot prove unique are not read to check
+
+
+def check_sample_ids(split: DataSplit) -> None:
+    """Duplicate sample_ids are refused where that is cheap: the metadata (Parquet statistics) proves a split unique
+    when its parts hold disjoint ranges of consecutive ids (what prepare.py writes); otherwise the one column is read,
+    up to UNIQUE_CHECK_ROWS rows."""
+    ranges = split.part_ranges(SAMPLE_ID)
+    if ranges is not None and None not in ranges:
+        counted = sorted((lo, hi, n) for (lo, hi), n in zip(ranges, (n for lay in split.layouts for n in lay.rows)))
+        if all(hi - lo + 1 == n for lo, hi, n in counted) and all(a[1] < b[0] for a, b in zip(counted, counted[1:])):
+            return
+    if split.num_rows > UNIQUE_CHECK_ROWS:
+        return
+    ids = np.concatenate([t.column(0).to_numpy(zero_copy_only=False) for t in split.batches([SAMPLE_ID], 1 << 20)])
+    values, counts = np.unique(ids, return_counts=True)
+    if len(values) < len(ids):
+        dup = values[counts > 1][0]
+        raise DataError(f"{split.key}: sample_id {dup} appears {counts[values == dup][0]} times; make {SAMPLE_ID} "
+                        f"unique per row, or drop the column (rows are then numbered in file order)")
+
+
+def cache_folder(cfg) -> Path:
+    """Where text layouts are cached: the run storage's .stride-cache (shared by the runs there, never beside the
+    user's data)."""
+    return Path(cfg.run.storage_path).expanduser().resolve() / ".stride-cache" / "index"
+
+
+def inspect(cfg, task) -> dict[str, DataSpec]:
+    """Check the config's splits against the task on the driver, before any worker starts: the task's own checks
+    and facts (`task.inspect`, which sets task.facts), then the columns it reads. Returns the specs the workers read."""
+    cache = cache_folder(cfg)
+    splits = {"train": open_split(cfg.data, "train", cache)}
+    if cfg.data.val_path:
+        splits["val"] = open_split(cfg.data, "val", cache)
+    task.facts = dict(task.inspect(splits["train"], splits.get("val")) or {})
+    # A task's inspect may stream a whole split through Arrow: hand the pool's cached memory back (mimalloc keeps
+    # hundreds of MB otherwise, for the whole run, in the driver).
+    pa.default_memory_pool().release_unused()
+    specs = {}
+    for name, split in splits.items():
+        columns = tuple(task.columns) if task.columns is not None else tuple(c for c in split.schema.names if c != SAMPLE_ID)
+        missing = [c for c in columns if c not in split.schema.names]
+        if missing:
+            raise DataError(f"{split.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
+                            f"(columns: {split.schema.names}); point {split.key} at data with it")
+        has_id = SAMPLE_ID in split.schema.names
+        if has_id:
+            check_sample_ids(split)
+        specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.layouts,
+                               split.blocks, name)
+    return specs
+
+
+def read_files(files, columns: list[str] | None = None, key: str = "data") -> pa.Table:
+    """The files' rows in file order, whatever their format (a task's inspect, tests)."""
+    layouts, schema = read_layouts(list(files), key)
+    return DataSplit("data", key, layouts, schema, sum(lay.num_rows for lay in layouts)).read(columns)
+
+
+def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """One column as a numpy array with the rows as first dimension: numbers 1-D, fixed-size lists 2-D (n, size),
+    everything else (bytes, strings, variable lists) an object array of Python values."""
+    if isinstance(col, pa.ChunkedArray):  # one chunk (a row group) is used as it is: combining would copy it
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    t = col.type
+    if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)) \
+            and not col.null_count:
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), t.list_size)
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return col.to_numpy(zero_copy_only=False)
+    return np.array(col.to_pylist() + [None], dtype=object)[:-1]  # the None keeps numpy from stacking lists
+
+
+@dataclass
+class Columns:
+    """Rows of a split as numpy arrays (the task's columns) and their sample ids (the sample_id column, or the row's
+    index in file order)."""
+
+    data: dict[str, np.ndarray]
+    sample_id: np.ndarray  # (n,) int64
+
+    def __len__(self) -> int:
+        return len(self.sample_id)
+
+    def take(self, index: np.ndarray) -> Columns:
+        return Columns({name: col.take(index, axis=0) for name, col in self.data.items()}, self.sample_id.take(index))
+
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: col[index] for name, col in self.data.items()}

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # config needs pydantic; the step itself must import with tor
     from stride.trainers.config import Config
 
 # The loss of one micro-batch: Task.loss, or any function of (model, batch) (benchmarks/gpu.py's hand-written one).
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+# A scalar mean, or (loss_sum, count) for losses weighted by their terms (tokens) across micro-batches and ranks.
+LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 
 # ---- precision ----
@@ -320,9 +321,27 @@ def logged_lrs(cfg: Config, scheduler, groups: list[GroupPlan], peak_lr: float, 
 
 @dataclass
 class StepResult:
-    loss: float  # mean over micro-steps, this rank
+    loss: float  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
     grad_norm: float | None
     finite: bool
+
+
+def split_loss(out: Any, summed: bool | None) -> tuple[torch.Tensor, Any]:
+    """Task.loss's return -> (mean, None), or (loss_sum, count). `summed`: whether the earlier batches of the same
+    step or evaluation returned (loss_sum, count); None for the first. One form throughout: a mean and a sum cannot
+    be weighted against each other."""
+    if isinstance(out, tuple) and len(out) != 2:
+        raise TypeError(f"Task.loss returned a tuple of {len(out)}; return a scalar mean, or (loss_sum, count)")
+    loss, count = out if isinstance(out, tuple) else (out, None)
+    if summed is not None and summed != (count is not None):
+        forms = ("a scalar mean", "a (loss_sum, count) tuple")
+        raise TypeError(f"Task.loss returned {forms[summed]} for one batch and {forms[not summed]} for another of the "
+                        f"same step or evaluation; return the same form for every batch")
+    return loss, count
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -332,10 +351,15 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
     The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
     `set_requires_gradient_sync(False)`, on the others); each micro-loss is divided by
     the number of micro-steps so the accumulated gradient equals that of one batch of the combined size.
+    A loss_fn returning (loss_sum, count) is instead normalised by the count summed over every micro-batch of every
+    rank (one all-reduce; fp16 one more, _fp16_weight), so the step equals one batch of all those terms (tokens)
+    whatever their spread.
     Gradients are unscaled before clipping so the clip threshold is in true units under fp16.
     """
     n = len(micro_batches)
     total = torch.zeros((), dtype=torch.float32)
+    sums: torch.Tensor | None = None  # this rank's [loss_sum, count], float64, for the (loss_sum, count) form
+    weight = 1.0  # the sums' multiplier before backward: 1, or _fp16_weight
     for i, batch in enumerate(micro_batches):
         sync = i == n - 1
         if hasattr(model, "set_requires_gradient_sync"):
@@ -346,15 +370,53 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with ctx:
             with precision.autocast():
-                loss = loss_fn(model, batch)
-            scaler.scale(loss / n).backward()
-        total += loss.detach().float().cpu()
+                loss, count = split_loss(loss_fn(model, batch), None if i == 0 else sums is not None)
+            if count is not None and i == 0 and scaler.is_enabled():
+                weight = _fp16_weight(count, loss.device)
+            # A sum is not divided by its count here: the global count is known only after every micro-batch of
+            # every rank.
+            scaler.scale(loss / n if count is None else loss * weight).backward()
+        if count is None:
+            total += loss.detach().float().cpu()
+        else:
+            own = torch.stack([loss.detach().double().cpu(), torch.as_tensor(count).detach().double().cpu()])
+            sums = own if sums is None else sums + own
+    if sums is None:
+        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, float(total) / n)
+    # Every rank joins the all-reduce, one without terms too; the result is the same everywhere, so is the decision.
+    loss_sum, count = all_reduce_sum(sums, loss.device).tolist()
+    if count == 0:  # no term on any rank: nothing to average, no step
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(math.nan, math.nan, False)
+    # DDP and FSDP average the ranks' gradients of their weighted sums: x W / (weight x count) makes that the
+    # global mean's.
+    return _optimizer_step(model, optimizer, scaler, grad_clip_norm, loss_sum / count,
+                           _world_size() / (weight * count))
+
+
+def _fp16_weight(count: Any, device: torch.device) -> float:
+    """1 / the mean count per rank of the step's first micro-batch (one all-reduce), for fp16. A sum's gradients
+    are ~count times a mean's: at the GradScaler's initial scale they would overflow for ~log2(count) steps in a
+    row, each skipped, and train.max_nonfinite_steps would end the run. The same weight on every rank and
+    micro-batch keeps the step exact (train_step divides it out)."""
+    world = _world_size()
+    total = float(all_reduce_sum(torch.as_tensor(count).detach().double().cpu().reshape(1), device))
+    return world / max(total, world)
+
+
+def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    grad_clip_norm: float | None, loss: float, grad_factor: float | None = None) -> StepResult:
+    """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss or the gradients are not
+    finite; the gradients are cleared either way."""
     # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
     # Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the shards' norms across ranks, so
     # a NaN/inf in any rank's shard makes the norm non-finite on every rank.
     scaler.unscale_(optimizer)
+    if grad_factor is not None:  # before clipping: the threshold is for the true gradient
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, grad_factor)  # DTensors under FSDP take it as plain tensors do
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf")))
-    mean = float(total) / n
     if scaler.is_enabled():
         # fp16: the scaler skips steps with inf/NaN gradients and lowers the scale; that counts as not finite.
         scale_before = scaler.get_scale()
@@ -362,11 +424,11 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
         scaler.update()
         finite = scaler.get_scale() >= scale_before
     else:
-        finite = math.isfinite(grad_norm) and math.isfinite(mean)
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if finite:  # never apply NaN/inf gradients: the weights would be lost
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(mean, grad_norm, finite)
+    return StepResult(loss, grad_norm, finite)
 
 
 # ---- evaluation, reduced across ranks ----
@@ -374,17 +436,24 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
 @torch.no_grad()
 def evaluate(task, model: nn.Module, precision: Precision, batches, device: torch.device) -> dict[str, float]:
     """val_loss (task.loss) and val_<name> (task.metrics, per sample) over this rank's rows, then summed across
-    ranks so every rank returns the mean over every validation sample. `batches` yields (batch, rows): a batch
+    ranks so every rank returns the mean over every validation sample; a task.loss returning (loss_sum, count)
+    gives the mean over every term (token) instead. `batches` yields (batch, rows): a batch
     with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing."""
     was_training = model.training
     model.eval()
-    loss_sum, rows = torch.zeros((), dtype=torch.float64), 0.0
+    loss_sum, rows, terms = torch.zeros((), dtype=torch.float64), 0.0, torch.zeros((), dtype=torch.float64)
+    summed: bool | None = None
     metric_sums: dict[str, torch.Tensor] = {}
     for batch, n in batches:
         with precision.autocast():
-            loss = task.loss(model, batch)
+            loss, count = split_loss(task.loss(model, batch), summed)
             per_sample = task.metrics(model, batch)
-        loss_sum += loss.detach().double().cpu() * n
+        summed = count is not None
+        if not summed:
+            loss_sum += loss.detach().double().cpu() * n
+        elif n:  # a padding batch's sum is of a real row's terms
+            loss_sum += loss.detach().double().cpu()
+            terms += torch.as_tensor(count).detach().double().cpu()
         rows += n
         for name, values in per_sample.items():
             total = values.detach().double().reshape(-1)[:n].sum().cpu()
@@ -392,10 +461,11 @@ def evaluate(task, model: nn.Module, precision: Precision, batches, device: torc
     if was_training:
         model.train()
     names = sorted(metric_sums)  # every rank ran the task's metrics at least once: the same names, in the same order
-    reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(rows, dtype=torch.float64),
+    reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(rows, dtype=torch.float64), terms,
                                           *(metric_sums[n] for n in names)]), device).tolist()
     count = max(reduced[1], 1.0)
-    return {"val_loss": reduced[0] / count} | {f"val_{n}": v / count for n, v in zip(names, reduced[2:])}
+    val_loss = (reduced[0] / reduced[2] if reduced[2] else 0.0) if summed else reduced[0] / count
+    return {"val_loss": val_loss} | {f"val_{n}": v / count for n, v in zip(names, reduced[3:])}
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:

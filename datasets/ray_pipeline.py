@@ -18,9 +18,11 @@ import numpy as np
 
 from stride.datasets.order import Order
 from stride.datasets.splits import DataSpec
-from stride.datasets.stream import BlockReader, Prefetcher, rank_rows
+from stride.datasets.files import FileFetcher
+from stride.datasets.stream import BlockReader, Prefetcher, fetcher, rank_rows
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
+_FETCHERS: dict[tuple, FileFetcher] = {}  # and the file readers' threads
 
 
 def chunks(order: Order, micro_step: int, end_micro_step: int, align: int = 1) -> list[tuple[int, int]]:
@@ -37,12 +39,13 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
     first, n = int(batch["first"][0]), int(batch["n"][0])
     key = (spec.files, spec.columns)
     reader = _READERS.get(key) or _READERS.setdefault(key, BlockReader(spec))
+    files = _FETCHERS.get(key) or _FETCHERS.setdefault(key, fetcher(spec))
     per = order.global_micro_batch // world_size
     ids, arrays = np.empty(n, dtype=object), np.empty(n, dtype=object)
     m = first
     while m < first + n:  # a chunk may run across an epoch's end: read each epoch's part from its windows
         count = min(first + n, (order.position(m)[0] + 1) * order.micro_steps_per_epoch) - m
-        rows = rank_rows(reader, order, rank, world_size, m, count)
+        rows = files.fetch(rank_rows(reader, order, rank, world_size, m, count))
         for j, part in enumerate(rows.batches(per)):
             ids[m - first + j], arrays[m - first + j] = part.sample_id, transform(part, m + j)
         m += count

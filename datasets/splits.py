@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from stride.datasets.files import check_files, is_reference
 from stride.datasets.formats import DataError, FileLayout, extensions, first_line, format_of, formats
 from stride.datasets.index import cached_layout
 
@@ -41,6 +42,8 @@ class DataSpec:
     # (file index, part, rows) of every non-empty part, in file order: the units the order permutes and reads.
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     split: str = "train"
+    file_columns: tuple[str, ...] = ()  # columns of paths whose files' bytes the task gets (datasets/files.py)
+    file_read_threads: int = 16
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -229,9 +232,26 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
         has_id = SAMPLE_ID in split.schema.names
         if has_id:
             check_sample_ids(split)
+        references = file_columns(task, columns, split)
+        check_files(split, references, cfg.data.file_read_threads)
         specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.layouts,
-                               split.blocks, name)
+                               split.blocks, name, references, cfg.data.file_read_threads)
     return specs
+
+
+def file_columns(task, columns: tuple[str, ...], split: DataSplit) -> tuple[str, ...]:
+    """The task's file columns that hold paths in this split (a binary one holds the bytes already)."""
+    declared = tuple(getattr(task, "file_columns", ()) or ())
+    unread = [c for c in declared if c not in columns]
+    if unread:
+        raise DataError(f"{split.key}: file column {unread[0]!r} of model.name is not a column the task reads "
+                        f"({list(columns)}); add it to the task's columns or its file_columns")
+    bad = [c for c in declared if not is_reference(split.schema, c) and not pa.types.is_binary(split.schema.field(c).type)
+           and not pa.types.is_large_binary(split.schema.field(c).type)]
+    if bad:
+        raise DataError(f"{split.key}: file column {bad[0]!r} is {split.schema.field(bad[0]).type}, not paths (strings) "
+                        f"or bytes; point it at a column of file paths")
+    return tuple(c for c in declared if is_reference(split.schema, c))
 
 
 def read_files(files, columns: list[str] | None = None, key: str = "data") -> pa.Table:

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from stride.datasets.files import FileFetcher, resolve, row_of
 from stride.datasets.formats import PartReader, formats
 from stride.datasets.frame import EMPTY, Frame
 from stride.datasets.order import EpochPlan, Order, eval_blocks
@@ -66,6 +67,7 @@ class BlockReader:
         except DataError:
             self._files.pop(f, None)
             raise
+        table = resolve(table, self.spec.file_columns, self.spec.layouts[f].path)
         sizes = [self.spec.blocks[b][2] for b in blocks]
         if not self.spec.has_sample_id:
             table = table.append_column(SAMPLE_ID, pa.array(np.concatenate(
@@ -201,6 +203,7 @@ class TrainStream:
         self.transform = transform
         self._batches: Iterator[Columns] = iter(())  # the micro-batches of the window being consumed
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read")
+        self._files = fetcher(spec)
         self._windows = self._produce(micro_step, end_micro_step, read_ahead)
 
     @property
@@ -226,6 +229,7 @@ class TrainStream:
     def close(self) -> None:
         self._windows.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._files.close()
 
     def _produce(self, micro_step: int, end_micro_step: int | None, read_ahead: int) -> Iterator[Frame]:
         """This rank's rows, in whole micro-batches: the rows a window leaves over open the next one. (The training
@@ -264,7 +268,7 @@ class TrainStream:
             needs = [reads[epoch, j] for j, *_ in pieces]
 
             def cut(plan=plan, k=k, positions=positions, needs=needs) -> Frame:  # bound now, called by a read thread
-                return cut_window(plan, k, positions, [read.result()[block] for read, block in needs])
+                return self._files.fetch(cut_window(plan, k, positions, [read.result()[block] for read, block in needs]))
 
             pending.append((after({read for read, _ in needs}, cut), {(epoch, j) for j, *_ in pieces}))
             if len(pending) > read_ahead:
@@ -333,8 +337,16 @@ def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
 
 def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[Columns]:
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
-    reader = BlockReader(spec)
-    for b in eval_blocks(reader.num_blocks, rank, world_size):
-        rows = frame_of(reader.read(b))
-        for lo in range(0, len(rows), batch):
-            yield rows.columns(lo, lo + batch)
+    reader, files = BlockReader(spec), fetcher(spec)
+    try:
+        for b in eval_blocks(reader.num_blocks, rank, world_size):
+            rows = frame_of(reader.read(b))
+            for lo in range(0, len(rows), batch):
+                yield files.fetch(rows.slice(lo, lo + batch)).columns()
+    finally:
+        files.close()
+
+
+def fetcher(spec: DataSpec) -> FileFetcher:
+    """The reader of the files the spec's file columns reference (none: fetch() passes frames through)."""
+    return FileFetcher(spec.file_columns, spec.file_read_threads, row_of(spec.layouts, spec.has_sample_id))

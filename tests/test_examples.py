@@ -43,7 +43,7 @@ def train(folder: Path, *overrides: str, ray_env: dict | None = None, timeout: f
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["hf_causal_lm", "image_classifier", "regression"])
+@pytest.mark.parametrize("name", ["audio_clips", "hf_causal_lm", "image_classifier", "regression"])
 def test_example_yaml_loads_and_states_its_commands(name):
     folder = EXAMPLES / name
     proc = run_cli(["-m", "stride", "--config", f"{name}.yaml", "--print-config"], timeout=120, cwd=folder,
@@ -69,6 +69,13 @@ def test_image_classifier_example_reaches_95_percent(tmp_path):
     s = train(example("image_classifier", tmp_path), "train.max_steps=150", "train.eval_every_steps=150")
     assert s["status"] == "completed"
     assert s["val_accuracy"] >= 0.95, s  # chance: 1/3; about 1.0 after 150 steps
+
+
+@pytest.mark.slow  # trains for seconds, in a process: make test, not make test-fast
+def test_audio_clips_example_reaches_95_percent_from_its_manifests(tmp_path):
+    s = train(example("audio_clips", tmp_path))
+    assert s["status"] == "completed" and s["global_step"] == 150
+    assert s["val_accuracy"] >= 0.95 and s["val_loss"] <= 0.05 * s["initial_val_loss"], s  # chance: 1/4
 
 
 @pytest.mark.slow  # trains for tens of seconds: make test, not make test-fast

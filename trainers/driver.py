@@ -247,7 +247,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
                              # it (about 90 lines) go only to its session logs (logs/train/ray-train-sys-*.log) and
                              # the summary's "error_detail", not to the console.
                              logging_config=LoggingConfig(log_level="CRITICAL")),
-        # No Ray datasets: each worker streams its rows of the split's row groups itself (datasets/stream.py), in
+        # No Ray datasets: each worker streams its rows of the split's blocks itself (datasets/stream.py), in
         # the order of datasets/order.py, which Ray Data's streaming_split cannot reproduce.
     )
     return trainer, plan, (num_workers, use_gpu, resources)

@@ -183,7 +183,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         if env.device.type == "cpu":
             torch.set_num_threads(t.num_threads or max(1, int(self.plan.cpus_per_worker)))
-        # The order is a function of (seed, epoch, the split's row groups) only; the rows stream in (fit).
+        # The order is a function of (seed, epoch, the split's blocks) only; the rows stream in (fit).
         train, val, W = self.plan.train, self.plan.val, env.world_size
         self.global_micro = global_micro_batch(cfg, W)  # B x W; elastic runs: B x max workers, whatever W is now
         self.rows_per_worker = self.global_micro // W
@@ -193,7 +193,7 @@ class Trainer:
             raise DataError(f"train.batch_size_per_worker ({t.batch_size_per_worker}) x {self.global_micro // t.batch_size_per_worker} "
                             f"workers exceeds the {train.num_rows} training rows; use a smaller train.batch_size_per_worker")
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * self.order.micro_steps_per_epoch / t.grad_accum_steps))
-        log.info("data: %d train rows in %d row groups, %s val rows; shuffle window %d rows; global batch %d = %d per "
+        log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; global batch %d = %d per "
                  "worker x %d workers x %d accumulation; %d rows dropped per epoch", train.num_rows, len(train.blocks),
                  val.num_rows if val else 0, cfg.data.shuffle_window_rows, global_batch_size(cfg, W),
                  self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)

@@ -46,6 +46,9 @@ class Task:
 
     Config: ClassVar[type[TaskConfig]] = TaskConfig
     columns: ClassVar[tuple[str, ...] | None] = None
+    # Columns of file paths (relative ones to the manifest's folder): transform gets each file's bytes instead,
+    # read ahead of training by Stride's reader threads (data.file_read_threads). A column of bytes passes as it is.
+    file_columns: ClassVar[tuple[str, ...]] = ()
     # Names of the per-sample values `metrics` returns (val_<name>), when known before training: a sweep then
     # checks sweep.metric against them before any trial starts. None: not declared, any val_<name> is accepted.
     metric_names: ClassVar[tuple[str, ...] | None] = None

@@ -1,0 +1,141 @@
+"""Files by reference: a task's `file_columns` hold paths (audio/clip_00017.wav), and its transform gets each
+file's bytes instead.
+
+The paths are resolved when a block is read, against the folder of the manifest the row came from (an absolute path
+or a URI stays as it is). The bytes are read after the window's shuffle, only for this rank's rows, by a pool of
+`data.file_read_threads` threads beside the read threads (files are I/O, not CPU: many more threads than cores pay),
+so the training thread never waits on a file that a read-ahead window could have fetched. A file column of binary
+type already holds the bytes (Parquet with the bytes inline) and is passed through.
+
+Before training the driver checks that every referenced file exists, with the same pool, up to CHECK_FILES files
+(a stat each; an object store's a request each): a missing file is one line naming it and the manifest row. Past
+that, a missing file fails the step that reaches it, with the same line.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from typing import TYPE_CHECKING
+
+from stride.datasets.formats import DataError, FileLayout, first_line
+
+if TYPE_CHECKING:  # frame.py imports splits.py, which imports this module
+    from stride.datasets.frame import Frame
+
+CHECK_FILES = 1_000_000  # referenced files checked before training, at most
+
+
+def is_reference(schema: pa.Schema, column: str) -> bool:
+    """A string column holds paths; a binary one holds the bytes already."""
+    t = schema.field(column).type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def resolve(table: pa.Table, columns: tuple[str, ...], manifest: str) -> pa.Table:
+    """The file columns' relative paths joined to the manifest's folder (vectorised: one Arrow call per column)."""
+    if not columns:
+        return table
+    uri = "://" in manifest
+    folder = (posixpath.dirname(manifest) if uri else os.path.dirname(os.path.abspath(manifest))).rstrip("/") + "/"
+    for name in columns:
+        col = table.column(name)
+        absolute = pc.or_(pc.starts_with(col, "/"), pc.match_substring(col, "://"))
+        joined = pc.if_else(absolute, col, pc.binary_join_element_wise(folder, col, ""))
+        table = table.set_column(table.schema.get_field_index(name), name, joined)
+    return table
+
+
+def read_file(path: str) -> bytes:
+    if "://" in path:
+        fs, p = pafs.FileSystem.from_uri(path)
+        with fs.open_input_stream(p) as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class FileFetcher:
+    """Replaces a frame's file columns (paths) by the files' bytes, `threads` files at a time."""
+
+    def __init__(self, columns: tuple[str, ...], threads: int, where):
+        self.columns = columns
+        self.where = where  # sample id -> "row N of <manifest>", for messages
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stride-files") if columns else None
+
+    def fetch(self, frame: Frame) -> Frame:
+        if self._pool is None or not len(frame):
+            return frame
+        arrays = list(frame.arrays)
+        for name in self.columns:
+            i = frame.names.index(name)
+            paths = arrays[i]
+            futures = [self._pool.submit(read_file, p) for p in paths]
+            out = np.empty(len(paths), dtype=object)
+            for j, f in enumerate(futures):
+                try:
+                    out[j] = f.result()
+                except (OSError, pa.ArrowException) as e:
+                    for rest in futures[j:]:
+                        rest.cancel()
+                    raise DataError(f"{name}: {paths[j]} ({self.where(int(frame.sample_id[j]))}) could not be read "
+                                    f"({first_line(e)}); restore the file or remove its row from the manifest") from None
+            arrays[i] = out
+        return replace(frame, arrays=tuple(arrays))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def row_of(layouts: tuple[FileLayout, ...], has_sample_id: bool):
+    """sample id -> where its row is, for messages: "row N of <manifest>" (rows counted from 1, in file order), or
+    the sample_id itself when the data carries its own ids."""
+    bases = np.cumsum([0] + [lay.num_rows for lay in layouts])
+
+    def where(sample_id: int) -> str:
+        if has_sample_id:
+            return f"sample_id {sample_id}"
+        f = int(np.searchsorted(bases, sample_id, side="right")) - 1
+        return f"row {sample_id - bases[f] + 1} of {layouts[f].path}"
+
+    return where
+
+
+def check_files(split, columns: tuple[str, ...], threads: int) -> None:
+    """Every referenced file of the split exists (a stat each, `threads` at a time), up to CHECK_FILES: else one
+    DataError naming the first missing file and its manifest row."""
+    checked = 0
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stride-check") as pool:
+        for layout in split.layouts:
+            single = replace(split, layouts=(layout,))
+            row = 0
+            for table in single.batches(list(columns), rows=65536):
+                for name in columns:
+                    paths = resolve(table.select([name]), (name,), layout.path).column(0).to_pylist()
+                    for j, ok in enumerate(pool.map(_exists, paths)):
+                        if not ok:
+                            raise DataError(f"{split.key}: {paths[j]} (column {name}, row {row + j + 1} of "
+                                            f"{layout.path}) does not exist; restore it or remove its row from the "
+                                            f"manifest")
+                row += table.num_rows
+                checked += table.num_rows * len(columns)
+                if checked >= CHECK_FILES:
+                    return
+
+
+def _exists(path: str | None) -> bool:
+    if path is None:
+        return False
+    if "://" in path:
+        fs, p = pafs.FileSystem.from_uri(path)
+        return fs.get_file_info(p).type == pafs.FileType.File
+    return os.path.isfile(path)

@@ -129,3 +129,31 @@ def test_init_from_an_s3_uri_loads_what_the_local_file_loads(s3_server, tab_on_s
     s3, disk = summaries
     assert s3["init"]["from"] == f"{uri}/mlp.safetensors" and s3["init"]["loaded"] == disk["init"]["loaded"] == 6
     assert s3["init"]["sha256"] == disk["init"]["sha256"] and s3["initial_val_loss"] == disk["initial_val_loss"]
+
+
+def test_a_manifest_and_its_files_on_s3_train_as_the_local_copy(s3_server, tmp_path):
+    """examples/audio_clips' JSON Lines manifests and WAV files uploaded as they are: the manifest's relative paths
+    resolve against its s3:// folder, every clip is read from the server, and the run equals the local one bitwise."""
+    import shutil
+
+    project = tmp_path / "audio_clips"
+    shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
+    subprocess.run([PYTHON, "prepare.py", "--clips", "120"], cwd=project, check=True, capture_output=True, timeout=120)
+    uri = s3_server.upload(project / "data", BUCKET, "clips")
+    log_before = s3_server.log_path.stat().st_size
+    quick = ["--config", str(project / "audio_clips.yaml"), "tracking.mlflow=false", "train.max_steps=6",
+             "train.eval_every_steps=6", "checkpoint.every_steps=6", "train.batch_size_per_worker=8"]
+    outcomes = []
+    for name, root in (("s3", uri), ("local", str(project / "data"))):
+        env = dict(s3_server.child_env(), PYTHONPATH=str(project))
+        for k in ("RAY_ADDRESS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        r = subprocess.run([PYTHON, str(REPO / "trainers" / "torchrun.py"), *quick, f"run.storage_path={tmp_path}/{name}",
+                            f"data.train_path={root}/train.jsonl", f"data.val_path={root}/val.jsonl"], cwd=project,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        s = _summary(tmp_path / name / "audio_clips")
+        outcomes.append((s["param_checksums"], s["val_loss"], s["val_accuracy"], s["samples_seen"]))
+    requests = s3_server.log_path.read_text(errors="replace")[log_before:]
+    assert f"GET /{BUCKET}/clips/train.jsonl " in requests and f"GET /{BUCKET}/clips/audio/clip_00119.wav " in requests
+    assert outcomes[0] == outcomes[1]

@@ -85,6 +85,10 @@ class Order:
     def rows_dropped_per_epoch(self) -> int:
         return self.num_rows - self.micro_steps_per_epoch * self.global_micro_batch
 
+    def source_counts(self, micro_step: int) -> dict[str, int]:
+        """Rows each source gave to the first `micro_step` micro-batches: one source has no name (mixing.py)."""
+        return {}
+
     def position(self, micro_step: int) -> tuple[int, int]:
         """Global micro-step counter -> (epoch, micro-step within the epoch)."""
         return divmod(micro_step, self.micro_steps_per_epoch)

@@ -15,6 +15,7 @@ import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +45,8 @@ class DataSpec:
     split: str = "train"
     file_columns: tuple[str, ...] = ()  # columns of paths whose files' bytes the task gets (datasets/files.py)
     file_read_threads: int = 16
+    sources: tuple = ()  # a mixture's sources (datasets/mixing.MixSource), their blocks one after another
+    schema: pa.Schema | None = field(default=None, repr=False)  # the split's types: every file's rows are cast to them
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -67,6 +70,8 @@ class DataSplit:
     schema: pa.Schema
     num_rows: int
     blocks: tuple[tuple[int, int, int], ...] = ()
+    # data.train / data.val: each source (datasets/mixing.MixSource) and its own split, its blocks one after another
+    sources: tuple[tuple[Any, DataSplit], ...] = ()
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -80,18 +85,19 @@ class DataSplit:
     def batches(self, columns: list[str] | tuple[str, ...] | None = None, rows: int = 65536):
         """The split's rows as pyarrow Tables of about `rows` rows at most (a file part at least), in file order."""
         columns = list(columns) if columns is not None else self.schema.names
+        target = pa.schema([self.schema.field(c) for c in columns])
         for layout in self.layouts:
             reader = formats()[layout.format].reader(layout, self.key)
             try:
                 parts, n = [], 0
                 for p, count in enumerate(layout.rows):
                     if parts and n + count > rows:
-                        yield reader.read(parts, columns)
+                        yield conform(reader.read(parts, columns), target, self.key, layout.path)
                         parts, n = [], 0
                     parts.append(p)
                     n += count
                 if parts:
-                    yield reader.read(parts, columns)
+                    yield conform(reader.read(parts, columns), target, self.key, layout.path)
             finally:
                 reader.close()
 
@@ -111,6 +117,17 @@ class DataSplit:
                 return None
             ranges += found
         return ranges
+
+
+def conform(table: pa.Table, schema: pa.Schema | None, key: str, path: str) -> pa.Table:
+    """A file's rows in the split's types (a float32 Parquet file beside a float64 JSON Lines one: float64)."""
+    if schema is None or table.schema.equals(schema, check_metadata=False):
+        return table
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise DataError(f"{key}: {path} has values that do not fit the split's types ({first_line(e)}); give every "
+                        f"file the same types") from None
 
 
 def resolve_files(path: str, key: str) -> list[str]:
@@ -155,8 +172,8 @@ def _only_data(files: list[str], key: str, path: str) -> list[str]:
 
 
 def read_layouts(files: list[str], key: str, cache: Path | None = None) -> tuple[tuple[FileLayout, ...], pa.Schema]:
-    """Every file's layout, and the split's schema: the same columns in every file; types widened across text
-    files (ints in one JSONL file, floats in another), exact across Parquet files as the footers give them."""
+    """Every file's layout, and the split's schema: the same columns in every file, types widened across files
+    (ints in one, floats in another: floats); every file's rows are cast to them when read (`conform`)."""
     layouts = [cached_layout(format_of(f), f, key, cache) for f in files]
     first = layouts[0]
     for layout in layouts[1:]:
@@ -176,11 +193,39 @@ def read_layouts(files: list[str], key: str, cache: Path | None = None) -> tuple
 
 
 def open_split(data_cfg, split: str, cache: Path | None = None) -> DataSplit:
-    """`split` ("train" or "val") of the data section: its files, checked to be readable with one schema."""
-    key = f"data.{split}_path"
-    layouts, schema = read_layouts(resolve_files(getattr(data_cfg, f"{split}_path"), key), key, cache)
+    """`split` ("train" or "val") of the data section: its files (or its sources', data.train / data.val), checked
+    to be readable with one schema."""
+    if sources := getattr(data_cfg, split, None):
+        return open_sources(sources, split, cache)
+    return open_path(getattr(data_cfg, f"{split}_path"), split, f"data.{split}_path", cache)
+
+
+def open_path(path: str, split: str, key: str, cache: Path | None = None) -> DataSplit:
+    layouts, schema = read_layouts(resolve_files(path, key), key, cache)
     blocks = tuple((i, p, n) for i, layout in enumerate(layouts) for p, n in enumerate(layout.rows) if n)
     return DataSplit(split, key, layouts, schema, sum(n for _, _, n in blocks), blocks)
+
+
+def open_sources(sources, split: str, cache: Path | None = None) -> DataSplit:
+    """Several sources as one split: their files one after another, and the columns they all have (types widened
+    across them). Which columns the task needs is checked per source, naming it (inspect)."""
+    from stride.datasets.mixing import MixSource
+
+    members = [open_path(src.path, split, f"data.{split} ({src.name})", cache) for src in sources]
+    common = [c for c in members[0].schema.names if all(c in m.schema.names for m in members)]
+    try:
+        schema = pa.unify_schemas([pa.schema([m.schema.field(c) for c in common]) for m in members],
+                                  promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        raise DataError(f"data.{split}: the sources' column types disagree ({first_line(e)}); give every source the "
+                        f"same types") from None
+    layouts, blocks, mixed = [], [], []
+    for src, m in zip(sources, members):
+        mixed.append((MixSource(src.name, len(blocks), len(m.blocks), getattr(src, "weight", 1.0)), m))
+        blocks += [(f + len(layouts), p, n) for f, p, n in m.blocks]
+        layouts += m.layouts
+    return DataSplit(split, f"data.{split}", tuple(layouts), schema, sum(m.num_rows for m in members), tuple(blocks),
+                     tuple(mixed))
 
 
 UNIQUE_CHECK_ROWS = 50_000_000  # above this, sample_ids the metadata cannot prove unique are not read to check
@@ -216,7 +261,7 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
     and facts (`task.inspect`, which sets task.facts), then the columns it reads. Returns the specs the workers read."""
     cache = cache_folder(cfg)
     splits = {"train": open_split(cfg.data, "train", cache)}
-    if cfg.data.val_path:
+    if cfg.data.val_path or cfg.data.val:
         splits["val"] = open_split(cfg.data, "val", cache)
     task.facts = dict(task.inspect(splits["train"], splits.get("val")) or {})
     # A task's inspect may stream a whole split through Arrow: hand the pool's cached memory back (mimalloc keeps
@@ -225,17 +270,21 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
     specs = {}
     for name, split in splits.items():
         columns = tuple(task.columns) if task.columns is not None else tuple(c for c in split.schema.names if c != SAMPLE_ID)
-        missing = [c for c in columns if c not in split.schema.names]
-        if missing:
-            raise DataError(f"{split.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
-                            f"(columns: {split.schema.names}); point {split.key} at data with it")
-        has_id = SAMPLE_ID in split.schema.names
+        for part in [m for _, m in split.sources] or [split]:
+            missing = [c for c in columns if c not in part.schema.names]
+            if missing:
+                raise DataError(f"{part.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
+                                f"(columns: {part.schema.names}); point {part.key} at data with it")
+        # A mixture numbers its rows in order (sources one after another): the sources' own ids may collide.
+        has_id = SAMPLE_ID in split.schema.names and not split.sources
         if has_id:
             check_sample_ids(split)
         references = file_columns(task, columns, split)
         check_files(split, references, cfg.data.file_read_threads)
-        specs[name] = DataSpec(columns + ((SAMPLE_ID,) if has_id else ()), has_id, split.num_rows, split.layouts,
-                               split.blocks, name, references, cfg.data.file_read_threads)
+        read = columns + ((SAMPLE_ID,) if has_id else ())
+        specs[name] = DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, name, references,
+                               cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
+                               pa.schema([split.schema.field(c) for c in read]))
     return specs
 
 

@@ -27,7 +27,7 @@ from stride.datasets.files import FileFetcher, resolve, row_of
 from stride.datasets.formats import PartReader, formats
 from stride.datasets.frame import EMPTY, Frame
 from stride.datasets.order import EpochPlan, Order, eval_blocks
-from stride.datasets.splits import SAMPLE_ID, Columns, DataError, DataSpec
+from stride.datasets.splits import SAMPLE_ID, Columns, DataError, DataSpec, conform
 
 
 READ_THREADS = 2  # windows read at once by each worker
@@ -41,6 +41,7 @@ class BlockReader:
     def __init__(self, spec: DataSpec):
         self.spec = spec
         self.columns = [c for c in spec.columns if c != SAMPLE_ID or spec.has_sample_id]
+        self.schema = pa.schema([spec.schema.field(c) for c in self.columns]) if spec.schema is not None else None
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
         self._files: OrderedDict[int, PartReader] = OrderedDict()
@@ -67,7 +68,8 @@ class BlockReader:
         except DataError:
             self._files.pop(f, None)
             raise
-        table = resolve(table, self.spec.file_columns, self.spec.layouts[f].path)
+        table = resolve(conform(table, self.schema, self.spec.key, self.spec.layouts[f].path), self.spec.file_columns,
+                        self.spec.layouts[f].path)
         sizes = [self.spec.blocks[b][2] for b in blocks]
         if not self.spec.has_sample_id:
             table = table.append_column(SAMPLE_ID, pa.array(np.concatenate(
@@ -258,13 +260,13 @@ class TrainStream:
                 continue
             plan = self.order.epoch(epoch)
             pieces = plan.window_pieces(k)
-            by_file: dict[int, list[tuple[int, int]]] = {}
+            by_file: dict[int, dict] = {}  # a block two of the window's pieces share is read once
             for j, block, _, _ in pieces:
                 if (epoch, j) not in reads:
-                    by_file.setdefault(self.spec.blocks[block][0], []).append((j, block))
+                    by_file.setdefault(self.spec.blocks[block][0], {})[j] = block
             for slots in by_file.values():
-                read = self._pool.submit(self._read, [block for _, block in slots])
-                reads.update({(epoch, j): (read, block) for j, block in slots})
+                read = self._pool.submit(self._read, list(slots.values()))
+                reads.update({(epoch, j): (read, block) for j, block in slots.items()})
             needs = [reads[epoch, j] for j, *_ in pieces]
 
             def cut(plan=plan, k=k, positions=positions, needs=needs) -> Frame:  # bound now, called by a read thread
@@ -337,12 +339,21 @@ def eval_batch_counts(spec: DataSpec, world_size: int, batch: int) -> list[int]:
 
 def eval_stream(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[Columns]:
     """Every validation row once across ranks: rank r reads blocks r, r + W, ... one at a time."""
+    for rows, _ in eval_sources(spec, rank, world_size, batch):
+        yield rows
+
+
+def eval_sources(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iterator[tuple[Columns, int | None]]:
+    """eval_stream's batches, each with the index of the source (data.val) its block belongs to (None: one source).
+    A batch never spans two blocks, so never two sources."""
     reader, files = BlockReader(spec), fetcher(spec)
+    firsts = [src.first_block for src in spec.sources]
     try:
         for b in eval_blocks(reader.num_blocks, rank, world_size):
+            source = int(np.searchsorted(firsts, b, side="right")) - 1 if firsts else None
             rows = frame_of(reader.read(b))
             for lo in range(0, len(rows), batch):
-                yield files.fetch(rows.slice(lo, lo + batch)).columns()
+                yield files.fetch(rows.slice(lo, lo + batch)).columns(), source
     finally:
         files.close()
 

@@ -83,6 +83,31 @@ class RunSection(Section):
         return v
 
 
+class TrainSource(Section):
+    """One entry of data.train: a source of training rows and its share of every batch."""
+
+    name: str = Field(description="The source's name in metrics (samples_seen/<name>) and messages")
+    path: str = Field(description="Its files: a folder, file, glob or URI, as data.train_path")
+    weight: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="Its share of every global batch, relative "
+                          "to the other sources' weights")
+
+    @field_validator("name")
+    @classmethod
+    def _a_label(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", v):
+            raise ValueError("must be 1-64 letters, digits, '_', '.' or '-' (it names metrics); use e.g. name: speech")
+        return v
+
+
+class ValSource(Section):
+    """One entry of data.val: a validation source, reported on its own (val_loss/<name>) and in val_loss."""
+
+    name: str = Field(description="The source's name in metrics: val_loss/<name>, val_<metric>/<name>")
+    path: str = Field(description="Its files: a folder, file, glob or URI, as data.val_path")
+
+    _a_label = field_validator("name")(TrainSource._a_label.__func__)
+
+
 class DataSection(Section):
     train_path: str = Field("data/pystdlib/train", description="Folder, file or glob of the training split: Parquet, JSON Lines (.jsonl, .json) or CSV files")
     val_path: str | None = Field("data/pystdlib/val", description="Folder, file or glob of the validation split, as train_path (null: no validation)")
@@ -90,7 +115,36 @@ class DataSection(Section):
     read_ahead_windows: int = Field(2, ge=1, description="Windows whose blocks each worker reads ahead of training (background threads)")
     pipeline: Literal["auto", "thread", "ray_data"] = Field("auto", description="Who reads and transforms the training rows: a thread of each worker, or Ray Data tasks on the CPUs beside the worker gang (any node); auto: ray_data for GPU workers when CPUs are free, else thread. Same batches either way")
     pipeline_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="data.pipeline=ray_data: fail the run when no batch arrives for this long (Ray Data starved of CPUs)")
+    train: list[TrainSource] | None = Field(None, description="Several training sources mixed by weight, e.g. "
+                                            "[{name: speech, path: data/speech, weight: 0.7}, {name: music, path: "
+                                            "data/music, weight: 0.3}], instead of train_path (docs/data.md)")
+    val: list[ValSource] | None = Field(None, description="Several validation sources, e.g. [{name: speech, path: "
+                                        "data/speech_val}]: val_loss/<name> for each, and val_loss over all of them, "
+                                        "instead of val_path")
     file_read_threads: int = Field(16, ge=1, le=256, description="Threads per worker (and on the driver, for the existence check) reading the files a task's file_columns reference: I/O, so more than the cores pay (docs/data.md)")
+
+
+    @model_validator(mode="after")
+    def _one_way_to_name_a_split(self) -> "DataSection":
+        for many, one in (("train", "train_path"), ("val", "val_path")):
+            sources = getattr(self, many)
+            if sources is None:
+                continue
+            if one in self.model_fields_set:
+                raise ValueError(f"data.{many} and data.{one} are both set; keep data.{many} (several sources) or "
+                                 f"data.{one} (one), not both")
+            if not sources:
+                raise ValueError(f"data.{many} is an empty list; give it a source, e.g. [{{name: a, path: data/a}}], "
+                                 f"or set data.{one}")
+            names = [src.name for src in sources]
+            if dup := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"data.{many}: the name {dup[0]!r} is used twice; give each source its own name")
+        if self.train is not None:
+            if not sum(src.weight for src in self.train) > 0:
+                raise ValueError("data.train: every weight is 0; give at least one source a weight above 0")
+            if "val_path" not in self.model_fields_set:
+                object.__setattr__(self, "val_path", None)  # the default names the built-in data set, not this mixture's
+        return self
 
 
 class TaskConfig(Section):
@@ -600,8 +654,36 @@ def absolute_paths(cfg: Config) -> Config:
     return cfg
 
 
+def _list_item_error(err: dict, raw: dict[str, Any]) -> str | None:
+    """An error inside an entry of a list of sections (optim.groups, data.train): names the entry and its key,
+    data.train[1].weight, and what the entry's keys are."""
+    loc = err["loc"]
+    if len(loc) < 4 or not isinstance(loc[2], int) or loc[0] not in SECTIONS:
+        return None
+    section, field, index, sub = loc[:4]
+    items = raw.get(section, {}).get(field) if isinstance(raw.get(section), dict) else None
+    item = items[index] if isinstance(items, list) and index < len(items) else None
+    value = item.get(sub) if isinstance(item, dict) else None
+    info = section_class(section, raw).model_fields.get(field)
+    lists = [a for a in ((info.annotation, *typing.get_args(info.annotation)) if info else ()) if typing.get_origin(a) is list]
+    entry = next((t for a in lists for t in typing.get_args(a) if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    key, msg = f"{section}.{field}[{index}].{sub}", err["msg"].removeprefix("Value error, ")
+    keys = ", ".join(entry.model_fields) if entry else "?"
+    if err["type"] == "extra_forbidden":
+        return f"{key} is not a key of a {section}.{field} entry (its keys: {keys}); fix or remove it"
+    if err["type"] == "missing":
+        return f"{section}.{field}[{index}] has no {sub}; every entry needs one (its keys: {keys})"
+    if msg.startswith("Input should be"):
+        msg = "must be " + msg.removeprefix("Input should be ")
+    described = entry.model_fields[sub].description if entry and sub in entry.model_fields else None
+    return f"{key} ({quote(value)}) {msg}" + ("" if "; use " in msg else f"; fix that entry ({described})" if described
+                                             else "; fix that entry")
+
+
 def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: str | None = None) -> str:
     err = e.errors()[0]
+    if prefix is None and (item := _list_item_error(err, raw)) is not None:
+        return item
     loc = ([prefix] if prefix else []) + [str(p) for p in err["loc"] if not str(p).isdigit()]
     # pydantic reports the failing member of a union ("int", "literal['auto']"): keep section.field only.
     loc = loc[:2]

@@ -179,11 +179,12 @@ def check_job_storage(cfg: Config) -> None:
 def check_multinode_paths(cfg: Config, nodes: int) -> None:
     if nodes <= 1:
         return
-    for key in ("train_path", "val_path"):
-        p = getattr(cfg.data, key)
+    named = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "val_path")]
+    named += [(f"data.{split} ({src.name})", src.path) for split in ("train", "val") for src in getattr(cfg.data, split) or ()]
+    for key, p in named:
         if p and "://" not in p and not os.environ.get("STRIDE_SHARED_FS"):
             # A local path is only safe on a shared filesystem; say so instead of failing on a remote node.
-            raise UsageError(f"data.{key} ({p}) is a local path but the cluster has {nodes} nodes; put the data on "
+            raise UsageError(f"{key} ({p}) is a local path but the cluster has {nodes} nodes; put the data on "
                              f"shared storage and set STRIDE_SHARED_FS=1, or use an object-store URI (s3://, gs://)")
 
 

@@ -22,9 +22,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from stride.datasets.order import Order
+from stride.datasets.mixing import order_for
 from stride.datasets.splits import DataError, DataSpec
-from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
+from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import checkpointing, fsdp, pretrained, runlock, telemetry
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
@@ -187,8 +187,7 @@ class Trainer:
         train, val, W = self.plan.train, self.plan.val, env.world_size
         self.global_micro = global_micro_batch(cfg, W)  # B x W; elastic runs: B x max workers, whatever W is now
         self.rows_per_worker = self.global_micro // W
-        self.order = Order(tuple(n for _, _, n in train.blocks), cfg.run.seed, self.global_micro,
-                           cfg.data.shuffle_window_rows)
+        self.order = order_for(train, cfg.run.seed, self.global_micro, cfg.data.shuffle_window_rows)
         if self.order.micro_steps_per_epoch == 0:
             raise DataError(f"train.batch_size_per_worker ({t.batch_size_per_worker}) x {self.global_micro // t.batch_size_per_worker} "
                             f"workers exceeds the {train.num_rows} training rows; use a smaller train.batch_size_per_worker")
@@ -488,7 +487,8 @@ class Trainer:
         if self.plan.val is None:
             return {}
         self.task.training = False
-        out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device)
+        out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device,
+                       tuple(src.name for src in self.plan.val.sources))
         if self.sharded:
             fsdp.reshard(self.model)  # a forward without backward leaves the root unsharded
         return out
@@ -497,9 +497,9 @@ class Trainer:
         W, rank, spec = self.env.world_size, self.env.world_rank, self.plan.val
         eb = max(self.cfg.train.batch_size_per_worker, 64)
         first = None
-        for rows in eval_stream(spec, rank, W, eb):
+        for rows, source in eval_sources(spec, rank, W, eb):
             first = first or rows
-            yield self._val_batch(rows.data), len(rows)
+            yield self._val_batch(rows.data), len(rows), source
         # Every rank runs as many forwards as the rank with the most batches: FSDP all-gathers in each, and every
         # rank must know the task's metric names for the all-reduce. The padding batches count for nothing.
         counts = eval_batch_counts(spec, W, eb)
@@ -544,7 +544,8 @@ class Trainer:
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
         lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
         metrics = {"train_loss": mean[0], **lrs,
-                   "samples_per_second": sps, **dict(zip(keys, mean[1:]))}
+                   "samples_per_second": sps, **dict(zip(keys, mean[1:])),
+                   **{f"samples_seen/{name}": n for name, n in self.order.source_counts(s.micro_step).items()}}
         if (tokens := self.task.tokens_per_sample()) is not None:
             metrics["tokens_per_second"] = sps * tokens
         if self.device_peak and self.sample_flops:  # model FLOPs per second of step time, over the device's peak

@@ -70,8 +70,9 @@ class Sinks:
             self.record({**metrics, **own})
         if not self.rank0:
             return
-        group_lrs = [k for k in metrics if k.startswith("lr/")]  # optim.groups' own, after lr
-        self.metrics_file.write({k: metrics[k] for k in (*TRAIN_FIELDS, *group_lrs) if k in metrics})
+        # optim.groups' own lrs and data.train's sources' counts, after the fields every run has
+        per_group = [k for k in metrics if k.startswith(("lr/", "samples_seen/"))]
+        self.metrics_file.write({k: metrics[k] for k in (*TRAIN_FIELDS, *per_group) if k in metrics})
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{metrics['train_loss']:.4f}", sps=f"{metrics['samples_per_second']:.0f}")
         else:

@@ -433,39 +433,66 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
 
 # ---- evaluation, reduced across ranks ----
 
+class _EvalSums:
+    """One set of validation sums: the loss (x rows, or its terms), rows, terms, and each metric's per-sample sum."""
+
+    def __init__(self):
+        self.loss, self.rows, self.terms = torch.zeros((), dtype=torch.float64), 0.0, torch.zeros((), dtype=torch.float64)
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(self, loss: torch.Tensor, count: Any, n: int, per_sample: dict[str, torch.Tensor]) -> None:
+        if count is None:
+            self.loss += loss.detach().double().cpu() * n
+        elif n:  # a padding batch's sum is of a real row's terms
+            self.loss += loss.detach().double().cpu()
+            self.terms += torch.as_tensor(count).detach().double().cpu()
+        self.rows += n
+        for name, values in per_sample.items():
+            total = values.detach().double().reshape(-1)[:n].sum().cpu()
+            self.metrics[name] = self.metrics.get(name, torch.zeros((), dtype=torch.float64)) + total
+
+    def vector(self, names: list[str]) -> list[torch.Tensor]:
+        zero = torch.zeros((), dtype=torch.float64)
+        return [self.loss, torch.tensor(self.rows, dtype=torch.float64), self.terms,
+                *(self.metrics.get(n, zero) for n in names)]
+
+
+def _means(reduced: list[float], names: list[str], summed: bool | None, suffix: str = "") -> dict[str, float]:
+    count = max(reduced[1], 1.0)
+    val_loss = (reduced[0] / reduced[2] if reduced[2] else 0.0) if summed else reduced[0] / count
+    return {f"val_loss{suffix}": val_loss} | {f"val_{n}{suffix}": v / count for n, v in zip(names, reduced[3:])}
+
+
 @torch.no_grad()
-def evaluate(task, model: nn.Module, precision: Precision, batches, device: torch.device) -> dict[str, float]:
+def evaluate(task, model: nn.Module, precision: Precision, batches, device: torch.device,
+             groups: tuple[str, ...] = ()) -> dict[str, float]:
     """val_loss (task.loss) and val_<name> (task.metrics, per sample) over this rank's rows, then summed across
     ranks so every rank returns the mean over every validation sample; a task.loss returning (loss_sum, count)
-    gives the mean over every term (token) instead. `batches` yields (batch, rows): a batch
-    with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing."""
+    gives the mean over every term (token) instead. `batches` yields (batch, rows) or (batch, rows, group): a batch
+    with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing.
+    With `groups` (data.val's sources), each batch's group also gets its own means, val_loss/<group> and
+    val_<name>/<group>, reduced in the same all-reduce."""
     was_training = model.training
     model.eval()
-    loss_sum, rows, terms = torch.zeros((), dtype=torch.float64), 0.0, torch.zeros((), dtype=torch.float64)
+    total, parts = _EvalSums(), [_EvalSums() for _ in groups]
     summed: bool | None = None
-    metric_sums: dict[str, torch.Tensor] = {}
-    for batch, n in batches:
+    for batch, n, *group in batches:
         with precision.autocast():
             loss, count = split_loss(task.loss(model, batch), summed)
             per_sample = task.metrics(model, batch)
         summed = count is not None
-        if not summed:
-            loss_sum += loss.detach().double().cpu() * n
-        elif n:  # a padding batch's sum is of a real row's terms
-            loss_sum += loss.detach().double().cpu()
-            terms += torch.as_tensor(count).detach().double().cpu()
-        rows += n
-        for name, values in per_sample.items():
-            total = values.detach().double().reshape(-1)[:n].sum().cpu()
-            metric_sums[name] = metric_sums.get(name, torch.zeros((), dtype=torch.float64)) + total
+        total.add(loss, count, n, per_sample)
+        if group and group[0] is not None:
+            parts[group[0]].add(loss, count, n, per_sample)
     if was_training:
         model.train()
-    names = sorted(metric_sums)  # every rank ran the task's metrics at least once: the same names, in the same order
-    reduced = all_reduce_sum(torch.stack([loss_sum, torch.tensor(rows, dtype=torch.float64), terms,
-                                          *(metric_sums[n] for n in names)]), device).tolist()
-    count = max(reduced[1], 1.0)
-    val_loss = (reduced[0] / reduced[2] if reduced[2] else 0.0) if summed else reduced[0] / count
-    return {"val_loss": val_loss} | {f"val_{n}": v / count for n, v in zip(names, reduced[3:])}
+    names = sorted(total.metrics)  # every rank ran the task's metrics at least once: the same names, in the same order
+    width = 3 + len(names)
+    reduced = all_reduce_sum(torch.stack([x for sums in (total, *parts) for x in sums.vector(names)]), device).tolist()
+    out = _means(reduced[:width], names, summed)
+    for i, name in enumerate(groups, 1):
+        out |= _means(reduced[i * width:(i + 1) * width], names, summed, f"/{name}")
+    return out
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:

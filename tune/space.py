@@ -379,7 +379,7 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
         cfg = build_config(base_raw, origin=str(base_path))
     except ConfigError as e:
         raise ConfigError(f"base ({sweep.base_config} + base overrides): {e}") from None
-    if sweep.metric.startswith("val_") and not cfg.data.val_path:
+    if sweep.metric.startswith("val_") and not (cfg.data.val_path or cfg.data.val):
         raise ConfigError(f"sweep.metric ({sweep.metric}) needs validation data but data.val_path is null; "
                           f"set base.data.val_path or sweep.metric=train_loss")
     reported = task_class(cfg.model.name).metric_names

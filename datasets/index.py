@@ -45,7 +45,8 @@ def _load(entry: Path, fmt: Format, path: str, current: tuple[int, int]) -> File
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(doc["schema"])))
         rows = tuple(int(n) for n in doc["rows"])
         extents = tuple((int(o), int(n), int(first)) for o, n, first in doc["extents"])
-        layout = FileLayout(path, fmt.name, schema, rows, extents, (int(doc["stamp"][0]), int(doc["stamp"][1])))
+        layout = FileLayout(path, fmt.name, schema, rows, extents, (int(doc["stamp"][0]), int(doc["stamp"][1])),
+                            sum(n for _, n, _ in extents))
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
     if doc.get("version") != VERSION or doc.get("path") != path or layout.stamp != current or len(rows) != len(extents) \

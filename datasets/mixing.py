@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stride.datasets import bucketing
 from stride.datasets.order import Order, _rng
 
 
@@ -153,7 +154,7 @@ class MixedEpochPlan:
     KEEP = 8  # windows whose pieces stay computed (the readers ask for a window's a few times, close together)
 
     def __init__(self, order: MixedOrder, epoch: int):
-        self.order, self.epoch = order, epoch
+        self.order, self.epoch, self.seed = order, epoch, order.seed
         self.window_rows = order.window_rows
         self.num_rows = order.micro_steps_per_epoch * order.global_micro_batch
         self._windows: dict[int, tuple[list, np.ndarray]] = {}
@@ -207,9 +208,16 @@ class MixedEpochPlan:
         return pieces, local
 
 
-def order_for(spec, seed: int, global_micro_batch: int, window_rows: int) -> Order | MixedOrder:
-    """The order of a training spec: one source's, or the mixture of its sources'."""
+def order_for(spec, seed: int, global_micro_batch: int, window_rows: int,
+              window_bytes: int | None = None) -> Order | MixedOrder:
+    """The order of a training spec: one source's, or the mixture of its sources'. The window holds at most
+    `window_rows` rows and `window_bytes` bytes of them (the data's mean row size: a function of the data, so of
+    no world size); with length bucketing, whole global micro-batches (datasets/bucketing.py)."""
     block_rows = tuple(n for _, _, n in spec.blocks)
+    if window_bytes and spec.row_bytes:
+        window_rows = max(global_micro_batch, min(window_rows, int(window_bytes // spec.row_bytes)))
+    if spec.length_column:
+        window_rows = bucketing.window_rows(window_rows, global_micro_batch)
     if spec.sources:
         return MixedOrder(block_rows, spec.sources, seed, global_micro_batch, window_rows)
     return Order(block_rows, seed, global_micro_batch, window_rows)

@@ -19,7 +19,8 @@ import numpy as np
 from stride.datasets.order import Order
 from stride.datasets.splits import DataSpec
 from stride.datasets.files import FileFetcher
-from stride.datasets.stream import BlockReader, Prefetcher, fetcher, rank_rows
+from stride.datasets.bucketing import Padding
+from stride.datasets.stream import BlockReader, Prefetcher, fetcher, rank_rows, take_lengths
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 _FETCHERS: dict[tuple, FileFetcher] = {}  # and the file readers' threads
@@ -38,18 +39,19 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
     """One Ray Data task: the transformed micro-batches of one chunk, one output row per micro-step."""
     first, n = int(batch["first"][0]), int(batch["n"][0])
     key = (spec.files, spec.columns)
-    reader = _READERS.get(key) or _READERS.setdefault(key, BlockReader(spec))
+    reader = _READERS.get(key) or _READERS.setdefault(key, BlockReader(spec, lengths=True))
     files = _FETCHERS.get(key) or _FETCHERS.setdefault(key, fetcher(spec))
     per = order.global_micro_batch // world_size
-    ids, arrays = np.empty(n, dtype=object), np.empty(n, dtype=object)
+    ids, arrays, lengths = (np.empty(n, dtype=object) for _ in range(3))
     m = first
     while m < first + n:  # a chunk may run across an epoch's end: read each epoch's part from its windows
         count = min(first + n, (order.position(m)[0] + 1) * order.micro_steps_per_epoch) - m
         rows = files.fetch(rank_rows(reader, order, rank, world_size, m, count))
         for j, part in enumerate(rows.batches(per)):
+            part, lengths[m - first + j] = take_lengths(part, spec)
             ids[m - first + j], arrays[m - first + j] = part.sample_id, transform(part, m + j)
         m += count
-    return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays}
+    return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays, "lengths": lengths}
 
 
 class RayDataStream:
@@ -70,6 +72,7 @@ class RayDataStream:
         ds = ray.data.from_items(items or [{"first": 0, "n": 0}], override_num_blocks=max(1, len(items))).map_batches(
             make_chunk, batch_size=1, num_cpus=cpus_per_task, zero_copy_batch=True,
             fn_kwargs={"spec": spec, "order": order, "rank": rank, "world_size": world_size, "transform": transform})
+        self.padding = Padding() if spec.length_column else None
         depth = max(1, read_ahead) * max(1, items[0]["n"] if items else 1)
         self._batches = Prefetcher(lambda: self._produce(ds, read_ahead), depth, "stride-ray-data")
 
@@ -79,13 +82,15 @@ class RayDataStream:
         from stride.trainers.policies import TrainingError
 
         try:
-            got, ids, arrays = self._batches.get(timeout=self.timeout_s)
+            got, ids, arrays, lengths = self._batches.get(timeout=self.timeout_s)
         except queue.Empty:
             raise TrainingError(f"data.pipeline (ray_data) delivered no batch in {self.timeout_s:g}s (data."
                                 f"pipeline_timeout_s): Ray Data is waiting for CPUs the worker gang holds; set "
                                 f"data.pipeline=thread or lower scaling.cpus_per_worker") from None
         if got != micro_step:  # preserve_order is what keeps the order; never train on a batch out of place
             raise RuntimeError(f"Ray Data delivered micro-step {got} where {micro_step} was due")
+        if self.padding is not None:
+            self.padding.add(lengths)
         return ids, arrays
 
     def close(self) -> None:
@@ -94,4 +99,4 @@ class RayDataStream:
     @staticmethod
     def _produce(ds, read_ahead: int):
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=read_ahead):
-            yield from zip((int(m) for m in batch["micro_step"]), batch["ids"], batch["arrays"])
+            yield from zip((int(m) for m in batch["micro_step"]), batch["ids"], batch["arrays"], batch["lengths"])

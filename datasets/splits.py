@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.fs as pafs
 
 from stride.datasets.files import check_files, is_reference
@@ -47,6 +48,8 @@ class DataSpec:
     file_read_threads: int = 16
     sources: tuple = ()  # a mixture's sources (datasets/mixing.MixSource), their blocks one after another
     schema: pa.Schema | None = field(default=None, repr=False)  # the split's types: every file's rows are cast to them
+    length_column: str | None = None  # data.length_column: bucketing (datasets/bucketing.py), padding_fraction
+    row_bytes: float = 0.0  # a row's mean size in memory, its referenced files included: bounds the window in bytes
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -280,12 +283,38 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
         if has_id:
             check_sample_ids(split)
         references = file_columns(task, columns, split)
-        check_files(split, references, cfg.data.file_read_threads)
+        file_bytes = check_files(split, references, cfg.data.file_read_threads) if references else 0.0
+        lengths = check_length_column(split, cfg.data.length_column) if name == "train" else None
         read = columns + ((SAMPLE_ID,) if has_id else ())
+        row_bytes = sum(lay.data_bytes for lay in split.layouts) / max(split.num_rows, 1) + file_bytes
         specs[name] = DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, name, references,
                                cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
-                               pa.schema([split.schema.field(c) for c in read]))
+                               pa.schema([split.schema.field(c) for c in (*read, *([lengths] if lengths and lengths
+                                                                                  not in read else []))]),
+                               lengths, row_bytes)
     return specs
+
+
+def check_length_column(split: DataSplit, column: str | None) -> str | None:
+    """data.length_column names a numeric column of every source, without missing or negative values (one pass over
+    that one column on the driver)."""
+    if column is None:
+        return None
+    for part in [m for _, m in split.sources] or [split]:
+        if column not in part.schema.names:
+            raise DataError(f"data.length_column ({column}): {part.key} has no such column (columns: "
+                            f"{part.schema.names}); name the column holding each row's length")
+        t = part.schema.field(column).type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+            raise DataError(f"data.length_column ({column}) is {t} in {part.key}, not a number; name a numeric column "
+                            f"(tokens, samples, seconds)")
+    for table in split.batches([column], 1 << 20):
+        col = table.column(0)
+        bad = col.null_count or (len(col) and pa.compute.min(col).as_py() < 0)
+        if bad:
+            raise DataError(f"data.length_column ({column}) has missing or negative values in {split.key}; give every "
+                            f"row its length")
+    return column
 
 
 def file_columns(task, columns: tuple[str, ...], split: DataSplit) -> tuple[str, ...]:

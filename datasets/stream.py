@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from stride.datasets.bucketing import Padding, bucket, lengths_of
 from stride.datasets.files import FileFetcher, resolve, row_of
 from stride.datasets.formats import PartReader, formats
 from stride.datasets.frame import EMPTY, Frame
@@ -38,9 +39,11 @@ class BlockReader:
 
     OPEN_FILES = 16  # files kept open: an object store pays a request per open
 
-    def __init__(self, spec: DataSpec):
+    def __init__(self, spec: DataSpec, lengths: bool = False):
         self.spec = spec
         self.columns = [c for c in spec.columns if c != SAMPLE_ID or spec.has_sample_id]
+        if lengths and spec.length_column and spec.length_column not in self.columns:
+            self.columns.append(spec.length_column)  # bucketing sorts by it; take_lengths drops it again
         self.schema = pa.schema([spec.schema.field(c) for c in self.columns]) if spec.schema is not None else None
         self.base = np.concatenate([[0], np.cumsum([n for _, _, n in spec.blocks])]).astype(np.int64)
         self.rows_read = 0
@@ -105,7 +108,22 @@ def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int
     positions = window_positions(order, epoch, k, rank, world_size, from_position, to_position)
     if not len(positions):
         return None
-    return cut_window(plan, k, positions, [reader.read(block) for _, block, _, _ in plan.window_pieces(k)])
+    return cut_window(plan, k, positions, [reader.read(block) for _, block, _, _ in plan.window_pieces(k)],
+                      bucketing_of(reader.spec, order))
+
+
+def bucketing_of(spec: DataSpec, order: Order) -> tuple[str, int] | None:
+    return (spec.length_column, order.global_micro_batch) if spec.length_column else None
+
+
+def take_lengths(rows: Columns, spec: DataSpec) -> tuple[Columns, np.ndarray | None]:
+    """A micro-batch's lengths (data.length_column), and the batch without that column unless the task reads it."""
+    if not spec.length_column:
+        return rows, None
+    lengths = lengths_of(rows.data[spec.length_column])
+    if spec.length_column not in spec.columns:
+        rows = Columns({k: v for k, v in rows.data.items() if k != spec.length_column}, rows.sample_id)
+    return rows, lengths
 
 
 def window_positions(order: Order, epoch: int, k: int, rank: int, world_size: int, from_position: int = 0,
@@ -114,12 +132,18 @@ def window_positions(order: Order, epoch: int, k: int, rank: int, world_size: in
     return order.rank_positions(rank, world_size, max(lo, from_position), min(hi, to_position or hi))
 
 
-def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[pa.Table]) -> Frame:
+def cut_window(plan: EpochPlan, k: int, positions: np.ndarray, blocks: list[pa.Table],
+               bucketing: tuple[str, int] | None = None) -> Frame:
     """The rows at `positions` of window k, given the blocks it overlaps (read whole, in sequence order): the
-    window's shuffle, a copy of the rows this rank keeps (one Arrow take, the GIL released; see frame.py)."""
+    window's shuffle (with `bucketing`, (length column, global micro-batch): sorted into groups of similar length,
+    datasets/bucketing.py), a copy of the rows this rank keeps (one Arrow take, the GIL released; see frame.py)."""
     pieces = [rows.slice(first, end - first) for rows, (_, _, first, end) in zip(blocks, plan.window_pieces(k))]
-    local = plan.window_permutation(k)[positions - plan.window_span(k)[0]]
-    return frame_of(pa.concat_tables(pieces, promote_options="permissive").take(local))
+    window = pa.concat_tables(pieces, promote_options="permissive")
+    permutation = plan.window_permutation(k)
+    if bucketing is not None:
+        column, group = bucketing
+        permutation = bucket(permutation, lengths_of(window.column(column)), group, plan.seed, plan.epoch, k)
+    return frame_of(window.take(permutation[positions - plan.window_span(k)[0]]))
 
 
 def frame_of(table: pa.Table) -> Frame:
@@ -206,6 +230,7 @@ class TrainStream:
         self._batches: Iterator[Columns] = iter(())  # the micro-batches of the window being consumed
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stride-read")
         self._files = fetcher(spec)
+        self.padding = Padding() if spec.length_column else None  # padding_fraction (data.length_column)
         self._windows = self._produce(micro_step, end_micro_step, read_ahead)
 
     @property
@@ -226,6 +251,9 @@ class TrainStream:
                 raise EOFError("the stream ended")
             self._batches = window.batches(self.per_worker)
             rows = next(self._batches, None)
+        rows, lengths = take_lengths(rows, self.spec)
+        if lengths is not None:
+            self.padding.add(lengths)
         return rows
 
     def close(self) -> None:
@@ -270,7 +298,8 @@ class TrainStream:
             needs = [reads[epoch, j] for j, *_ in pieces]
 
             def cut(plan=plan, k=k, positions=positions, needs=needs) -> Frame:  # bound now, called by a read thread
-                return self._files.fetch(cut_window(plan, k, positions, [read.result()[block] for read, block in needs]))
+                return self._files.fetch(cut_window(plan, k, positions, [read.result()[block] for read, block in needs],
+                                                    bucketing_of(self.spec, self.order)))
 
             pending.append((after({read for read, _ in needs}, cut), {(epoch, j) for j, *_ in pieces}))
             if len(pending) > read_ahead:
@@ -305,7 +334,7 @@ class TrainStream:
 
     def _read(self, blocks: list[int]) -> dict[int, pa.Table]:
         if not hasattr(self._local, "reader"):
-            self._local.reader = BlockReader(self.spec)
+            self._local.reader = BlockReader(self.spec, lengths=True)
             self._readers.append(self._local.reader)
         return self._local.reader.read_file_blocks(blocks)
 

@@ -121,6 +121,12 @@ class DataSection(Section):
     val: list[ValSource] | None = Field(None, description="Several validation sources, e.g. [{name: speech, path: "
                                         "data/speech_val}]: val_loss/<name> for each, and val_loss over all of them, "
                                         "instead of val_path")
+    length_column: str | None = Field(None, description="A numeric column of each row's length (tokens, samples, "
+                                      "seconds): rows of similar length form micro-batches, within each shuffle window, "
+                                      "and metrics report padding_fraction (docs/data.md)")
+    shuffle_window_bytes: int = Field(1 << 30, ge=1 << 20, description="The shuffle window's bound in bytes: a window "
+                                      "holds at most this many bytes of rows (the data's mean row size, referenced "
+                                      "files included), whatever shuffle_window_rows says")
     file_read_threads: int = Field(16, ge=1, le=256, description="Threads per worker (and on the driver, for the existence check) reading the files a task's file_columns reference: I/O, so more than the cores pay (docs/data.md)")
 
 

@@ -187,14 +187,15 @@ class Trainer:
         train, val, W = self.plan.train, self.plan.val, env.world_size
         self.global_micro = global_micro_batch(cfg, W)  # B x W; elastic runs: B x max workers, whatever W is now
         self.rows_per_worker = self.global_micro // W
-        self.order = order_for(train, cfg.run.seed, self.global_micro, cfg.data.shuffle_window_rows)
+        self.order = order_for(train, cfg.run.seed, self.global_micro, cfg.data.shuffle_window_rows,
+                               cfg.data.shuffle_window_bytes)
         if self.order.micro_steps_per_epoch == 0:
             raise DataError(f"train.batch_size_per_worker ({t.batch_size_per_worker}) x {self.global_micro // t.batch_size_per_worker} "
                             f"workers exceeds the {train.num_rows} training rows; use a smaller train.batch_size_per_worker")
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * self.order.micro_steps_per_epoch / t.grad_accum_steps))
         log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; global batch %d = %d per "
                  "worker x %d workers x %d accumulation; %d rows dropped per epoch", train.num_rows, len(train.blocks),
-                 val.num_rows if val else 0, cfg.data.shuffle_window_rows, global_batch_size(cfg, W),
+                 val.num_rows if val else 0, self.order.window_rows, global_batch_size(cfg, W),
                  self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)
 
         self.precision_name = resolve_precision(t.precision, env.device)
@@ -533,13 +534,16 @@ class Trainer:
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
-    def log_figures(self, result: StepResult, clock: telemetry.StepClock, since: tuple[float, int]) -> tuple[dict, dict]:
+    def log_figures(self, result: StepResult, clock: telemetry.StepClock, since: tuple[float, int],
+                    padding=None) -> tuple[dict, dict]:
         now, s, A = time.perf_counter(), self.state, self.cfg.train.grad_accum_steps
         own = clock.figures()
+        if padding is not None:  # data.length_column: the share of this rank's batches' cells padding fills
+            own["padding_fraction"] = padding.take()
         if self.env.device.type == "cuda":
             own["gpu_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.env.device))
             torch.cuda.reset_peak_memory_stats(self.env.device)
-        keys = ("step_time_s", "data_wait_s", "data_wait_fraction")
+        keys = ("step_time_s", "data_wait_s", "data_wait_fraction", *(("padding_fraction",) if padding is not None else ()))
         mean = all_reduce_mean_many([result.loss, *(own[k] for k in keys)], self.env.device)
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
         lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
@@ -618,7 +622,7 @@ class Trainer:
             if self.rank0 and (due.log or due.eval):  # before metrics.jsonl and MLflow: one file read per log step
                 self.fence.still_holds()
             if due.log:
-                train, own = self.log_figures(result, clock, since)
+                train, own = self.log_figures(result, clock, since, stream.padding)
                 since = (time.perf_counter(), s.samples_seen)
                 metrics.update(train)
                 eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)

@@ -17,7 +17,7 @@ log = logging.getLogger("stride")
 # The fields of a training line in metrics.jsonl, in order (those present).
 TRAIN_FIELDS = ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second", "step_time_s",
                 "data_wait_s", "data_wait_fraction", "tokens_per_second", "mfu", "checkpoint_blocked_s",
-                "checkpoint_write_s")
+                "checkpoint_write_s", "padding_fraction")
 
 
 class MetricsFile:

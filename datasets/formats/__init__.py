@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import threading
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,6 +35,7 @@ class FileLayout:
     rows: tuple[int, ...]  # rows of each part
     extents: tuple[tuple[int, int], ...] = field(default=(), repr=False)  # text formats: (byte offset, length)
     stamp: tuple[int, int] = (0, 0)  # (size, mtime_ns) when the layout was made; (0, 0): not checked
+    data_bytes: int = 0  # the rows' size in memory, about (Parquet: uncompressed; text: the file's bytes)
 
     @property
     def num_rows(self) -> int:
@@ -73,15 +75,21 @@ class Format:
 
 
 _REGISTRY: dict[str, Format] = {}
+_LOCK = threading.Lock()
 
 
 def formats() -> dict[str, Format]:
-    """Every format of this package, by name (modules are imported on first use)."""
+    """Every format of this package, by name (modules are imported on first use, once: a worker's read threads
+    may ask at the same moment, and a half-filled registry would lack a format)."""
     if not _REGISTRY:
-        for module in pkgutil.iter_modules(__path__):
-            fmt = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FORMAT", None)
-            if fmt is not None:
-                _REGISTRY[fmt.name] = fmt
+        with _LOCK:
+            if not _REGISTRY:
+                found = {}
+                for module in pkgutil.iter_modules(__path__):
+                    fmt = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FORMAT", None)
+                    if fmt is not None:
+                        found[fmt.name] = fmt
+                _REGISTRY.update(found)
     return _REGISTRY
 
 

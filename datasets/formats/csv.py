@@ -74,7 +74,8 @@ class Csv(Format):
                 schemas.append(table.schema)
         if not schemas:
             raise DataError(f"{key}: {path} holds a header and no rows; remove it or add rows")
-        return FileLayout(path, self.name, _unify(schemas), tuple(rows), tuple(extents), size_mtime)
+        return FileLayout(path, self.name, _unify(schemas), tuple(rows), tuple(extents), size_mtime,
+                          sum(n for _, n, _ in extents))
 
     def reader(self, layout: FileLayout, key: str) -> PartReader:
         names, schema = layout.schema.names, layout.schema

@@ -51,7 +51,8 @@ class JsonLines(Format):
         except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
             raise DataError(f"{key}: {path} has a field whose type changes between lines ({first_line(e)}); give "
                             f"each field one type") from None
-        return FileLayout(path, self.name, schema, tuple(rows), tuple(extents), size_mtime)
+        return FileLayout(path, self.name, schema, tuple(rows), tuple(extents), size_mtime,
+                          sum(n for _, n, _ in extents))
 
     def reader(self, layout: FileLayout, key: str) -> PartReader:
         schema = layout.schema

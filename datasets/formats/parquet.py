@@ -43,8 +43,9 @@ class Parquet(Format):
 
     def layout(self, path: str, key: str) -> FileLayout:
         meta = self._metadata(path, key)
-        return FileLayout(path, self.name, meta.schema.to_arrow_schema(),
-                          tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+        groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        return FileLayout(path, self.name, meta.schema.to_arrow_schema(), tuple(g.num_rows for g in groups),
+                          data_bytes=sum(g.total_byte_size for g in groups))
 
     def reader(self, layout: FileLayout, key: str) -> PartReader:
         return ParquetReader(layout, key)

@@ -12,7 +12,10 @@ stride.ray_cluster.connect.init_ray), so several measurements share one `ray.ini
   pyarrow reading the same files in that same process (pq.read_table of each file, the columns as numpy arrays, no
   shuffle) with as many threads: Ray sets OMP_NUM_THREADS=1 in its workers, which Arrow's pool follows, so the pool
   is set to READ_THREADS. Same process, same CPU reservation, side by side, nothing pre-loaded. (The task's
-  per-batch transform is not part of either.)
+  per-batch transform is not part of either.) A JSON Lines set is read the same way, its baseline being
+  pyarrow.json.read_json of each file (the task's columns, in the split's types, as Stride's reader parses them);
+  its layout (the line index, datasets/index.py) is made on the driver by `prepare`, before any timing, as the
+  Parquet footers are read there.
 * scaling: fits of Stride's own trainer (stride.trainers.driver.build_trainer, the real loop) with 1 and 2 workers
   at the same per-worker batch, alternating within each repetition; benchmarks/run.py reads each run's
   metrics.jsonl.
@@ -35,6 +38,7 @@ sys.path.insert(0, str(REPO))
 def ingest_loop(config: dict) -> dict:
     """Runs on the single Ray Train worker: alternate the two readers, `passes` times, per data set."""
     import pyarrow as pa
+    import pyarrow.json as pj
     import pyarrow.parquet as pq
     import torch
 
@@ -52,10 +56,17 @@ def ingest_loop(config: dict) -> dict:
         finally:
             stream.close()
 
+    def read_file(spec, f: str) -> pa.Table:
+        if spec.layouts[0].format == "jsonl":  # the task's columns only, in the types Stride's reader gives them
+            schema = pa.schema([spec.layouts[0].schema.field(c) for c in spec.columns])
+            return pj.read_json(f, parse_options=pj.ParseOptions(explicit_schema=schema,
+                                                                 unexpected_field_behavior="ignore"))
+        return pq.read_table(f, columns=list(spec.columns))
+
     def pyarrow_path(spec, cfg) -> int:
         rows = 0
         for f in spec.files:
-            table = pq.read_table(f, columns=list(spec.columns))
+            table = read_file(spec, f)
             rows += len([column_to_numpy(table.column(c)) for c in table.column_names][0])
         return rows
 
@@ -80,13 +91,20 @@ def ingest(spec: dict, storage: Path) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from stride.datasets.splits import cache_folder, open_split
     from stride.trainers.config import load_config
     from stride.trainers.driver import prepare
 
-    specs, settings = {}, {}
+    specs, settings, driver = {}, {}, {}
     for name, d in spec["ingest_sets"].items():
         cfg = load_config(d["config"], d["overrides"])
-        specs[name] = prepare(cfg)[1]["train"]  # the task's checks and the columns it reads, as the driver does
+        # Not timed with the readers: the files' layouts (Parquet footers; a text file's line index, made and cached
+        # here), then the task's checks and the columns it reads, as the driver does.
+        t0 = time.perf_counter()
+        open_split(cfg.data, "train", cache_folder(cfg))
+        t1 = time.perf_counter()
+        specs[name] = prepare(cfg)[1]["train"]
+        driver[name] = {"layout_s": t1 - t0, "prepare_s": time.perf_counter() - t1}
         settings[name] = {"batch": cfg.train.batch_size_per_worker, "window": cfg.data.shuffle_window_rows,
                           "read_ahead": cfg.data.read_ahead_windows}  # each set read as its own config reads it
     trainer = TorchTrainer(
@@ -101,6 +119,8 @@ def ingest(spec: dict, storage: Path) -> dict:
     out["fit_s"] = time.perf_counter() - t0
     for name, s in specs.items():
         out["sets"][name]["files"] = [str(f) for f in s.files]
+        out["sets"][name]["format"] = s.layouts[0].format
+        out["sets"][name]["driver"] = driver[name]
     return out
 
 
@@ -148,7 +168,8 @@ def main(argv: list[str]) -> int:
     out: dict = {"ray_init_s": time.perf_counter() - t0}
     if spec.get("ingest_sets"):
         out["ingest"] = ingest(spec, storage / "ingest")
-    out["scaling"] = scaling(spec["scaling"], storage / "scaling")
+    if spec.get("scaling"):  # absent: `run.py --only ingest`
+        out["scaling"] = scaling(spec["scaling"], storage / "scaling")
     out_path.write_text(json.dumps(out, indent=1, default=str))
     import ray
 

@@ -6,7 +6,9 @@ fine-tuning.
     python benchmarks/run.py --smoke --out DIR  # one tiny repetition: a check that every part runs (no verdicts)
     python benchmarks/run.py --render           # rewrite the READMEs' generated blocks from results/latest.json
     python benchmarks/run.py --only lock        # measure one part again, into results/latest.json's other figures
-    python benchmarks/run.py --only finetune    # the same, the fine-tuning part (--only takes lock or finetune)
+    python benchmarks/run.py --only finetune    # the same, the fine-tuning part
+    python benchmarks/run.py --only ingest      # the same, ingest (Parquet and JSON Lines; no scaling fits)
+    python benchmarks/run.py --only memory      # the same, stream_memory.py (Parquet and JSON Lines)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -20,10 +22,11 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    `python trainers/main.py` (embedded Ray, 2 CPU workers), same config, same data, same loop:
    -> step_time_ratio, wall_ratio, time_to_first_step_s, data_wait_fraction, ckpt_blocked_fraction
 2. benchmarks/ray_bench.py (one embedded Ray): ingest from the files through Stride's streaming path vs pyarrow,
-   with the same number of threads (-> ingest_ratio), then Stride fits with 1 and 2 workers, alternating, `reps`
-   times (-> scaling_2_over_1).
-3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet, `reps` times
-   (-> memory_growth_ratio).
+   with the same number of threads, of a Parquet set and of its JSON Lines copy (benchmarks/jsonl_copy.py)
+   (-> ingest_ratio, jsonl_ingest_ratio), then Stride fits with 1 and 2 workers, alternating, `reps` times
+   (-> scaling_2_over_1).
+3. benchmarks/stream_memory.py: peak memory of one epoch over ~1 GB vs ~50 MB of Parquet, and over JSON Lines
+   copies of the same sets, `reps` times (-> memory_growth_ratio, jsonl_memory_growth_ratio).
 4. benchmarks/checkpoint_bench.py: a 2-worker FSDP char_gpt checkpointed with the earlier rank-0 gather and with DCP
    shards, alternating, `reps` times (-> checkpoint_rank0_memory_ratio, checkpoint_blocked_ratio).
 5. benchmarks/blocks_bench.py: train.activation_checkpointing and train.compile on and off, one CPU worker, `reps`
@@ -64,6 +67,10 @@ from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, a
 
 CONFIG = "trainers/configs/char_gpt.yaml"
 RESULTS = REPO / "benchmarks" / "results"
+# stream_memory.py's runs may take this many times a mode's timeout_s: the large set's JSON Lines run parses ~4 GB of
+# JSON on the driver (the task's checks) and in each worker (442 s once here, under load): a run stopped by the
+# timeout would leave a lower bound, not a sample.
+MEMORY_TIMEOUT_FACTOR = 3
 
 
 @dataclass(frozen=True)
@@ -314,23 +321,36 @@ def run_pairs(mode: Mode, tmp: Path, data: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- ray_bench (ingest, scaling)
 
-def run_ray_bench(mode: Mode, tmp: Path, data: Path) -> dict:
-    ingest_dir = tmp / "ingest_tabular"
+def ingest_sets(mode: Mode, tmp: Path, data: Path) -> tuple[dict, dict]:
+    """The ingest sets ray_bench.py reads (generated under `tmp`), and how the JSON Lines copy was made."""
+    from benchmarks.jsonl_copy import jsonl_copy
+
+    ingest_dir, jsonl_dir = tmp / "ingest_tabular", tmp / "ingest_tabular_jsonl"
     subprocess.run([PY, "datasets/prepare.py", "tabular", "--out", str(ingest_dir), "--rows", str(mode.ingest_rows),
                     "--features", str(mode.ingest_features), "--classes", "4", "--seed", "0"],
                    cwd=REPO, check=True, capture_output=True)
+    copy = jsonl_copy(ingest_dir, jsonl_dir)  # the same rows, one JSON object per line (benchmarks/jsonl_copy.py)
+    sets = {
+        "tabular": {"config": "trainers/configs/tabular_mlp.yaml",
+                    "overrides": [f"data.train_path={ingest_dir / 'train'}", f"data.val_path={ingest_dir / 'val'}"]},
+        # run.storage_path: where the driver caches the text files' layouts (never the checkout's runs/)
+        "tabular_jsonl": {"config": "trainers/configs/tabular_mlp.yaml",
+                          "overrides": [f"data.train_path={jsonl_dir / 'train'}", f"data.val_path={jsonl_dir / 'val'}",
+                                        f"run.storage_path={tmp / 'ray_bench' / 'ingest_storage'}"]},
+        "pystdlib": {"config": CONFIG, "overrides": [f"data.train_path={data / 'train'}", "data.val_path=null"]},
+    }
+    return sets, copy
+
+
+def run_ray_bench(mode: Mode, tmp: Path, data: Path, scaling: bool = True) -> dict:
+    sets, copy = ingest_sets(mode, tmp, data)
     scale_over = [f"train.max_steps={mode.scale_steps}", f"train.log_every_steps={mode.scale_log_every}",
                   f"train.eval_every_steps={mode.scale_steps}", f"checkpoint.every_steps={mode.scale_steps}",
                   f"data.train_path={data / 'train'}", "data.val_path=null"]
     spec = {
-        "storage": str(tmp / "ray_bench"), "passes": mode.ingest_passes,
-        "ingest_sets": {
-            "tabular": {"config": "trainers/configs/tabular_mlp.yaml",
-                        "overrides": [f"data.train_path={ingest_dir / 'train'}", f"data.val_path={ingest_dir / 'val'}"]},
-            "pystdlib": {"config": CONFIG, "overrides": [f"data.train_path={data / 'train'}", "data.val_path=null"]},
-        },
+        "storage": str(tmp / "ray_bench"), "passes": mode.ingest_passes, "ingest_sets": sets,
         # 1 and 2 workers alternating in every repetition: scaling_2_over_1 compares fits taken side by side
-        "scaling": {"config": CONFIG, "reps": mode.reps, "overrides": scale_over, "workers": [1, 2]},
+        "scaling": {"config": CONFIG, "reps": mode.reps, "overrides": scale_over, "workers": [1, 2]} if scaling else None,
     }
     spec_path, out_path = tmp / "ray_bench_spec.json", tmp / "ray_bench_out.json"
     spec_path.write_text(json.dumps(spec))
@@ -340,10 +360,11 @@ def run_ray_bench(mode: Mode, tmp: Path, data: Path) -> dict:
         raise RuntimeError(f"benchmarks/ray_bench.py failed (exit {r.rc}); log {r.log}:\n"
                            + Path(r.log).read_text()[-3000:])
     out = json.loads(out_path.read_text())
-    scaling = [{"rep": x["rep"], "workers": x["workers"], "fit_s": x["fit_s"], "summary": x["summary"],
-                "loadavg": x["loadavg"], "metrics": read_jsonl(Path(x["run_dir"]) / "metrics.jsonl")}
-               for x in out["scaling"]["runs"]]
-    return {"ingest": out["ingest"], "scaling": scaling,
+    out["ingest"]["sets"]["tabular_jsonl"]["copy"] = copy
+    fits = [{"rep": x["rep"], "workers": x["workers"], "fit_s": x["fit_s"], "summary": x["summary"],
+             "loadavg": x["loadavg"], "metrics": read_jsonl(Path(x["run_dir"]) / "metrics.jsonl")}
+            for x in out.get("scaling", {}).get("runs", [])]
+    return {"ingest": out["ingest"], "scaling": fits,
             "ray_bench": {"ray_init_s": out["ray_init_s"], "wall_s": r.wall_s}}
 
 
@@ -389,7 +410,8 @@ def measure(mode: Mode, tmp: Path) -> dict:
     from benchmarks.stream_memory import measure as stream_memory
 
     print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
-    raw["memory"] = stream_memory(*mode.stream_rows, tmp / "stream_memory", reps=mode.reps, timeout_s=mode.timeout_s)
+    raw["memory"] = stream_memory(*mode.stream_rows, tmp / "stream_memory", reps=mode.reps,
+                                  timeout_s=MEMORY_TIMEOUT_FACTOR * mode.timeout_s)
     print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
     raw["checkpoint"] = checkpoint_bench(*mode.ckpt_model, reps=mode.reps, tmp=tmp / "checkpoint_bench",
                                          timeout_s=mode.timeout_s * 2)
@@ -399,6 +421,29 @@ def measure(mode: Mode, tmp: Path) -> dict:
     raw["lock"] = measure_lock(mode)
     raw["finetune"] = measure_finetune(mode)
     return raw
+
+
+def measure_ingest(mode: Mode) -> dict:
+    """ray_bench.py's ingest alone (no scaling fits), in a temporary folder of its own."""
+    tmp = Path(tempfile.mkdtemp(prefix="stride-bench-ingest-"))
+    try:
+        data = default_job_data(tmp)
+        print("bench: ingest, Parquet and JSON Lines (benchmarks/ray_bench.py)", flush=True)
+        return run_ray_bench(mode, tmp, data, scaling=False)["ingest"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure_memory(mode: Mode) -> dict:
+    """stream_memory.py alone (Parquet and JSON Lines), in a temporary folder of its own."""
+    from benchmarks.stream_memory import measure as stream_memory
+
+    tmp = Path(tempfile.mkdtemp(prefix="stride-bench-memory-"))
+    try:
+        print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
+        return stream_memory(*mode.stream_rows, tmp, reps=mode.reps, timeout_s=MEMORY_TIMEOUT_FACTOR * mode.timeout_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def measure_lock(mode: Mode) -> dict:
@@ -416,7 +461,8 @@ def measure_finetune(mode: Mode) -> dict:
 
 
 # --only NAME: raw[key] = measure(mode)
-ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune)}
+ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
+        "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory)}
 
 
 def measure_only(name: str, mode: Mode, latest: Path) -> dict:

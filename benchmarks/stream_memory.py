@@ -3,6 +3,7 @@
     python benchmarks/stream_memory.py                                  # 200k vs 4M rows x 64 features (~1 GB raw)
     python benchmarks/stream_memory.py --reps 1 --rows-small 20000 --rows-large 200000 --out stream.json   # a check
     python benchmarks/stream_memory.py --data data/stream_bench         # keep the generated sets there for reruns
+    python benchmarks/stream_memory.py --formats parquet                # Parquet only (default: parquet,jsonl)
 
 Two synthetic tabular sets (datasets/prepare.py tabular, 64 float32 features, 4 classes): a small one and a large
 one. On each, one epoch of trainers/main.py (tabular_mlp.yaml, a small MLP, large batches, 2 CPU workers, an embedded
@@ -14,6 +15,11 @@ holds the RSS sum and the machine's used-memory rise over each run, as cross-che
     growth              = peak_large - peak_small   (Ray's and torch's fixed cost cancels out)
     memory_growth_ratio = growth / raw bytes of the large set (rows x features x 4; train + val)
     goal                : memory_growth_ratio <= 0.35 (a worker streams its data: memory bounded by a window)
+
+The same again on JSON Lines copies of both sets (benchmarks/jsonl_copy.py: the same rows, one object per line):
+jsonl_memory_growth_ratio, over the same raw bytes. Their line index is made once before the runs, into the runs'
+layout cache (run.storage_path's .stride-cache/index, where a first run would leave it), so that every JSON Lines run
+finds it made, as every Parquet run finds its footers.
 
 Both runs are repeated --reps times (5; about 2 minutes a repetition here), alternating which goes first: one
 sample per repetition, the figure is their median (benchmarks/figures.py memory_figure). A run whose tree goes over
@@ -40,7 +46,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `python benchmarks/stream_memory.py` puts only benchmarks/ on the path
 PY = sys.executable
 
-from benchmarks.figures import GOALS, fmt, memory_figure, spread, verdict  # noqa: E402
+from benchmarks.figures import GOALS, FORMAT_GOALS, fmt, jsonl_memory_figure, memory_figure, spread, verdict  # noqa: E402
+from benchmarks.jsonl_copy import jsonl_copy  # noqa: E402
 from benchmarks.run import clean_env, kill_exact  # noqa: E402 - run.py defines helpers only; nothing runs at import
 from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table: {pid: {ppid, sid, start_s, cmdline}}
 
@@ -83,6 +90,27 @@ def make_set(out: Path, rows: int) -> dict:
                         "--val-fraction", str(VAL_FRACTION)], cwd=REPO, check=True, capture_output=True)
     return {"path": str(out), "rows": rows, "features": FEATURES, "raw_bytes": raw_bytes(rows),
             "parquet_bytes": folder_bytes(out), "generated": generated, "generate_s": time.perf_counter() - t0}
+
+
+def make_jsonl_set(parquet: dict, out: Path, cache: Path) -> dict:
+    """A JSON Lines copy of a generated set (unless `out` already holds one: it is copied beside it and renamed into
+    place), and its line index made in the runs' layout cache `cache`."""
+    from stride.datasets.splits import read_layouts, resolve_files
+
+    t0 = time.perf_counter()
+    generated = not out.exists()
+    if generated:
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        jsonl_copy(Path(parquet["path"]), partial)
+        partial.rename(out)
+    copied = time.perf_counter()
+    for split in ("train", "val"):
+        key = f"data.{split}_path"
+        read_layouts(resolve_files(str(out / split), key), key, cache)
+    return {"path": str(out), "rows": parquet["rows"], "features": FEATURES, "raw_bytes": parquet["raw_bytes"],
+            "jsonl_bytes": folder_bytes(out), "generated": generated, "generate_s": copied - t0,
+            "index_s": time.perf_counter() - copied}
 
 
 # ---------------------------------------------------------------- memory of a process tree
@@ -252,20 +280,30 @@ def run_epoch(data: Path, storage: Path, name: str, timeout_s: float, limit_byte
 # ---------------------------------------------------------------- the measurement
 
 def measure(rows_small: int, rows_large: int, tmp: Path, data: Path | None = None, reps: int = 5,
-            timeout_s: float = 3600, limit_gib: float = 18.0) -> dict:
-    """Generate both sets (under `data`, kept, or under `tmp`), then `reps` times one epoch on each, one run at a
-    time, alternating which goes first. Returns the raw runs; benchmarks/figures.py's memory_figure makes the
-    figure of them (one sample per repetition). Runs write under `tmp`; the caller owns and removes it."""
+            timeout_s: float = 3600, limit_gib: float = 18.0, formats: tuple[str, ...] = ("parquet", "jsonl")) -> dict:
+    """Generate both sets (under `data`, kept, or under `tmp`; with "jsonl" in `formats`, their JSON Lines copies
+    too), then `reps` times one epoch on each, one run at a time, alternating which of a format's two goes first.
+    Returns the raw runs; benchmarks/figures.py's memory_figure (jsonl_memory_figure) makes the figure of them (one
+    sample per repetition). Runs write under `tmp`; the caller owns and removes it."""
     tmp, data = Path(tmp), Path(data) if data else Path(tmp) / "data"
     sets = {"small": make_set(data / f"tabular_{rows_small}x{FEATURES}", rows_small),
             "large": make_set(data / f"tabular_{rows_large}x{FEATURES}", rows_large)}
+    pairs = [("small", "large")] if "parquet" in formats else []
+    if "jsonl" in formats:
+        cache = (tmp / "runs").resolve() / ".stride-cache" / "index"  # stride.datasets.splits.cache_folder of the runs
+        for which in ("small", "large"):
+            sets[f"{which}_jsonl"] = make_jsonl_set(sets[which], data / f"tabular_{sets[which]['rows']}x{FEATURES}_jsonl",
+                                                    cache)
+        pairs.append(("small_jsonl", "large_jsonl"))
     out_reps = []
     for rep in range(reps):
         runs = {}
-        for which in (("small", "large") if rep % 2 == 0 else ("large", "small")):
+        for which in (w for pair in pairs for w in (pair if rep % 2 == 0 else pair[::-1])):
             s = sets[which]
+            size = (f"{s['parquet_bytes'] / MIB:.0f} MiB Parquet" if "parquet_bytes" in s
+                    else f"{s['jsonl_bytes'] / MIB:.0f} MiB JSON Lines")
             print(f"stream_memory: rep {rep + 1}/{reps} {which}: {s['rows']} rows ({s['raw_bytes'] / MIB:.0f} MiB raw, "
-                  f"{s['parquet_bytes'] / MIB:.0f} MiB Parquet), one epoch on 2 workers", file=sys.stderr, flush=True)
+                  f"{size}), one epoch on 2 workers", file=sys.stderr, flush=True)
             # Each run is stopped at the limit on its own, so the repetitions go on after an aborted one: an aborted
             # large run is a lower bound, an aborted small one leaves that repetition without a sample.
             r = run_epoch(Path(s["path"]), tmp / "runs", f"{which}_r{rep}", timeout_s, int(limit_gib * GIB))
@@ -295,27 +333,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=3600, help="per training run")
     ap.add_argument("--limit-gib", type=float, default=18.0, help="stop a run whose process tree's PSS goes over this")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (runs, logs, generated sets)")
+    ap.add_argument("--formats", default="parquet,jsonl", help="the sets' formats, comma-separated: parquet, jsonl")
     args = ap.parse_args(argv)
     # A SIGTERM (a CI timeout) unwinds like Ctrl-C: the run being measured is stopped and the temporary folder removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     tmp = Path(tempfile.mkdtemp(prefix="stride-stream-memory-"))
     try:
+        formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        if not formats or set(formats) - {"parquet", "jsonl"}:
+            ap.error(f"--formats takes parquet, jsonl or both, not {args.formats!r}")
         raw = measure(args.rows_small, args.rows_large, tmp, data=args.data, reps=args.reps,
-                      timeout_s=args.timeout_s, limit_gib=args.limit_gib)
+                      timeout_s=args.timeout_s, limit_gib=args.limit_gib, formats=formats)
     finally:
         if args.keep_tmp:
             print(f"stream_memory: kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    fig = memory_figure({"memory": raw})
-    result = verdict(fig, GOALS["memory_growth_ratio"])
-    text = json.dumps({"raw": raw, "memory_growth_ratio": fig, "goal": result}, indent=1, default=str)
+    figs = {}
+    if "parquet" in formats:
+        figs["memory_growth_ratio"] = (memory_figure({"memory": raw}), GOALS["memory_growth_ratio"])
+    if "jsonl" in formats:
+        figs["jsonl_memory_growth_ratio"] = (jsonl_memory_figure({"memory": raw}),
+                                             FORMAT_GOALS["jsonl_memory_growth_ratio"])
+    results = {name: verdict(fig, goal) for name, (fig, goal) in figs.items()}
+    text = json.dumps({"raw": raw, **{name: fig for name, (fig, _) in figs.items()},
+                       "goals": results}, indent=1, default=str)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    print(f"stream_memory: memory_growth_ratio {fmt(fig['median'], 'ratio')} ({spread(fig)}, n={fig['n']}) "
-          f"(goal {result['goal']}): {result['verdict']}", file=sys.stderr)
+    for name, (fig, _) in figs.items():
+        print(f"stream_memory: {name} {fmt(fig['median'], 'ratio')} ({spread(fig)}, n={fig['n']}) "
+              f"(goal {results[name]['goal']}): {results[name]['verdict']}", file=sys.stderr)
     return 0
 
 

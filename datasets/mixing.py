@@ -45,17 +45,12 @@ def deal(counts: np.ndarray, seed: int, batch: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class MixedOrder:
+class MixedOrder(Order):
     """The Order interface (datasets/order.py) over several sources: what the readers, the loop and the Ray Data
-    pipeline call is the same."""
+    pipeline call is the same. block_rows are every source's blocks, sources one after another."""
 
-    block_rows: tuple[int, ...]  # of every source's blocks, sources one after another
-    sources: tuple[MixSource, ...]
-    seed: int
-    global_micro_batch: int
-    window_rows: int
+    sources: tuple[MixSource, ...] = ()
     _orders: tuple[Order, ...] = field(init=False, repr=False, compare=False)
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         total = sum(s.weight for s in self.sources)
@@ -68,29 +63,15 @@ class MixedOrder:
                   self.window_rows) for i, s in enumerate(self.sources)))
 
     def __reduce__(self):  # to Ray Data's tasks: the arguments, not the plans and their locks
-        return MixedOrder, (self.block_rows, self.sources, self.seed, self.global_micro_batch, self.window_rows)
+        return _mixed_order, (self.block_rows, self.seed, self.global_micro_batch, self.window_rows, self.sources)
 
-    # ---- the Order interface ----
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.block_rows)
-
-    @property
-    def micro_steps_per_epoch(self) -> int:
-        return self.num_rows // self.global_micro_batch
+    # ---- the Order interface: Order's, but for the epoch's plan and its length ----
 
     @property
     def rows_dropped_per_epoch(self) -> int:
         return 0  # nothing is left out: every source's stream continues into the next epoch
 
-    def position(self, micro_step: int) -> tuple[int, int]:
-        return divmod(micro_step, self.micro_steps_per_epoch)
-
-    def rank_positions(self, rank: int, world_size: int, lo: int, hi: int) -> np.ndarray:
-        return Order.rank_positions(self, rank, world_size, lo, hi)  # the same slicing: it reads only G and the epoch
-
-    def epoch(self, epoch: int) -> MixedEpochPlan:
+    def epoch(self, epoch: int) -> MixedEpochPlan:  # type: ignore[override]
         plan = self._cache.get(epoch)
         if plan is None:
             plan = MixedEpochPlan(self, epoch)
@@ -132,6 +113,9 @@ class MixedOrder:
 
     # ---- a reference for tests: rows in file order of the combined blocks (O(rows)) ----
 
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        raise NotImplementedError("a mixture's reference is rows(micro_step, ...): its epochs are no permutation")
+
     def rows(self, micro_step: int, world_rank: int, world_size: int) -> np.ndarray:
         """Row indices (into all sources' rows in block order) that `world_rank` trains on at `micro_step`."""
         labels, position = self.slots(micro_step)
@@ -145,6 +129,10 @@ class MixedOrder:
                     [order.epoch_rows(int(e))[int(a)] for e, a in zip(epoch, at)])
         per = self.global_micro_batch // world_size
         return out[world_rank * per:(world_rank + 1) * per]
+
+
+def _mixed_order(block_rows, seed, global_micro_batch, window_rows, sources) -> MixedOrder:
+    return MixedOrder(block_rows, seed, global_micro_batch, window_rows, sources=sources)
 
 
 class MixedEpochPlan:
@@ -219,5 +207,5 @@ def order_for(spec, seed: int, global_micro_batch: int, window_rows: int,
     if spec.length_column:
         window_rows = bucketing.window_rows(window_rows, global_micro_batch)
     if spec.sources:
-        return MixedOrder(block_rows, spec.sources, seed, global_micro_batch, window_rows)
+        return MixedOrder(block_rows, seed, global_micro_batch, window_rows, sources=spec.sources)
     return Order(block_rows, seed, global_micro_batch, window_rows)

@@ -218,7 +218,7 @@ def test_a_killed_and_resized_mixture_trains_every_micro_step_as_the_uninterrupt
     cfg = build_config({"data": {"train": [{"name": "a", "path": str(project / "a" / "train"), "weight": 0.7},
                                            {"name": "b", "path": str(project / "b" / "train.jsonl"), "weight": 0.3}]}})
     split = open_split(cfg.data, "train")
-    order = MixedOrder(tuple(n for _, _, n in split.blocks), tuple(src for src, _ in split.sources), 0, 20, 256)
+    order = MixedOrder(tuple(n for _, _, n in split.blocks), 0, 20, 256, sources=tuple(src for src, _ in split.sources))
     cut = global_batches(cut_log)
     assert set(range(end)) <= set(cut)
     for m in range(end):

@@ -74,6 +74,11 @@ def bad_line(data: bytes, first: int, check: Callable[[bytes], str | None], row:
     return first, ""
 
 
+def nonblank_lines(data: bytes) -> int:
+    """Lines holding more than whitespace: the rows a part must hold if every row is one line."""
+    return sum(1 for line in data.split(b"\n") if line.strip())
+
+
 class LineReader(PartReader):
     """Reads parts of a text file by byte range and parses them with the format's `parse(data, columns)`."""
 

@@ -118,6 +118,8 @@ def test_a_json_file_of_one_object_per_line_and_types_widened_across_files(tmp_p
     ("ragged.csv", "a,b\n1,2\n3,4\n5\n6,7\n", r"ragged.csv line 4 is malformed \(1 fields where the header has 2\)"),
     ("header.csv", "a,a\n1,2\n", r"header.csv line 1 is not a header of distinct column names"),
     ("empty.jsonl", "\n\n", r"empty.jsonl (is empty|holds no rows)"),
+    ("pretty.jsonl", '{"x": 1}\n{"x":\n  2}\n', r"pretty.jsonl line 2 starts an object that spans lines"),
+    ("quoted.csv", 'a,b\n1,"x"\n2,"y\nz"\n', r"quoted.csv line 3 starts a quoted value that spans lines"),
     ("notes.txt", "hello\n", r"holds notes.txt, whose extension is not a data format Stride reads \(.csv, .json"),
 ])
 def test_a_bad_file_is_one_data_error_naming_file_and_line(tmp_path, name, text, match):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.csv as pc
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, buffer, line_extents
+from stride.datasets.lines import LineReader, bad_line, buffer, line_extents, nonblank_lines
 
 
 def _parse(data: bytes, names: list[str], types: dict[str, pa.DataType] | None = None,
@@ -69,6 +69,10 @@ class Csv(Format):
                     line, why = bad_line(data, first, lambda s: _ragged(s, len(names)))
                     raise DataError(f"{key}: {path} line {line} is malformed ({why or first_line(e)}); fix or remove "
                                     f"that line") from None
+                if table.num_rows < nonblank_lines(data):  # a quoted newline: parses or not by where a cut falls
+                    line, _ = bad_line(data, first, lambda s: "odd quotes" if s.count(b'"') % 2 else None)
+                    raise DataError(f"{key}: {path} line {line} starts a quoted value that spans lines; Stride reads "
+                                    f"CSV one row per line: remove the line breaks inside values, or use JSON Lines")
                 extents.append((offset, length, first))
                 rows.append(table.num_rows)
                 schemas.append(table.schema)

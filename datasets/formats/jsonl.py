@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.json as pj
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, buffer, line_extents
+from stride.datasets.lines import LineReader, bad_line, buffer, line_extents, nonblank_lines
 
 
 def _parse(data: bytes, schema: pa.Schema | None = None) -> pa.Table:
@@ -41,6 +41,10 @@ class JsonLines(Format):
                     table = _parse(data)
                 except pa.ArrowException as e:
                     raise self._malformed(key, path, data, first, e) from None
+                if table.num_rows < nonblank_lines(data):  # an object over several lines: parses or not by the cut
+                    line, _ = bad_line(data, first, _not_an_object)
+                    raise DataError(f"{key}: {path} line {line} starts an object that spans lines; JSON Lines holds "
+                                    f"one object per line: write each on one line")
                 extents.append((offset, length, first))
                 rows.append(table.num_rows)
                 schemas.append(table.schema)

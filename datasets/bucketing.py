@@ -58,3 +58,29 @@ class Padding:
         fraction = 1.0 - self.used / self.cells if self.cells else 0.0
         self.cells = self.used = 0.0
         return fraction
+
+
+def segments(permutation: np.ndarray, lengths: np.ndarray, budget: float, seed: int, epoch: int,
+             window: int) -> list[np.ndarray]:
+    """train.tokens_per_micro_batch: the window's rows (its seeded shuffle, indices into its rows) sorted by length
+    and cut into global micro-batches whose lengths sum to at most `budget` (the per-worker budget x the workers;
+    the driver holds the per-worker budget to the longest row, so a micro-batch has a row per worker at least). The
+    window's last micro-batch, what is left, joins the one before (so it never holds fewer rows than a worker count:
+    up to twice the budget, once per window). The micro-batches' order is shuffled with (seed, epoch, window). Every
+    row of the window is in exactly one; nothing here depends on the world size."""
+    by_length = permutation[np.argsort(lengths[permutation], kind="stable")]
+    total = np.concatenate([[0.0], np.cumsum(lengths[by_length])])
+    cuts, start, n = [0], 0, len(by_length)
+    while start < n:
+        start = max(start + 1, int(np.searchsorted(total, total[start] + budget, side="right")) - 1)
+        cuts.append(min(start, n))
+    if len(cuts) > 2:
+        del cuts[-2]
+    parts = [by_length[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [parts[i] for i in _rng(seed, epoch, window, 0xB0D).permutation(len(parts))]
+
+
+def rank_share(rows: int, rank: int, world_size: int) -> slice:
+    """Rank r's share of a global micro-batch of `rows` rows: as even as it can be (shares differ by one row at
+    most), whatever the world size."""
+    return slice(rank * rows // world_size, (rank + 1) * rows // world_size)

@@ -20,7 +20,7 @@ from stride.datasets.order import Order
 from stride.datasets.splits import DataSpec
 from stride.datasets.files import FileFetcher
 from stride.datasets.bucketing import Padding
-from stride.datasets.stream import BlockReader, Prefetcher, fetcher, rank_rows, take_lengths
+from stride.datasets.stream import BlockReader, Prefetcher, fetcher, position, rank_rows, take_lengths
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 _FETCHERS: dict[tuple, FileFetcher] = {}  # and the file readers' threads
@@ -68,7 +68,7 @@ class RayDataStream:
         ctx.print_on_execution_start = False
         end = end_micro_step if end_micro_step is not None else micro_step + order.micro_steps_per_epoch
         items = [{"first": f, "n": n} for f, n in chunks(order, micro_step, end, getattr(transform, "accum", 1))]
-        self.timeout_s = timeout_s
+        self.timeout_s, self.order = timeout_s, order
         ds = ray.data.from_items(items or [{"first": 0, "n": 0}], override_num_blocks=max(1, len(items))).map_batches(
             make_chunk, batch_size=1, num_cpus=cpus_per_task, zero_copy_batch=True,
             fn_kwargs={"spec": spec, "order": order, "rank": rank, "world_size": world_size, "transform": transform})
@@ -77,6 +77,16 @@ class RayDataStream:
         self._batches = Prefetcher(lambda: self._produce(ds, read_ahead), depth, "stride-ray-data")
 
     rows_read = None  # read in Ray Data tasks, not counted here
+
+    @property
+    def global_rows(self) -> int:
+        return self.order.global_micro_batch
+
+    def position(self, micro_step: int) -> tuple[int, int]:
+        return position(self.order, micro_step)
+
+    def epochs_completed(self, micro_step: int) -> float:
+        return micro_step / self.order.micro_steps_per_epoch
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         from stride.trainers.policies import TrainingError

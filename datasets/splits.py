@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,7 +285,8 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
             check_sample_ids(split)
         references = file_columns(task, columns, split)
         file_bytes = check_files(split, references, cfg.data.file_read_threads) if references else 0.0
-        lengths = check_length_column(split, cfg.data.length_column) if name == "train" else None
+        lengths = (check_length_column(split, cfg.data.length_column, cfg.train.tokens_per_micro_batch)
+                   if name == "train" else None)
         read = columns + ((SAMPLE_ID,) if has_id else ())
         row_bytes = sum(lay.data_bytes for lay in split.layouts) / max(split.num_rows, 1) + file_bytes
         specs[name] = DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, name, references,
@@ -295,9 +297,9 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
     return specs
 
 
-def check_length_column(split: DataSplit, column: str | None) -> str | None:
-    """data.length_column names a numeric column of every source, without missing or negative values (one pass over
-    that one column on the driver)."""
+def check_length_column(split: DataSplit, column: str | None, budget: float | None = None) -> str | None:
+    """data.length_column names a numeric column of every source, without missing or negative values, and no row
+    longer than train.tokens_per_micro_batch (one pass over that one column on the driver)."""
     if column is None:
         return None
     for part in [m for _, m in split.sources] or [split]:
@@ -308,12 +310,17 @@ def check_length_column(split: DataSplit, column: str | None) -> str | None:
         if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
             raise DataError(f"data.length_column ({column}) is {t} in {part.key}, not a number; name a numeric column "
                             f"(tokens, samples, seconds)")
+    longest = 0
     for table in split.batches([column], 1 << 20):
         col = table.column(0)
         bad = col.null_count or (len(col) and pa.compute.min(col).as_py() < 0)
         if bad:
             raise DataError(f"data.length_column ({column}) has missing or negative values in {split.key}; give every "
                             f"row its length")
+        longest = max(longest, pa.compute.max(col).as_py() or 0)
+    if budget is not None and longest > budget:
+        raise DataError(f"train.tokens_per_micro_batch ({budget:g}) is below the longest row of {split.key} ({longest:g} "
+                        f"in data.length_column {column}); use train.tokens_per_micro_batch={math.ceil(longest)} or more")
     return column
 
 

@@ -237,6 +237,17 @@ class TrainStream:
     def rows_read(self) -> int:
         return sum(r.rows_read for r in list(self._readers))
 
+    @property
+    def global_rows(self) -> int:
+        """Rows of a micro-batch, every rank's: the global micro-batch."""
+        return self.order.global_micro_batch
+
+    def position(self, micro_step: int) -> tuple[int, int]:
+        return position(self.order, micro_step)
+
+    def epochs_completed(self, micro_step: int) -> float:
+        return micro_step / self.order.micro_steps_per_epoch
+
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, the task's arrays) of the next micro-batch, which is micro-step `micro_step`."""
         rows = self.next()
@@ -337,6 +348,12 @@ class TrainStream:
             self._local.reader = BlockReader(self.spec, lengths=True)
             self._readers.append(self._local.reader)
         return self._local.reader.read_file_blocks(blocks)
+
+
+def position(order: Order, micro_step: int) -> tuple[int, int]:
+    """(epoch, rows into it) where micro-step `micro_step` starts: what a checkpoint stores."""
+    epoch, i = order.position(micro_step)
+    return epoch, i * order.global_micro_batch
 
 
 def after(futures: set[Future], fn: Callable[[], object]) -> Future:

@@ -131,3 +131,136 @@ def test_a_bad_length_column_is_one_data_error(tmp_path, table, match):
 
     with pytest.raises(DataError, match=match):
         check_length_column(open_split(Data, "train"), "length")
+
+
+# ---- train.tokens_per_micro_batch: micro-batches by a budget on the sum of lengths (datasets/budget.py) ----------
+
+BUDGET = 2000  # per worker; 3 workers at most here
+
+
+def budget_stream(spec, world_size, start=(0, 0), workers=3):
+    from stride.datasets.budget import BudgetStream
+
+    order = order_for(spec, 5, G, 600)
+    return order, [BudgetStream(spec, order, r, world_size, start, 2, BUDGET * workers) for r in range(world_size)]
+
+
+def take(streams, steps):
+    """Each micro-step's global micro-batch (ranks' shares in rank order), its lengths per rank, and the positions."""
+    out = []
+    for _ in range(steps):
+        parts = [s.next() for s in streams]
+        out.append((np.concatenate([p.sample_id for p in parts]), [p.sample_id for p in parts], streams[0].cursor))
+    for s in streams:
+        s.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_token_budget_batches_are_the_same_at_any_world_size_and_cover_each_row_once(lengths_split, world_size):
+    split, length = lengths_split
+    spec = spec_of(split)
+    order, streams = budget_stream(spec, 1)
+    one = take(streams, 400)
+    epoch_end = next(i for i, (_, _, cursor) in enumerate(one) if cursor == (1, 0)) + 1
+    ids = np.concatenate([ids for ids, _, _ in one[:epoch_end]])
+    assert sorted(ids.tolist()) == list(range(ROWS))  # every row once in epoch 0, none dropped
+    _, streams = budget_stream(spec, world_size)
+    many = take(streams, epoch_end)
+    for (a, _, pa_), (b, shares, pb) in zip(one, many):
+        assert np.array_equal(a, b) and pa_ == pb  # the same global micro-batches and positions
+        assert max(len(x) for x in shares) - min(len(x) for x in shares) <= 1  # every rank its even share
+        assert length[b].sum() <= 2 * BUDGET * 3  # the budget, twice for a window's last one (what is left joins it)
+        assert len(b) >= 3  # a row per worker at least (the driver holds the budget to the longest row)
+    sizes = [len(ids) for ids, _, _ in one[:epoch_end]]
+    assert max(sizes) > 3 * min(sizes)  # short rows: many per micro-batch; long ones: few
+
+
+def test_token_budget_resumes_from_the_checkpointed_position_exactly(lengths_split):
+    spec = spec_of(lengths_split[0])
+    _, streams = budget_stream(spec, 2)
+    whole = take(streams, 150)
+    start = whole[99][2]  # the position after micro-step 99: what a checkpoint there stores
+    _, streams = budget_stream(spec, 3, start)
+    resumed = take(streams, 50)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(whole[100:], resumed))
+
+
+def test_a_position_that_is_no_micro_batch_start_is_a_data_error(lengths_split):
+    spec = spec_of(lengths_split[0])
+    _, streams = budget_stream(spec, 1)
+    first = take(streams, 1)[0]
+    _, streams = budget_stream(spec, 1, (0, first[2][1] - 1))
+    with pytest.raises(DataError, match=r"is not where a micro-batch starts"):
+        take(streams, 1)
+
+
+@pytest.mark.slow
+def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batches(tmp_path):
+    """examples/audio_clips with train.tokens_per_micro_batch (seconds of audio per worker): a 2-rank run cut at a
+    checkpoint and resumed on 1 worker (the budget doubled: the same global budget, as batch_size_per_worker would
+    be) trains every micro-step on the uninterrupted run's clips; samples_seen counts the variable batches."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from conftest import PYTHON, REPO, free_port, read_jsonl
+
+    project = tmp_path / "audio_clips"
+    shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
+    subprocess.run([PYTHON, "prepare.py", "--clips", "400"], cwd=project, check=True, capture_output=True, timeout=120)
+    common = ["--config", "audio_clips.yaml", "tracking.mlflow=false", "train.tokens_per_micro_batch=4",
+              "train.log_every_steps=1", "train.eval_every_steps=100", "checkpoint.every_steps=8",
+              "train.deterministic=true", "data.shuffle_window_rows=256"]
+    cases = [{"label": "whole", "args": [*common, "run.name=whole", "train.max_steps=16"]},
+             {"label": "cut", "args": [*common, "run.name=cut", "train.max_steps=8"]}]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(tmp_path / "log"))
+    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(tmp_path / "cases.json"),
+                        str(tmp_path / "results")], cwd=project, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    single = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([PYTHON, str(REPO / "trainers" / "torchrun.py"), *common, "run.name=cut", "train.max_steps=16",
+                        "train.tokens_per_micro_batch=8", "scaling.num_workers=1"], cwd=project,
+                       env=dict(single, STRIDE_SAMPLE_LOG=str(tmp_path / "log_resumed")), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    def batches(folder, name_filter):
+        rows = [json.loads(x) for f in sorted(folder.glob("*")) for x in f.read_text().splitlines()]
+        out = {}
+        for rec in rows:
+            out.setdefault(rec["micro_step"], {})[rec["rank"]] = rec["sample_ids"]
+        return {m: sum((parts[k] for k in sorted(parts)), []) for m, parts in out.items() if name_filter(m)}
+
+    # the launch logged both runs' micro-steps into one folder: "whole" ran 16, "cut" the first 8 again
+    logged = [json.loads(x) for f in sorted((tmp_path / "log").glob("*")) for x in f.read_text().splitlines()]
+    assert len(logged) == 2 * (16 + 8)
+    whole = batches(tmp_path / "log", lambda m: True)
+    resumed = batches(tmp_path / "log_resumed", lambda m: True)
+    assert sorted(resumed) == list(range(8, 16))
+    for m in range(8, 16):
+        assert resumed[m] == whole[m], m
+    sizes = {len(whole[m]) for m in range(16)}
+    assert len(sizes) > 1  # micro-batches of several sizes: the budget, not a row count
+    ends = [json.loads((project / "runs" / n / "summary.json").read_text()) for n in ("whole", "cut")]
+    assert ends[0]["samples_seen"] == ends[1]["samples_seen"] == sum(len(whole[m]) for m in range(16))
+    assert all("padding_fraction" in x for x in read_jsonl(project / "runs" / "cut" / "metrics.jsonl") if "train_loss" in x)
+
+
+def test_a_budget_below_the_longest_row_or_without_its_needs_is_refused(lengths_split):
+    from stride.trainers.config import ConfigError, build_config
+
+    split, length = lengths_split
+    with pytest.raises(DataError, match=rf"train.tokens_per_micro_batch \(500\) is below the longest row of "
+                                        rf"data.train_path \({length.max()} in data.length_column length\); use "
+                                        rf"train.tokens_per_micro_batch={length.max()} or more"):
+        check_length_column(split, "length", 500)
+    for raw, needs in [({"train": {"tokens_per_micro_batch": 9, "max_steps": 5}}, "data.length_column"),
+                       ({"train": {"tokens_per_micro_batch": 9}, "data": {"length_column": "n"}}, "train.max_steps"),
+                       ({"train": {"tokens_per_micro_batch": 9, "max_steps": 5},
+                         "data": {"length_column": "n", "pipeline": "ray_data"}}, "data.pipeline=thread")]:
+        with pytest.raises(ConfigError, match=rf"train.tokens_per_micro_batch \(9\) needs {needs}"):
+            build_config(raw)

@@ -260,6 +260,10 @@ class ParamGroup(Section):
 
 class TrainSection(Section):
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
+    tokens_per_micro_batch: int | None = Field(None, ge=1, description="With data.length_column: micro-batches hold "
+                                               "rows whose lengths sum to at most this per worker (rows of similar "
+                                               "length, as many as fit) instead of batch_size_per_worker rows; needs "
+                                               "train.max_steps (docs/data.md)")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step")
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps (null: use epochs)")
     epochs: float | None = Field(1, allow_inf_nan=False, gt=0, le=MAX_EPOCHS, description="Stop after this many epochs when max_steps is null")
@@ -429,6 +433,24 @@ class Config(Section):
                 raise ValueError(f"train.batch_size_per_worker ({b}) x max workers ({nw[1]}) = {b * nw[1]} rows per "
                                  f"micro-step cannot be split evenly over {uneven[0]} workers (scaling.num_workers "
                                  f"[{nw[0]}, {nw[1]}]); use train.batch_size_per_worker={fit}")
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_needs(self) -> "Config":
+        """train.tokens_per_micro_batch sizes micro-batches from the rows' lengths, as the data stream finds them."""
+        budget = self.train.tokens_per_micro_batch
+        if budget is None:
+            return self
+        needs = [(self.data.length_column is None, "data.length_column (the column of each row's length)"),
+                 (self.train.max_steps is None, "train.max_steps (an epoch's micro-steps depend on the lengths, so "
+                                                "train.epochs cannot say how many steps to take)"),
+                 (self.data.pipeline == "ray_data", "data.pipeline=thread (Ray Data's chunks are counted in rows)"),
+                 (self.data.train is not None, "one training source (a mixture deals rows per global batch of "
+                                               "batch_size_per_worker x workers)")]
+        for missing, what in needs:
+            if missing:
+                raise ValueError(f"train.tokens_per_micro_batch ({budget}) needs {what}; set it, or remove "
+                                 f"train.tokens_per_micro_batch")
         return self
 
     @model_validator(mode="after")

@@ -194,7 +194,8 @@ def choose_pipeline(cfg: Config, num_workers: int, use_gpu: bool, resources: dic
     workers would share their cores with it for no gain)."""
     workers = elastic(cfg)[1] if elastic(cfg) else num_workers
     free = resources["CPU"] - workers * cfg.scaling.cpus_per_worker
-    if cfg.data.pipeline == "thread" or (cfg.data.pipeline == "auto" and (not use_gpu or free < 1)):
+    if cfg.data.pipeline == "thread" or (cfg.data.pipeline == "auto" and (not use_gpu or free < 1
+                                                                          or cfg.train.tokens_per_micro_batch)):
         return "thread", 0.0
     if free < 0.5:
         raise UsageError(f"data.pipeline (ray_data) needs CPUs beside the worker gang, but its {workers} x "

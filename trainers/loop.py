@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from stride.datasets.budget import BudgetStream
 from stride.datasets.mixing import order_for
 from stride.datasets.splits import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
@@ -169,6 +170,8 @@ class Trainer:
         self.checkpoint_metrics: dict[str, Any] = {}  # the figures the resumed checkpoint recorded
         self.task = make_task(cfg, plan.facts)
         self.state = TrainState()
+        self.start_position = (0, 0)  # (epoch, rows into it): where a token-budget stream starts (resume sets it)
+        self.stream = None  # fit()'s stream of training micro-batches: it knows the data position
         # Checked before every checkpoint and metrics write: a worker whose run lost the folder never writes again.
         self.fence = runlock.Fence(self.run_dir, plan.run_lock_token, cfg.run.lock_stale_s)
 
@@ -349,15 +352,21 @@ class Trainer:
         else:
             self._load_full(ckpt_dir)
         # The data position is (epoch, samples into the epoch): valid for any world size with the same global
-        # micro-batch (elastic resume), translated into this run's micro-step counter.
+        # micro-batch (elastic resume), translated into this run's micro-step counter. Micro-batches sized by a
+        # token budget have no such arithmetic: the stream starts from the position itself.
         epoch, offset = meta["epoch"], meta["epoch_offset_samples"]
-        if offset % self.global_micro:
+        s = self.state
+        if self.cfg.train.tokens_per_micro_batch:
+            self.start_position = (epoch, offset)
+            s.step, s.samples_seen = meta["step"], meta["samples_seen"]
+            s.micro_step = s.step * self.cfg.train.grad_accum_steps
+        elif offset % self.global_micro:
             raise DataError(f"checkpoint position ({offset} samples into epoch {epoch}) is not a multiple of the "
                             f"global micro-batch {self.global_micro}; resume with the same "
                             f"train.batch_size_per_worker x num_workers as before")
-        s = self.state
-        s.step, s.samples_seen = meta["step"], meta["samples_seen"]
-        s.micro_step = epoch * self.order.micro_steps_per_epoch + offset // self.global_micro
+        else:
+            s.step, s.samples_seen = meta["step"], meta["samples_seen"]
+            s.micro_step = epoch * self.order.micro_steps_per_epoch + offset // self.global_micro
         # Rerunning a finished run trains nothing: it is not a restart, and its results are the checkpoint's.
         s.restarts = meta.get("restarts", 0) + (s.step < self.total_steps)
         self.checkpoint_metrics = meta.get("metrics") or {}
@@ -438,10 +447,15 @@ class Trainer:
     def open_stream(self) -> TrainStream:
         """This rank's transformed micro-batches from the restored position on: a resume reads from the window it
         falls in, never through the data before it."""
+        transform = TrainTransform(self.cfg, self.plan.facts, self.env.world_rank, self.task)
+        if budget := self.cfg.train.tokens_per_micro_batch:  # micro-batches by the sum of lengths: datasets/budget.py
+            workers = self.global_micro // self.cfg.train.batch_size_per_worker
+            return BudgetStream(self.plan.train, self.order, self.env.world_rank, self.env.world_size,
+                                self.start_position, self.cfg.data.read_ahead_windows, budget * workers, transform)
         factory = self.env.stream_factory or TrainStream
         return factory(self.plan.train, self.order, self.env.world_rank, self.env.world_size, self.state.micro_step,
                        self.cfg.data.read_ahead_windows, end_micro_step=self.total_steps * self.cfg.train.grad_accum_steps,
-                       transform=TrainTransform(self.cfg, self.plan.facts, self.env.world_rank, self.task))
+                       transform=transform)
 
     def micro_batches(self, stream: TrainStream, sample_log) -> list[dict[str, torch.Tensor]]:
         batches = []
@@ -453,6 +467,7 @@ class Trainer:
                                              "sample_ids": ids.tolist()}) + "\n")
             batches.append(to_device(arrays, self.env.device, self.cfg.model.name))
             self.state.micro_step += 1
+            self.state.samples_seen += stream.global_rows
         return batches
 
     def unfreeze(self) -> None:
@@ -479,7 +494,6 @@ class Trainer:
                 f"train.grad_accum_steps (same global batch), train.precision=bf16, or train.strategy=fsdp") from None
         self.scheduler.step()
         self.state.step += 1
-        self.state.samples_seen += self.global_micro * self.cfg.train.grad_accum_steps
         return result
 
     # ---- evaluate: every validation row once across ranks ----
@@ -518,12 +532,12 @@ class Trainer:
         """Every rank stages its own shards (a CPU copy: what training waits for); they are written in the
         background, and rank 0 marks the folder complete after every rank's files are in."""
         s = self.state
-        epoch, in_epoch = self.order.position(s.micro_step)
+        epoch, offset = self.stream.position(s.micro_step)
         # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
         trainable_only = self.cfg.checkpoint.trainable_only
         model_state, optim_state = self.training_state(trainable_only)
         meta = {"trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
-                "step": s.step, "epoch": epoch, "epoch_offset_samples": in_epoch * self.global_micro,
+                "step": s.step, "epoch": epoch, "epoch_offset_samples": offset,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "mlflow_run_id": s.mlflow_run_id,
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
@@ -570,7 +584,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         self.setup()
         self.restore()
-        stream = self.open_stream()
+        stream = self.stream = self.open_stream()
         try:
             with trainer_blocks.compile_errors(self.cfg.train.compile):
                 return self.train_loop(stream)
@@ -617,7 +631,7 @@ class Trainer:
             due = cadence.due(s.step, stopping)
             if not due.any:
                 continue
-            metrics: dict[str, Any] = {"step": s.step, "epoch": self.order.position(s.micro_step)[0],
+            metrics: dict[str, Any] = {"step": s.step, "epoch": self.stream.position(s.micro_step)[0],
                                        "samples_seen": s.samples_seen}
             if self.rank0 and (due.log or due.eval):  # before metrics.jsonl and MLflow: one file read per log step
                 self.fence.still_holds()
@@ -673,7 +687,7 @@ class Trainer:
         trained = s.step - start_step
         return {
             "status": status, "stop_signal": stop.signal() if status != "completed" else None, "world_size": W,
-            "global_step": s.step, "epochs_completed": s.micro_step / self.order.micro_steps_per_epoch,
+            "global_step": s.step, "epochs_completed": self.stream.epochs_completed(s.micro_step),
             "samples_seen": s.samples_seen, "rows_dropped": self.order.rows_dropped_per_epoch,
             "task": self.cfg.model.name, "facts": self.plan.facts,
             "train_loss": last_train.get("train_loss"), "val_loss": last_val.get("val_loss"),

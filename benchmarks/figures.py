@@ -23,6 +23,10 @@ tests/test_bench.py replays benchmarks/results/latest.json's raw runs through th
     finetune      {model, memory: {runs: [{strategy: fsdp|ddp, rep, rank, peak_increase_bytes, full_bytes, ...}]},
                    step: {chunk_steps, runs: [{variant: frozen|trainable, rep, rank, chunk_s: [...]}]},
                    load: {runs: [{variant: init_model|load_file_read|..., rep, seconds}]}} (or absent)
+    file_read     {files, file_bytes, threads, window_rows, small_window_rows, runs: [{variant: stride|threadpool|
+                   stride_small_window, rep, pair, seconds, rows, bytes}]} (or absent)
+    bucketing     {rows, batch, model, runs: [{variant: bucketed|unbucketed, rep, epoch_s, compute_s,
+                   padding_fraction, stride_padding_fraction, tokens, padded_tokens, val_loss}]} (or absent)
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ GOALS = {  # figure: (operator, threshold)
 # same rule as GOALS (verdict()), but reported in the figure's notes, not in the table's goal column: tests/test_bench.py
 # holds GOALS at the 15 above, and moving these two into GOALS is a change there too.
 FORMAT_GOALS = {"jsonl_ingest_ratio": (">=", 0.8), "jsonl_memory_growth_ratio": ("<=", 0.35)}
+# The data-path issue's goals (files by reference, length bucketing), judged and reported the same way, for the same
+# reason (tests/test_bench.py's count of GOALS).
+DATA_GOALS = {"file_read_ratio": (">=", 0.8), "bucketing_padding_ratio": ("<=", 0.33),
+              "bucketing_step_time_ratio": ("<=", 0.6)}
+NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS}  # the goals judged in a figure's notes (judged())
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
 LABELS = {
@@ -78,6 +87,9 @@ LABELS = {
     "init_peak_memory_ratio_ddp": "the same under DDP (every rank builds the whole model and reads the whole file)",
     "frozen_step_time_ratio": "step time, half the blocks frozen (optim.groups) / all trainable, 2 DDP ranks",
     "init_load_ratio": "init.from's load on a worker (pretrained.init_model, the driver's sha256) / safetensors load_file with its tensors read",
+    "file_read_ratio": "rows/s of referenced files (20k x 16 KiB, warm), Stride's stream / a 16-thread pool, same threads",
+    "bucketing_padding_ratio": "padding fraction, data.length_column bucketing on / off (lengths log-uniform 10..1000)",
+    "bucketing_step_time_ratio": "epoch time of a small transformer, bucketing on / off, batches padded to their longest",
 }
 
 
@@ -239,9 +251,9 @@ def ingest_figure(raw: dict) -> dict:
 
 
 def judged(fig: dict, name: str) -> dict:
-    """A FORMAT_GOALS figure with its goal's verdict appended to its notes (when it has samples)."""
+    """A NOTE_GOALS figure with its goal's verdict appended to its notes (when it has samples)."""
     if fig["n"]:
-        op, thr = FORMAT_GOALS[name]
+        op, thr = NOTE_GOALS[name]
         fig["notes"].append(f"goal {op} {thr:g}: {verdict(fig, (op, thr))['verdict']}")
     return fig
 
@@ -491,12 +503,101 @@ def finetune_figures(raw: dict) -> dict:
     }
 
 
+def file_read_rates(raw: dict) -> dict:
+    """benchmarks/file_read_bench.py's rows/s {variant: {rep: [per pair]}}."""
+    out: dict = {}
+    for r in (raw.get("file_read") or {}).get("runs", []):
+        out.setdefault(r["variant"], {}).setdefault(r["rep"], []).append(ratio(r["rows"], r["seconds"]))
+    return out
+
+
+def file_read_figure(raw: dict) -> dict:
+    """Stride's stream and a thread pool over the same referenced files, alternating: a sample per repetition, the
+    median over its pairs of the stream's rows/s / the pool's."""
+    fr = raw.get("file_read") or {}
+    what = ("rows/s of one epoch reading the files a JSON Lines manifest names, Stride's TrainStream (world size 1, "
+            "file_columns=(\"path\",), data.file_read_threads threads, the config's default window, every "
+            "micro-batch's bytes touched) / a concurrent.futures.ThreadPoolExecutor of as many threads reading the same "
+            "files in the same order (open/read), warm page cache, the median over alternating pairs per repetition "
+            "(benchmarks/file_read_bench.py)")
+    if not fr:
+        return figure([], "ratio", what,
+                      notes=["not measured in this result: python benchmarks/run.py --only file_read"])
+    rates = file_read_rates(raw)
+    stride, pool, small = (rates.get(v, {}) for v in ("stride", "threadpool", "stride_small_window"))
+    reps = sorted(stride.keys() & pool.keys())
+
+    def per_rep(a: dict) -> list:
+        return [summary([ratio(x, y) for x, y in zip(a[i], pool[i])])["median"] for i in reps if i in a]
+
+    fig = figure(per_rep(stride), "ratio", what,
+                 data=f"{fr['files']} files of {fr['file_bytes']} random bytes, {fr['threads']} threads both sides, "
+                      f"micro-batches of {fr['batch']}, a window of {fr['window_rows']} rows"
+                      f"{' (the whole epoch)' if fr['window_rows'] >= fr['files'] else ''}",
+                 stride_rows_per_s=summary([summary(stride[i])["median"] for i in reps]),
+                 threadpool_rows_per_s=summary([summary(pool[i])["median"] for i in reps]),
+                 small_window_ratio=summary(per_rep(small)),
+                 small_window_rows_per_s=summary([summary(small[i])["median"] for i in reps if i in small]),
+                 small_window_rows=fr.get("small_window_rows"), started=fr.get("started"),
+                 loadavg=summary([r.get("loadavg") for r in fr["runs"]]))
+    return judged(fig, "file_read_ratio")
+
+
+def bucketing_parts(raw: dict) -> dict:
+    """benchmarks/bucketing_bench.py's runs {variant: {rep: run}}."""
+    out: dict = {}
+    for r in (raw.get("bucketing") or {}).get("runs", []):
+        out.setdefault(r["variant"], {})[r["rep"]] = r
+    return out
+
+
+def bucketing_figures(raw: dict) -> dict:
+    """One epoch of the same model and data with data.length_column bucketing and without, alternating: a sample per
+    repetition (each repetition its own seed, the same for both sides)."""
+    bk = raw.get("bucketing") or {}
+    missing = [] if bk else ["not measured in this result: python benchmarks/run.py --only bucketing"]
+    parts = bucketing_parts(raw)
+    on, off = parts.get("bucketed", {}), parts.get("unbucketed", {})
+    reps = sorted(on.keys() & off.keys())
+    m = bk.get("model") or {}
+    model = (f"{m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, {m['params'] / 1e6:.2f}M parameters, "
+             f"{bk['rows']} rows of lengths {bk['min_length']}..{bk['max_length']} (log-uniform), global batch "
+             f"{bk['batch']}, {bk['threads']} torch thread" if m else None)
+
+    def sample(key: str) -> list:
+        return [ratio(on[i][key], off[i][key]) for i in reps]
+
+    def side(d: dict, key: str) -> dict:
+        return summary([d[i][key] for i in reps])
+
+    return {
+        "bucketing_padding_ratio": judged(figure(
+            sample("padding_fraction"), "ratio",
+            "share of a micro-batch's cells that padding to its longest row fills, over one epoch (datasets/bucketing."
+            "Padding over every micro-batch's lengths), data.length_column bucketing on / off, same rows, seed and "
+            "global batch, per repetition (benchmarks/bucketing_bench.py)", notes=list(missing), model=model,
+            bucketed=side(on, "padding_fraction"), unbucketed=side(off, "padding_fraction"),
+            stride_reported=side(on, "stride_padding_fraction")), "bucketing_padding_ratio"),
+        "bucketing_step_time_ratio": judged(figure(
+            sample("epoch_s"), "ratio",
+            "time of one training epoch (TrainStream's micro-batches padded to their longest row, forward, backward, "
+            "AdamW; each side's own time, the two epochs interleaved step by step in one process) of a small causal "
+            "transformer, bucketing on / off, same rows, seed and global batch, per repetition "
+            "(benchmarks/bucketing_bench.py)", notes=list(missing), model=model,
+            bucketed_epoch_s=side(on, "epoch_s"), unbucketed_epoch_s=side(off, "epoch_s"),
+            padded_tokens_ratio=summary(sample("padded_tokens")),
+            compute_ratio=summary(sample("compute_s")), started=bk.get("started"),
+            loadavg=summary([r.get(k) for r in bk.get("runs", []) for k in ("loadavg_before", "loadavg_after")])),
+            "bucketing_step_time_ratio"),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "jsonl_ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction",
          "memory_growth_ratio", "jsonl_memory_growth_ratio", "checkpoint_rank0_memory_ratio",
          "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio", "compile_step_time_ratio",
          "lock_overhead_ratio", "init_peak_memory_ratio", "init_peak_memory_ratio_ddp", "frozen_step_time_ratio",
-         "init_load_ratio")
+         "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio")
 
 
 def figures(raw: dict) -> dict:
@@ -504,7 +605,8 @@ def figures(raw: dict) -> dict:
     figs = {**pair_figures(raw), "ingest_ratio": ingest_figure(raw), "jsonl_ingest_ratio": jsonl_ingest_figure(raw),
             "scaling_2_over_1": scaling_figure(raw), "memory_growth_ratio": memory_figure(raw),
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
-            "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw)}
+            "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
+            **bucketing_figures(raw)}
     return {name: figs[name] for name in ORDER}
 
 
@@ -588,6 +690,16 @@ def about(result: dict) -> str:
 GIB = 2**30
 
 
+def measured(raw: dict, part: str) -> str:
+    """When a part's runs were taken and under what load (a part measured again with --only has its own)."""
+    x = raw.get(part) or {}
+    loads = [v for r in x.get("runs", []) for k, v in r.items() if k.startswith("loadavg") and finite(v)]
+    when = f"measured {x['started']}" if x.get("started") else "measured"
+    if x.get("cpu_model"):
+        when += f" on {x.get('cpu_count')} CPUs ({x['cpu_model']})"
+    return f"{when}, load average {min(loads):.1f}..{max(loads):.1f}" if loads else when
+
+
 def markdown(result: dict) -> str:
     """The results block of benchmarks/README.md, generated from a stored result (latest.json)."""
     figs, verdicts, raw = result["figures"], result["goals"], result["raw"]
@@ -640,6 +752,29 @@ def markdown(result: dict) -> str:
         out += md_table(["`init_model`", "`init_model` given the sha256", "`load_file` + read", "`load_file` alone"],
                         [[f"{summary(list(ft['load'].get(v, {}).values()))['median'] or 0:.3f} s"
                           for v in ("init_model", "init_model_given_sha256", "load_file_read", "load_file")]])
+    rates = file_read_rates(raw)
+    if rates:
+        fr = raw["file_read"]
+        out += ["", f"Files by reference, rows/s, median over repetitions ({fr['files']} files of "
+                f"{fr['file_bytes'] // 1024} KiB, {fr['threads']} threads, warm page cache; "
+                f"{measured(raw, 'file_read')}):", ""]
+        out += md_table(["Stride's stream (default window)", "thread pool", f"Stride, {fr['small_window_rows']}-row "
+                         "windows"],
+                        [[f"{summary([summary(x)['median'] for x in rates.get(v, {}).values()])['median'] or 0:,.0f}"
+                          for v in ("stride", "threadpool", "stride_small_window")]])
+    bk = bucketing_parts(raw)
+    if bk:
+        model = figs["bucketing_step_time_ratio"]["model"]
+        out += ["", f"Length bucketing per side, median over repetitions ({model}; {measured(raw, 'bucketing')}):", ""]
+        rows = []
+        for v in ("bucketed", "unbucketed"):
+            med = {k: summary([r.get(k) for r in bk.get(v, {}).values()])["median"]
+                   for k in ("epoch_s", "compute_s", "padding_fraction", "tokens", "padded_tokens", "val_loss")}
+            rows.append([f"`{v}`", fmt(med["epoch_s"], "s"), fmt(med["compute_s"], "s"),
+                         fmt(med["padding_fraction"], ""), f"{med['padded_tokens'] or 0:,.0f} for {med['tokens'] or 0:,.0f}",
+                         fmt(med["val_loss"], "")])
+        out += md_table(["side", "epoch", "forward, backward, AdamW", "padding fraction", "cells (padded) for tokens",
+                         "held-out loss"], rows)
     return "\n".join(out)
 
 

@@ -1,5 +1,5 @@
-"""`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile and
-fine-tuning.
+"""`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile,
+fine-tuning, files by reference and length bucketing.
 
     python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
@@ -9,6 +9,8 @@ fine-tuning.
     python benchmarks/run.py --only finetune    # the same, the fine-tuning part
     python benchmarks/run.py --only ingest      # the same, ingest (Parquet and JSON Lines; no scaling fits)
     python benchmarks/run.py --only memory      # the same, stream_memory.py (Parquet and JSON Lines)
+    python benchmarks/run.py --only file_read   # the same, file_read_bench.py (files by reference)
+    python benchmarks/run.py --only bucketing   # the same, bucketing_bench.py (data.length_column)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -37,6 +39,12 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    process pairs, alternating), a step with half the blocks frozen and all trainable (2 DDP ranks, interleaved), and
    init.from's load beside safetensors' load_file (one process, alternating), `reps` times (-> init_peak_memory_ratio,
    init_peak_memory_ratio_ddp, frozen_step_time_ratio, init_load_ratio).
+8. benchmarks/file_read_bench.py: one epoch of Stride's stream over 20,000 files named in a JSON Lines manifest beside
+   a thread pool reading the same files, 16 threads each, warm page cache, alternating, `reps` times
+   (-> file_read_ratio).
+9. benchmarks/bucketing_bench.py: one epoch of a small transformer over sequences of log-uniform lengths with
+   data.length_column bucketing and without, alternating, `reps` times (-> bucketing_padding_ratio,
+   bucketing_step_time_ratio).
 """
 
 from __future__ import annotations
@@ -95,13 +103,15 @@ class Mode:
     blocks_warmup: int = 2
     tiny_models: bool = False  # blocks_bench's tiny models (a check that it runs)
     lock_chunks: int = 200  # benchmarks/lock_bench.py: interleaved chunk pairs per repetition
+    file_read_files: int = 20_000  # benchmarks/file_read_bench.py: referenced files of 16 KiB
+    file_read_pairs: int = 3  # alternating pairs of epochs per repetition
 
 
 MODES = {
     "smoke": Mode(reps=1, steps=12, log_every=3, ckpt_every=6, warmup_steps=3, scale_steps=8, scale_log_every=2,
                   scale_warmup_steps=2, ingest_rows=20_000, ingest_features=16, ingest_passes=3, timeout_s=300,
                   stream_rows=(20_000, 200_000), ckpt_model=(2, 256, 4), blocks_steps=3, blocks_warmup=1,
-                  tiny_models=True, lock_chunks=4),
+                  tiny_models=True, lock_chunks=4, file_read_files=512, file_read_pairs=1),
     "quick": Mode(reps=5, steps=40, log_every=5, ckpt_every=20, warmup_steps=10, scale_steps=25, scale_log_every=5,
                   scale_warmup_steps=5, ingest_rows=400_000, ingest_features=32, ingest_passes=9, timeout_s=420),
     "full": Mode(reps=5, steps=200, log_every=10, ckpt_every=100, warmup_steps=20, scale_steps=100, scale_log_every=10,
@@ -420,6 +430,8 @@ def measure(mode: Mode, tmp: Path) -> dict:
                                  smoke=mode.tiny_models, timeout_s=mode.timeout_s)
     raw["lock"] = measure_lock(mode)
     raw["finetune"] = measure_finetune(mode)
+    raw["file_read"] = measure_file_read(mode)
+    raw["bucketing"] = measure_bucketing(mode)
     return raw
 
 
@@ -460,9 +472,24 @@ def measure_finetune(mode: Mode) -> dict:
     return finetune_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
 
 
+def measure_file_read(mode: Mode) -> dict:
+    from benchmarks.file_read_bench import measure as file_read_bench
+
+    print("bench: files by reference, Stride's stream beside a thread pool (benchmarks/file_read_bench.py)", flush=True)
+    return file_read_bench(reps=mode.reps, files=mode.file_read_files, pairs=mode.file_read_pairs)
+
+
+def measure_bucketing(mode: Mode) -> dict:
+    from benchmarks.bucketing_bench import measure as bucketing_bench
+
+    print("bench: length bucketing's padding and epoch time (benchmarks/bucketing_bench.py)", flush=True)
+    return bucketing_bench(reps=mode.reps, smoke=mode.tiny_models)
+
+
 # --only NAME: raw[key] = measure(mode)
 ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
-        "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory)}
+        "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory),
+        "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing)}
 
 
 def measure_only(name: str, mode: Mode, latest: Path) -> dict:

@@ -11,7 +11,7 @@ worker.
     class Regression(Task):
         class Config(Task.Config):          # its fields are this task's model.<field> keys (unknown key: exit 2)
             hidden: int = 64
-        columns = ("x", "y")                # the Parquet columns it reads (None: all)
+        columns = ("x", "y")                # the columns it reads (None: all)
 
         def transform(self, batch):         # CPU, numpy in and out, one batch of rows
             return {"x": batch["x"].astype(np.float32)[:, None], "y": batch["y"].astype(np.float32)}

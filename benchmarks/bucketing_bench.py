@@ -38,7 +38,6 @@ tokens).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -58,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
 
+from benchmarks.report import cpu_model, print_json  # noqa: E402
+
 ROWS = 1_536
 BATCH = 32  # train.batch_size_per_worker's default; world size 1: the global micro-batch
 MIN_LENGTH, MAX_LENGTH = 10, 1000
@@ -71,15 +72,6 @@ LR = 3e-3
 THREADS = 1
 VAL_ROWS = 128  # the held-out rows (another seed) every side's model is evaluated on after its epoch
 VARIANTS = ("bucketed", "unbucketed")
-
-
-def cpu_model() -> str | None:
-    """This machine's CPU, stored with the runs: `--only` measures a part again, maybe on another machine than the
-    rest of latest.json."""
-    try:
-        return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------- the model
@@ -287,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.figures import bucketing_figures  # after the path set-up above
 
     raw = measure(1 if args.smoke else args.reps, args.smoke)
-    text = json.dumps({**bucketing_figures({"bucketing": raw}), "raw": raw}, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json({**bucketing_figures({"bucketing": raw}), "raw": raw}, args.out)
     return 0
 
 

@@ -58,6 +58,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
 
+from benchmarks.report import cpu_model, print_json  # noqa: E402
+
 FILES = 20_000
 SMOKE_FILES = 512
 FILE_BYTES = 16_384
@@ -70,15 +72,6 @@ READ_AHEAD = 2  # data.read_ahead_windows' default
 SEED = 0
 PAIRS = 3  # pairs of epochs per repetition
 VARIANTS = ("stride", "threadpool", "stride_small_window")
-
-
-def cpu_model() -> str | None:
-    """This machine's CPU, stored with the runs: `--only` measures a part again, maybe on another machine than the
-    rest of latest.json."""
-    try:
-        return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def write_files(folder: Path, n: int, size: int, seed: int = 0) -> Path:
@@ -208,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.figures import file_read_figure  # after the path set-up above
 
     raw = (measure(1, SMOKE_FILES, pairs=1) if args.smoke else measure(args.reps, args.files))
-    text = json.dumps({"file_read_ratio": file_read_figure({"file_read": raw}), "raw": raw}, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json({"file_read_ratio": file_read_figure({"file_read": raw}), "raw": raw}, args.out)
     return 0
 
 

@@ -73,6 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
 
+from benchmarks.report import print_json  # noqa: E402
 from stride.trainers.task import Task  # noqa: E402
 
 TASK = "benchmarks.finetune_bench:FinetuneTask"
@@ -499,10 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.figures import finetune_figures  # after the path set-up above
 
     raw = measure(args.reps, args.smoke)
-    text = json.dumps({"figures": finetune_figures({"finetune": raw}), "raw": raw}, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json({"figures": finetune_figures({"finetune": raw}), "raw": raw}, args.out)
     return 0
 
 

@@ -71,6 +71,7 @@ if str(REPO) not in sys.path:
 PY = sys.executable
 
 from benchmarks.figures import BLOCKS, block, ckpt_steps, replay, run_stats, with_block  # noqa: E402
+from benchmarks.report import cpu_model  # noqa: E402
 from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
 
 CONFIG = "trainers/configs/char_gpt.yaml"
@@ -385,8 +386,7 @@ def machine() -> dict:
     info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "hostname": socket.gethostname()}
     try:
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
-        info["cpu_model"] = model
+        info["cpu_model"] = cpu_model()
         info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (OSError, ValueError):
         pass

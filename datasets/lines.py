@@ -8,7 +8,6 @@ reads a part with one positioned read and one parse, which is what makes a text 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -122,7 +121,3 @@ class LineReader(PartReader):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def buffer(data: bytes) -> io.BytesIO:
-    return io.BytesIO(data)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stride.datasets import bucketing
-from stride.datasets.order import Order, _rng
+from stride.datasets.order import Order, WindowGrid, _rng
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def _mixed_order(block_rows, seed, global_micro_batch, window_rows, sources) -> 
     return MixedOrder(block_rows, seed, global_micro_batch, window_rows, sources=sources)
 
 
-class MixedEpochPlan:
+class MixedEpochPlan(WindowGrid):
     """EpochPlan's interface for one epoch of a mixture: a window's pieces are the source windows its rows fall in
     (each read whole, as a source's own window is), and its permutation points into their rows."""
 
@@ -147,14 +147,6 @@ class MixedEpochPlan:
         self.num_rows = order.micro_steps_per_epoch * order.global_micro_batch
         self._windows: dict[int, tuple[list, np.ndarray]] = {}
         self._lock = threading.Lock()
-
-    @property
-    def num_windows(self) -> int:
-        return -(-self.num_rows // self.window_rows)
-
-    def window_span(self, k: int) -> tuple[int, int]:
-        lo = k * self.window_rows
-        return lo, min(lo + self.window_rows, self.num_rows)
 
     def window_pieces(self, k: int) -> list[tuple]:
         return self._window(k)[0]

@@ -25,8 +25,23 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([*key])
 
 
+class WindowGrid:
+    """An epoch's positions cut into windows of `window_rows` (the last one shorter): needs num_rows, window_rows."""
+
+    num_rows: int
+    window_rows: int
+
+    @property
+    def num_windows(self) -> int:
+        return -(-self.num_rows // self.window_rows)
+
+    def window_span(self, k: int) -> tuple[int, int]:
+        lo = k * self.window_rows
+        return lo, min(lo + self.window_rows, self.num_rows)
+
+
 @dataclass(frozen=True)
-class EpochPlan:
+class EpochPlan(WindowGrid):
     """One epoch's sequence: which block slices make up each window, and the permutation inside it."""
 
     seed: int
@@ -38,14 +53,6 @@ class EpochPlan:
     @property
     def num_rows(self) -> int:
         return int(self.starts[-1])
-
-    @property
-    def num_windows(self) -> int:
-        return -(-self.num_rows // self.window_rows)
-
-    def window_span(self, k: int) -> tuple[int, int]:
-        lo = k * self.window_rows
-        return lo, min(lo + self.window_rows, self.num_rows)
 
     def window_pieces(self, k: int) -> list[tuple[int, int, int, int]]:
         """(slot, block id, first row, end row) of every block slice inside window k, in sequence order; slot j is

@@ -20,7 +20,7 @@ from stride.datasets.order import Order
 from stride.datasets.splits import DataSpec
 from stride.datasets.files import FileFetcher
 from stride.datasets.bucketing import Padding
-from stride.datasets.stream import BlockReader, Prefetcher, fetcher, position, rank_rows, take_lengths
+from stride.datasets.stream import BlockReader, FixedPositions, Prefetcher, fetcher, rank_rows, take_lengths
 
 _READERS: dict[tuple, BlockReader] = {}  # per Ray worker process: open footers survive between chunks
 _FETCHERS: dict[tuple, FileFetcher] = {}  # and the file readers' threads
@@ -54,7 +54,7 @@ def make_chunk(batch: dict[str, np.ndarray], *, spec: DataSpec, order: Order, ra
     return {"micro_step": np.arange(first, first + n), "ids": ids, "arrays": arrays, "lengths": lengths}
 
 
-class RayDataStream:
+class RayDataStream(FixedPositions):
     """TrainStream's interface (next_batch) over a Ray Data pipeline; a thread moves its output into a queue."""
 
     def __init__(self, spec: DataSpec, order: Order, rank: int, world_size: int, micro_step: int, read_ahead: int,
@@ -77,16 +77,6 @@ class RayDataStream:
         self._batches = Prefetcher(lambda: self._produce(ds, read_ahead), depth, "stride-ray-data")
 
     rows_read = None  # read in Ray Data tasks, not counted here
-
-    @property
-    def global_rows(self) -> int:
-        return self.order.global_micro_batch
-
-    def position(self, micro_step: int) -> tuple[int, int]:
-        return position(self.order, micro_step)
-
-    def epochs_completed(self, micro_step: int) -> float:
-        return micro_step / self.order.micro_steps_per_epoch
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         from stride.trainers.policies import TrainingError

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from stride.datasets.files import check_files, is_reference
@@ -288,12 +288,11 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
         lengths = (check_length_column(split, cfg.data.length_column, cfg.train.tokens_per_micro_batch)
                    if name == "train" else None)
         read = columns + ((SAMPLE_ID,) if has_id else ())
+        typed = read + ((lengths,) if lengths and lengths not in read else ())  # what the readers may read
         row_bytes = sum(lay.data_bytes for lay in split.layouts) / max(split.num_rows, 1) + file_bytes
         specs[name] = DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, name, references,
                                cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
-                               pa.schema([split.schema.field(c) for c in (*read, *([lengths] if lengths and lengths
-                                                                                  not in read else []))]),
-                               lengths, row_bytes)
+                               pa.schema([split.schema.field(c) for c in typed]), lengths, row_bytes)
     return specs
 
 
@@ -313,11 +312,11 @@ def check_length_column(split: DataSplit, column: str | None, budget: float | No
     longest = 0
     for table in split.batches([column], 1 << 20):
         col = table.column(0)
-        bad = col.null_count or (len(col) and pa.compute.min(col).as_py() < 0)
+        bad = col.null_count or (len(col) and pc.min(col).as_py() < 0)
         if bad:
             raise DataError(f"data.length_column ({column}) has missing or negative values in {split.key}; give every "
                             f"row its length")
-        longest = max(longest, pa.compute.max(col).as_py() or 0)
+        longest = max(longest, pc.max(col).as_py() or 0)
     if budget is not None and longest > budget:
         raise DataError(f"train.tokens_per_micro_batch ({budget:g}) is below the longest row of {split.key} ({longest:g} "
                         f"in data.length_column {column}); use train.tokens_per_micro_batch={math.ceil(longest)} or more")

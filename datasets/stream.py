@@ -213,7 +213,27 @@ class Prefetcher:
         return False
 
 
-class TrainStream:
+class FixedPositions:
+    """The data position of a stream of global micro-batches of a fixed size (`self.order`'s): arithmetic on the
+    micro-step. (datasets/budget.py's stream keeps its position itself.)"""
+
+    order: Order
+
+    @property
+    def global_rows(self) -> int:
+        """Rows of a micro-batch, every rank's: the global micro-batch."""
+        return self.order.global_micro_batch
+
+    def position(self, micro_step: int) -> tuple[int, int]:
+        """(epoch, rows into it) where micro-step `micro_step` starts: what a checkpoint stores."""
+        epoch, i = self.order.position(micro_step)
+        return epoch, i * self.order.global_micro_batch
+
+    def epochs_completed(self, micro_step: int) -> float:
+        return micro_step / self.order.micro_steps_per_epoch
+
+
+class TrainStream(FixedPositions):
     """This rank's micro-batches from `micro_step` up to `end_micro_step` (the run's last; None: no end), across
     epochs. READ_THREADS background threads read the blocks of the next `read_ahead` windows and cut each
     window (one Arrow gather) as its last read completes; the caller's thread only slices micro-batches. `next_batch`
@@ -236,17 +256,6 @@ class TrainStream:
     @property
     def rows_read(self) -> int:
         return sum(r.rows_read for r in list(self._readers))
-
-    @property
-    def global_rows(self) -> int:
-        """Rows of a micro-batch, every rank's: the global micro-batch."""
-        return self.order.global_micro_batch
-
-    def position(self, micro_step: int) -> tuple[int, int]:
-        return position(self.order, micro_step)
-
-    def epochs_completed(self, micro_step: int) -> float:
-        return micro_step / self.order.micro_steps_per_epoch
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(sample ids, the task's arrays) of the next micro-batch, which is micro-step `micro_step`."""
@@ -348,12 +357,6 @@ class TrainStream:
             self._local.reader = BlockReader(self.spec, lengths=True)
             self._readers.append(self._local.reader)
         return self._local.reader.read_file_blocks(blocks)
-
-
-def position(order: Order, micro_step: int) -> tuple[int, int]:
-    """(epoch, rows into it) where micro-step `micro_step` starts: what a checkpoint stores."""
-    epoch, i = order.position(micro_step)
-    return epoch, i * order.global_micro_batch
 
 
 def after(futures: set[Future], fn: Callable[[], object]) -> Future:

@@ -63,6 +63,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_torchrun_cases(cases: list[dict], results: Path, cwd: Path, env: dict | None = None,
+                       timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[list[dict]]]:
+    """`cases` (tests/torchrun_cases.py's list) under one launch of 2 ranks, from `cwd`; the launch and each rank's
+    results (per case: label, exit code, stdout, stderr)."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "cases.json").write_text(json.dumps(cases))
+    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
+                        str(results)], cwd=cwd, env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                       timeout=timeout)
+    ranks = [json.loads(f.read_text()) if (f := results / f"rank{k}.json").exists() else [] for k in (0, 1)]
+    return r, ranks
+
+
 def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run a Stride command in a subprocess (the way a user does) and capture its output."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

@@ -205,7 +205,7 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     import shutil
     import subprocess
 
-    from conftest import PYTHON, REPO, free_port, read_jsonl
+    from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
 
     project = tmp_path / "audio_clips"
     shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
@@ -215,11 +215,8 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
               "train.deterministic=true", "data.shuffle_window_rows=256"]
     cases = [{"label": "whole", "args": [*common, "run.name=whole", "train.max_steps=16"]},
              {"label": "cut", "args": [*common, "run.name=cut", "train.max_steps=8"]}]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(tmp_path / "log"))
-    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(tmp_path / "cases.json"),
-                        str(tmp_path / "results")], cwd=project, env=env, capture_output=True, text=True, timeout=400)
+    r, _ = run_torchrun_cases(cases, tmp_path / "results", project, env, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     single = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run([PYTHON, str(REPO / "trainers" / "torchrun.py"), *common, "run.name=cut", "train.max_steps=16",

@@ -10,7 +10,6 @@ The function-level tests cover resolution and the fetch; the torchrun cases run 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import PYTHON, REPO, free_port, read_jsonl
+from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
 from stride.datasets import files
 from stride.datasets.order import Order
 from stride.datasets.splits import DataError, DataSpec, open_split
@@ -121,13 +120,7 @@ def torchrun_runs(clips, tmp_path_factory):
         {"label": "missing", "args": [*base, "run.name=missing", f"data.train_path={broken}",
                                       f"data.val_path={clips}/data/val.jsonl"]},
     ]
-    results = tmp_path_factory.mktemp("clips_cases")
-    (results / "cases.json").write_text(json.dumps(cases))
-    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
-                        str(results)], cwd=clips, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=str(clips)))
-    ranks = [json.loads((results / f"rank{k}.json").read_text()) for k in (0, 1)]
+    r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("clips_cases"), clips, {"PYTHONPATH": str(clips)})
     by_label = {c["label"]: c for c in ranks[0]}
     assert [c["code"] for c in ranks[0]] == [0, 0, 2], r.stdout[-3000:] + r.stderr[-3000:]
     return {"storage": storage, "cases": by_label, "broken": broken}

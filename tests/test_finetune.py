@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, read_jsonl
+from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 ENCODER = r"^(stem|blocks)\."
@@ -77,12 +76,7 @@ def runs(project, encoder, tmp_path_factory):
                   case(f"{strategy}@15", f"{strategy}_cut15", 15, GROUPS, s),
                   case(f"{strategy}@15->20", f"{strategy}_cut15", STEPS, GROUPS, s),
                   case(f"{strategy} frozen", f"{strategy}_frozen", 10, FROZEN, s)]
-    results = tmp_path_factory.mktemp("finetune_cases")
-    (results / "cases.json").write_text(json.dumps(cases))
-    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
-                        str(results)], cwd=project, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=str(project)))
+    r, _ = run_torchrun_cases(cases, tmp_path_factory.mktemp("finetune_cases"), project, {"PYTHONPATH": str(project)})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     return {"storage": storage, "stdout": r.stdout}
 

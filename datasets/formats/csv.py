@@ -10,14 +10,14 @@ import pyarrow as pa
 import pyarrow.csv as pc
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, buffer, line_extents, nonblank_lines
+from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines
 
 
 def _parse(data: bytes, names: list[str], types: dict[str, pa.DataType] | None = None,
            columns: list[str] | None = None) -> pa.Table:
     read = pc.ReadOptions(column_names=names, use_threads=False, block_size=max(len(data) + 1, 1 << 16))
     convert = pc.ConvertOptions(column_types=types or {}, include_columns=columns or [])
-    return pc.read_csv(buffer(data), read_options=read, convert_options=convert)
+    return pc.read_csv(pa.BufferReader(data), read_options=read, convert_options=convert)
 
 
 def _header(f, path: str, key: str) -> tuple[list[str], int]:

@@ -8,14 +8,14 @@ import pyarrow as pa
 import pyarrow.json as pj
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, buffer, line_extents, nonblank_lines
+from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines
 
 
 def _parse(data: bytes, schema: pa.Schema | None = None) -> pa.Table:
     # One block for the whole part: a line longer than pyarrow's block would otherwise be an error.
     read = pj.ReadOptions(use_threads=False, block_size=max(len(data) + 1, 1 << 16))
     parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore") if schema is not None else None
-    return pj.read_json(buffer(data), read_options=read, parse_options=parse)
+    return pj.read_json(pa.BufferReader(data), read_options=read, parse_options=parse)
 
 
 def _not_an_object(line: bytes) -> str | None:

@@ -63,14 +63,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_launcher(nproc: int) -> list[str]:
+    """`torch.distributed.run` on this host. `--standalone` lets the rendezvous bind port 0 itself: a port picked
+    free beforehand can be taken by another process before torchrun binds it (EADDRINUSE)."""
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
 def run_torchrun_cases(cases: list[dict], results: Path, cwd: Path, env: dict | None = None,
                        timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[list[dict]]]:
     """`cases` (tests/torchrun_cases.py's list) under one launch of 2 ranks, from `cwd`; the launch and each rank's
     results (per case: label, exit code, stdout, stderr)."""
     results.mkdir(parents=True, exist_ok=True)
     (results / "cases.json").write_text(json.dumps(cases))
-    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(free_port()), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
+    r = subprocess.run([*torchrun_launcher(2), str(REPO / "tests" / "torchrun_cases.py"), str(results / "cases.json"),
                         str(results)], cwd=cwd, env=dict(os.environ, **(env or {})), capture_output=True, text=True,
                        timeout=timeout)
     ranks = [json.loads(f.read_text()) if (f := results / f"rank{k}.json").exists() else [] for k in (0, 1)]

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
 from stride.trainers import checkpointing, fsdp
 
 STEPS = 20
@@ -33,8 +33,7 @@ def tiny_args(data, storage, name, steps=STEPS, *extra):
 
 def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py",
              env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                        str(free_port()), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+    r = subprocess.run([*torchrun_launcher(nproc), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, **(env or {})))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r

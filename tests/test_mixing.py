@@ -147,9 +147,9 @@ def torchrun(project, nproc, *args, log=None, popen=False):
     import os
     import subprocess
 
-    from conftest import PYTHON, REPO, free_port
+    from conftest import REPO, torchrun_launcher
 
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    cmd = [*torchrun_launcher(nproc),
            str(REPO / "trainers" / "torchrun.py"), "--config", "regression.yaml", *args]
     env = dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(log))
     if popen:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +76,7 @@ if os.environ.get("FLAKY_LOG"):
 
 def torchrun(args: list[str], env: dict, nproc: int = 2) -> subprocess.CompletedProcess:
     """trainers/torchrun.py with `nproc` processes instead of trainers/main.py on Ray (args as job_args gives them)."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-           "trainers/torchrun.py", *args[1:]]
+    cmd = [*torchrun_launcher(nproc), "trainers/torchrun.py", *args[1:]]
     return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), capture_output=True,
                           text=True, timeout=600)
 

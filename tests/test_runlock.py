@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
 from stride.ray_cluster.connect import UsageError
 from stride.trainers import checkpointing, runlock
 from stride.trainers.config import ConfigError, build_config
@@ -319,8 +319,7 @@ def test_a_refused_lock_ends_every_torchrun_rank_with_exit_2_and_no_hang(tmp_pat
     run_dir = tmp_path / "shared"
     run_dir.mkdir()
     plant(run_dir, host=socket.gethostname(), pid=os.getpid(), pid_start=runlock.process_start(os.getpid()))
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           *_args(tmp_path, tabular_data, 50)]
+    cmd = [*torchrun_launcher(2), *_args(tmp_path, tabular_data, 50)]
     r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode != 0
     refusals = [ln for ln in r.stderr.splitlines() if ln.startswith("stride: error: run.name (shared): ")]

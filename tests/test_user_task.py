@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from cluster_fixtures import RAY, clean_env
-from conftest import PYTHON, REPO, descendants, free_port, kill_pids, read_jsonl, run_cli, wait_for_step
+from conftest import PYTHON, REPO, descendants, kill_pids, torchrun_launcher, read_jsonl, run_cli, wait_for_step
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -69,8 +69,7 @@ def start_stride(project: Path, *overrides: str, env: dict) -> subprocess.Popen:
 def torchrun(project: Path, nproc: int, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """trainers/torchrun.py from the user's folder: under torch.distributed.run with nproc > 1, else one plain
     process (no launcher, no process group)."""
-    launcher = ([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port())] if nproc > 1 else [PYTHON])
+    launcher = (torchrun_launcher(nproc) if nproc > 1 else [PYTHON])
     r = subprocess.run([*launcher, TORCHRUN_PY, "--config", "signal.yaml", *overrides], cwd=project,
                        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), capture_output=True, text=True,
                        timeout=400)

@@ -164,8 +164,8 @@ def measure(layers: int, width: int, heads: int, reps: int, tmp: Path, timeout_s
     for rep in range(reps):
         for method in (("gather", "dcp") if rep % 2 == 0 else ("dcp", "gather")):
             result = tmp / f"{method}_{rep}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), str(Path(__file__).resolve()), "--worker", "--method", method, "--layers",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(Path(__file__).resolve()), "--worker", "--method", method, "--layers",
                    str(layers), "--width", str(width), "--heads", str(heads), "--dir", str(tmp / "ckpts"),
                    "--result", str(result)]
             for attempt in (1, 2):  # gloo's run loop crashed once here (SIGSEGV in libc) during the gather: retry

@@ -430,8 +430,7 @@ def launch(worker: str, nproc: int | None, tmp: Path, name: str, timeout_s: floa
     """This file as a worker (`nproc` ranks under torch.distributed.run, or one plain process); its JSON result.
     A failed launch is retried once (gloo crashed once here in checkpoint_bench's launches) and recorded."""
     result = tmp / f"{name}.json"
-    head = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-             str(free_port())] if nproc else [sys.executable])
+    head = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else [sys.executable])
     cmd = head + [str(Path(__file__).resolve()), "--worker", worker, "--dir", str(tmp), "--result", str(result)]
     for key, value in opts.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]

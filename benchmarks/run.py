@@ -299,7 +299,7 @@ def run_pair_member(runtime: str, rep: int, mode: Mode, tmp: Path, data: Path) -
         cmd = [PY, "trainers/main.py", "--config", CONFIG, *over]
     else:
         torchrun = str(Path(PY).parent / "torchrun")
-        cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "trainers/torchrun.py",
+        cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "trainers/torchrun.py",
                "--config", CONFIG, *over]
     load_before = os.getloadavg()
     r = launch(cmd, tmp / f"{runtime}_r{rep}.log", mode.timeout_s, sample_log=storage / "samples")

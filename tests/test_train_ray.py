@@ -4,12 +4,11 @@ at the right step, MLflow records one run per training run, and torchrun gives t
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import PYTHON, REPO, free_port, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_cli, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -114,8 +113,7 @@ def test_resume_continues_at_the_right_step_and_mlflow_run(ray_runs, tabular_dat
 
 
 def test_torchrun_gives_the_same_losses_as_ray(ray_runs, tabular_data, tmp_path):
-    torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "trainers/torchrun.py",
+    r = subprocess.run([*torchrun_launcher(2), "trainers/torchrun.py",
                         *tiny_args(tabular_data, tmp_path, "t", STEPS, "tracking.mlflow=false")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Stride: your own model, data and loss, trained the same way on a laptop, a Ray cluster or SLURM.
 
     from stride import Task          # the contract a model, its data columns and its loss are written against
+    from stride import Callback      # code at fixed points of the loop (docs/callbacks.md)
     stride.fit(config)               # train a config (a path, a dict or a Config) on Ray, as `python -m stride` does
 
 The subpackages are the repository's top-level folders: `stride.trainers` (trainers/), `stride.datasets`
@@ -24,6 +25,7 @@ __version__ = "0.2.0"
 
 _PUBLIC = {
     "Task": "stride.trainers.task",
+    "Callback": "stride.trainers.callbacks",
     "DataSplit": "stride.datasets.splits",
     "DataError": "stride.datasets.splits",
     "Config": "stride.trainers.config",

@@ -71,7 +71,16 @@ MAIN_CASES = [
     (["scaling.num_workers=[1,2,3]"], "scaling.num_workers"), (["scaling.cpus_per_worker=0"], "scaling.cpus_per_worker"),
     (["scaling.use_gpu=maybe"], "scaling.use_gpu"), (["scaling.max_failures=-5"], "scaling.max_failures"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last"), (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
-    (["tracking.mlflow=maybe"], "tracking.mlflow"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
+    (["tracking.mlflow=maybe"], "tracking.mlflow"),
+    (["tracking.sinks=[nope]"], "tracking.sinks (['nope']) must be one of 'mlflow', 'tensorboard' or 'wandb'"),
+    (["tracking.sinks=[wandb,wandb]"], "tracking.sinks (['wandb', 'wandb']) names a sink twice"),
+    (["tracking.wandb_mode=sometimes"], "tracking.wandb_mode ('sometimes') must be one of 'online', 'offline'"),
+    (["train.callbacks=[nope]"], "train.callbacks (['nope']) entry 0 ('nope') is not \"module:Class\""),
+    (["train.callbacks=[no_such_module:Stop]"],
+     "train.callbacks[0] (no_such_module:Stop): module no_such_module is not importable"),
+    (["train.callbacks=[json:dumps]"], "train.callbacks[0] (json:dumps): module json dumps is not a stride.Callback"),
+    (["train.callbacks=[{{stride.trainers.callbacks:Callback: {{every: 2}}}}]"],
+     "got an unexpected keyword argument 'every'"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
     # Issue 27: counts with no sane upper bound, an MLflow scheme MLflow fails on later, a symlink loop, a task
     # module that exits at import (on PYTHONPATH, see `results`), damaged Parquet pages, a value too long to quote.
     (["train.max_steps=1000000000000000000000000000000"],

@@ -206,7 +206,7 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
 
 
 def test_an_mlflow_password_never_reaches_params_summary_or_the_console(tmp_path, tabular_data, monkeypatch, capsys):
-    from stride.trainers import tracking
+    from stride.trainers.sinks import mlflow_sink as tracking
 
     seen = {}
 

@@ -139,7 +139,7 @@ def test_a_symlinked_checkpoint_folder_is_refused_written_through_never_and_skip
 def test_metrics_summary_and_the_stop_file_are_never_written_through_a_link(tmp_path, monkeypatch):
     from stride.trainers.driver import write_summary
     from stride.trainers.policies import STOP_FILE, clear_stop_request, request_stop
-    from stride.trainers.sinks import MetricsFile
+    from stride.trainers.sinks.metrics_file import MetricsFile
 
     run = tmp_path / "run"
     run.mkdir()
@@ -192,6 +192,7 @@ def test_temporary_names_are_fresh_so_a_link_at_the_old_fixed_name_is_never_open
 def test_profile_traces_are_not_written_through_a_link(tmp_path):
     from types import SimpleNamespace
 
+    from stride.trainers.sinks import Sinks
     from stride.trainers.telemetry import Profiler
 
     victim, before = _victim(tmp_path)
@@ -209,13 +210,13 @@ def test_profile_traces_are_not_written_through_a_link(tmp_path):
         profiler = Profiler([1, 1], run, env)
         profiler.before_step(0)
         with pytest.raises(RunFolderError, match="is a symlink"):
-            profiler.after_step(1, None)
+            profiler.after_step(1, Sinks([]))
     assert _sha(victim) == before and sorted(p.name for p in victim.parent.iterdir()) == ["precious.txt"]
     run = tmp_path / "clean"
     run.mkdir()
     profiler = Profiler([1, 1], run, env)
     profiler.before_step(0)
-    profiler.after_step(1, None)
+    profiler.after_step(1, Sinks([]))
     assert json.loads((run / "profile" / "rank0.json").read_text())  # the trace, where it belongs
 
 
@@ -349,7 +350,7 @@ def test_a_pickled_bytes_item_fails_verify_and_never_runs(tmp_path):
 
 
 def test_metrics_lines_of_the_wrong_types_are_dropped_on_resume_with_the_torn_ones(tmp_path, monkeypatch):
-    from stride.trainers import sinks
+    from stride.trainers.sinks import metrics_file as sinks
 
     path = tmp_path / "metrics.jsonl"
     good = [{"step": 1, "train_loss": 1.0}, {"step": 2, "val_loss": 0.5, "val_accuracy": None}]

@@ -259,6 +259,19 @@ class ParamGroup(Section):
 
 
 class TrainSection(Section):
+    callbacks: list[str | dict[str, dict[str, Any] | None]] = Field(
+        [], description='stride.Callback classes the run calls, each "module:Class" or {"module:Class": {keyword '
+        'arguments}} (docs/callbacks.md)')
+
+    @field_validator("callbacks")
+    @classmethod
+    def _callback_entries(cls, v: list) -> list:
+        for i, entry in enumerate(v):
+            spec = entry if isinstance(entry, str) else next(iter(entry)) if len(entry) == 1 else None
+            if spec is None or ":" not in spec:
+                raise ValueError(f"entry {i} ({entry!r}) is not \"module:Class\" or {{\"module:Class\": {{keyword "
+                                 f"arguments}}}}; name a stride.Callback subclass, e.g. my_callbacks:StopAt")
+        return v
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
     tokens_per_micro_batch: int | None = Field(None, ge=1, description="With data.length_column: micro-batches hold "
                                                "rows whose lengths sum to at most this per worker (rows of similar "
@@ -383,10 +396,33 @@ class InitSection(Section):
         return v
 
 
+SINK_NAMES = ("mlflow", "tensorboard", "wandb")
+
+
 class TrackingSection(Section):
-    mlflow: bool = Field(True, description="Record the run in MLflow (params, metrics, tags; rank 0)")
+    sinks: list[Literal["mlflow", "tensorboard", "wandb"]] = Field(
+        ["mlflow"], description="Where the run's figures are recorded besides metrics.jsonl and the console "
+        "(always on): mlflow, tensorboard (<run>/tensorboard/), wandb (see the wandb_* keys)")
+    mlflow: bool = Field(True, description="Record the run in MLflow when tracking.sinks has mlflow (false: leave "
+                         "it out)")
     mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
-    experiment: str = Field("stride", description="MLflow experiment name")
+    experiment: str = Field("stride", description="MLflow experiment name; the W&B project when wandb_project is null")
+    wandb_project: str | None = Field(None, description="W&B project (null: tracking.experiment)")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user; null: W&B's default)")
+    wandb_tags: list[str] = Field([], description="W&B tags of the run")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (null: WANDB_MODE, else online); offline writes <run>/wandb/ for `wandb sync`")
+
+    @field_validator("sinks")
+    @classmethod
+    def _each_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a sink twice; list each of {', '.join(SINK_NAMES)} at most once")
+        return v
+
+    def active_sinks(self) -> list[str]:
+        """The trackers this run records to: tracking.sinks, less MLflow when tracking.mlflow is false."""
+        return [name for name in self.sinks if name != "mlflow" or self.mlflow]
 
     @field_validator("mlflow_uri")
     @classmethod

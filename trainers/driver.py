@@ -14,21 +14,22 @@ from pathlib import Path
 
 from stride.datasets.splits import DataSpec, inspect
 from stride.ray_cluster.connect import UsageError, elastic, resolve_scaling
+from stride.trainers import sinks
 from stride.trainers.config import Config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
-    """summary.json; but a rerun that did not complete (failed, stopped) never replaces a completed run's record: its
-    summary goes beside it as summary.<status>.json. Returns the path written."""
+    """summary.json; but a rerun that did not end the run (failed, interrupted) never replaces a completed run's
+    record: its summary goes beside it as summary.<status>.json. Returns the path written."""
     import json
 
     from stride.trainers import runfolder
     from stride.trainers.checkpointing import atomic_write_text
 
     path = run_dir / "summary.json"
-    if summary.get("status") != "completed":
+    if not summary.get("final", summary.get("status") == "completed"):
         try:  # an earlier summary that is not what Stride writes counts as none
             earlier = runfolder.read_summary(path)
         except (OSError, ValueError, runfolder.RunFolderError):
@@ -57,10 +58,13 @@ def prepare(cfg: Config, num_workers: int | None = None):
     """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.
     Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
     the launcher knows it (torchrun); else the config's."""
+    from stride.trainers.callbacks import build as build_callbacks
     from stride.trainers.step import check_optimizer
     from stride.trainers.tasks import make_task
 
+    sinks.preflight(cfg)  # a tracker whose package is missing: refused now, not warned about on every worker
     task = make_task(cfg)
+    build_callbacks(cfg, task)  # each imported and built once here: a mistake is one line, before any worker
     check_optimizer(cfg)
     specs = inspect(cfg, task)
     check_model(cfg, task)
@@ -286,12 +290,7 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     summary = dict(result.return_value or {})
     summary.setdefault("status", "completed")
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    if summary.get("mlflow_run_id") and summary["checkpoint"] and plan.mlflow_uri:
-        from stride.trainers.tracking import Tracker
-
-        tracker = Tracker(plan.mlflow_uri, cfg.tracking.experiment, cfg.run.storage_path)
-        tracker.run_id = summary["mlflow_run_id"]
-        tracker.set_tag("final_checkpoint", summary["checkpoint"])
+    sinks.after_run(cfg, summary)  # the trackers' records name the final checkpoint
     return EXIT_OK, summary
 
 

@@ -27,10 +27,11 @@ from stride.datasets.mixing import order_for
 from stride.datasets.splits import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
 from stride.trainers import blocks as trainer_blocks
-from stride.trainers import checkpointing, fsdp, pretrained, runlock, telemetry
+from stride.trainers import checkpointing, fsdp, pretrained, runlock, sinks as run_sinks, telemetry
+from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
-from stride.trainers.sinks import MetricsFile, Sinks
+from stride.trainers.sinks import RunInfo, Sinks, saved_state
 from stride.trainers.step import (Freezer, Precision, StepResult, all_reduce_mean_many, build_optimizer,
                                   build_scheduler, evaluate, logged_lrs, resolve_groups, resolve_precision, train_step)
 from stride.trainers.task import Task
@@ -75,8 +76,9 @@ class RunPlan:
     val: DataSpec | None
     facts: dict[str, Any]  # what the task's inspect found in the data (Task.facts)
     cpus_per_worker: float
-    mlflow_uri: str | None  # None: no MLflow (tracking.mlflow=false)
-    mlflow_parent_run_id: str | None = None  # a sweep's parent run
+    # Per tracker of tracking.sinks, what the launcher decided for every rank (trainers/sinks: Sink.plan), and a
+    # sweep's additions (its parent run).
+    sink_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     report_log_steps: bool = False  # report every log step to Ray (Tune's schedulers read train_* figures)
     progress_bar: bool = False
     sample_log: str | None = None  # debugging aid: every rank logs the sample_ids it trains on (STRIDE_SAMPLE_LOG)
@@ -86,14 +88,15 @@ class RunPlan:
     init_sha256: str | None = None  # init.from's digest as the driver's check computed it; None: rank 0 hashes it
 
 
-def plan_run(cfg: Config, specs: dict[str, DataSpec], facts: dict[str, Any], **extra: Any) -> RunPlan:
-    from stride.trainers.tracking import default_uri
-
-    uri = (cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path)) if cfg.tracking.mlflow else None
+def plan_run(cfg: Config, specs: dict[str, DataSpec], facts: dict[str, Any], sink_options: dict | None = None,
+             **extra: Any) -> RunPlan:
     from stride.trainers.pretrained import known_sha256
 
+    options = run_sinks.plan(cfg)
+    for name, more in (sink_options or {}).items():
+        options[name] = {**options.get(name, {}), **more}
     return RunPlan(run_dir=str(cfg.run_dir), train=specs["train"], val=specs.get("val"), facts=facts,
-                   cpus_per_worker=cfg.scaling.cpus_per_worker, mlflow_uri=uri,
+                   cpus_per_worker=cfg.scaling.cpus_per_worker, sink_options=options,
                    sample_log=os.environ.get("STRIDE_SAMPLE_LOG"), init_sha256=known_sha256(cfg.init.from_), **extra)
 
 
@@ -105,7 +108,7 @@ class TrainState:
     micro_step: int = 0  # global micro-step counter over epochs: the data position
     samples_seen: int = 0
     restarts: int = 0
-    mlflow_run_id: str | None = None
+    sinks: dict[str, Any] = field(default_factory=dict)  # each tracker's state (its run id), from the checkpoint
     initial_val_loss: float | None = None
 
 
@@ -172,6 +175,7 @@ class Trainer:
         self.state = TrainState()
         self.start_position = (0, 0)  # (epoch, rows into it): where a token-budget stream starts (resume sets it)
         self.stream = None  # fit()'s stream of training micro-batches: it knows the data position
+        self.ended: str | None = None  # the status of a run a callback ended (its rerun trains no further)
         # Checked before every checkpoint and metrics write: a worker whose run lost the folder never writes again.
         self.fence = runlock.Fence(self.run_dir, plan.run_lock_token, cfg.run.lock_stale_s)
 
@@ -276,7 +280,7 @@ class Trainer:
                   ) -> dict[str, Any] | None:
         """init.from into `model` (under FSDP each rank reads its slices); `initialise` (a model built on the meta
         device) first, unless init.from fills every parameter. Returns what was loaded (summary.json, meta.json,
-        MLflow); a resumed run keeps the record of its first start."""
+        the trackers); a resumed run keeps the record of its first start."""
         earlier = (self.resume_meta or {}).get("init")
         source = self.init_source()
         if source is None:
@@ -367,10 +371,12 @@ class Trainer:
         else:
             s.step, s.samples_seen = meta["step"], meta["samples_seen"]
             s.micro_step = epoch * self.order.micro_steps_per_epoch + offset // self.global_micro
+        if meta.get("ended"):  # a callback ended the run (early stopping): it stays ended
+            self.ended, self.total_steps = meta["ended"], s.step
         # Rerunning a finished run trains nothing: it is not a restart, and its results are the checkpoint's.
         s.restarts = meta.get("restarts", 0) + (s.step < self.total_steps)
         self.checkpoint_metrics = meta.get("metrics") or {}
-        s.mlflow_run_id = meta.get("mlflow_run_id")
+        s.sinks = saved_state(meta)
         s.initial_val_loss = meta.get("initial_val_loss")
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, s.step, epoch, offset,
                  s.restarts)
@@ -423,24 +429,16 @@ class Trainer:
     # ---- rank-0 duties and the sinks ----
 
     def open_sinks(self) -> Sinks:
-        tracker, metrics_file, bar = None, None, None
+        """metrics.jsonl, the console, Prometheus and tracking.sinks' trackers (trainers/sinks), which continue
+        their own records on resume."""
         if self.rank0:
             self.fence.still_holds()  # opening metrics.jsonl trims it on resume
-            resumed = self.checkpoint_dir is not None
-            metrics_file = MetricsFile(self.run_dir / "metrics.jsonl", self.state.step if resumed else None)
-            if self.plan.mlflow_uri:
-                from stride.trainers.tracking import Tracker
-
-                tracker = Tracker(self.plan.mlflow_uri, self.cfg.tracking.experiment, self.cfg.run.storage_path)
-                # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
-                self.state.mlflow_run_id = tracker.start(self.cfg.run.name, self.state.mlflow_run_id,
-                                                         public_dict(self.cfg), self.plan.mlflow_parent_run_id)
-                for key, value in (self.init_record or {}).items():  # where the weights came from
-                    tracker.set_tag(f"init.{key}", value)
-            if self.env.progress_bar is not None:
-                bar = self.env.progress_bar(total=self.total_steps, initial=self.state.step, desc=self.cfg.run.name)
-        self.tracker = tracker
-        return Sinks(self.rank0, metrics_file, tracker, bar, self.env.record_metrics, self.total_steps)
+        resumed = self.checkpoint_dir is not None
+        run = RunInfo(self.cfg, self.run_dir, self.state.step if resumed else None, state=self.state.sinks,
+                      options=self.plan.sink_options, params=public_dict(self.cfg), tags=self.init_record or {},
+                      total_steps=self.total_steps, progress_bar=self.env.progress_bar,
+                      record_metrics=self.env.record_metrics)
+        return Sinks.open(run, self.rank0)
 
     # ---- one optimizer step ----
 
@@ -538,7 +536,8 @@ class Trainer:
         model_state, optim_state = self.training_state(trainable_only)
         meta = {"trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
                 "step": s.step, "epoch": epoch, "epoch_offset_samples": offset,
-                "samples_seen": s.samples_seen, "restarts": s.restarts, "mlflow_run_id": s.mlflow_run_id,
+                "samples_seen": s.samples_seen, "restarts": s.restarts, "sinks": self.sinks.state_dict(),
+                "callbacks": self.callbacks.state_dict(), "ended": self.stop.final_status(),
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
@@ -593,11 +592,13 @@ class Trainer:
             self.writer.close()
 
     def train_loop(self, stream: TrainStream) -> dict[str, Any]:
-        sinks = self.open_sinks()
+        sinks = self.sinks = self.open_sinks()
         cfg, env, s = self.cfg, self.env, self.state
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
-        stop = StopRequest(self.run_dir, env.device, env.world_size)
+        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size)
         stop.install()
+        callbacks = self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
+        callbacks.load_state_dict((self.resume_meta or {}).get("callbacks") or {})
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,
                           cfg.checkpoint.every_steps, self.plan.val is not None)
         nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps)
@@ -609,7 +610,19 @@ class Trainer:
         train_start, start_step, since = time.perf_counter(), s.step, (time.perf_counter(), s.samples_seen)
         # Until this run logs and evaluates, its latest figures are the checkpoint's (a finished run rerun keeps them).
         last_train = {k: v for k, v in self.checkpoint_metrics.items() if k == "train_loss"}
-        last_val, status = {k: v for k, v in self.checkpoint_metrics.items() if k.startswith("val_")}, "completed"
+        last_val = {k: v for k, v in self.checkpoint_metrics.items() if k.startswith("val_")}
+        status = self.ended or "completed"
+
+        def log_train(metrics: dict[str, Any]) -> None:  # the step's training figures, averaged over ranks
+            nonlocal since, last_train
+            train, own = self.log_figures(result, clock, since, stream.padding)
+            since = (time.perf_counter(), s.samples_seen)
+            metrics.update(train)
+            eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)
+            sinks.train(metrics, own, eta)
+            last_train = metrics
+
+        callbacks.fit_start()
         while s.step < self.total_steps:
             profiler.before_step(s.step)
             t_data = time.perf_counter()
@@ -622,33 +635,35 @@ class Trainer:
                 log.warning(warning)
             clock.steps += 1
             sinks.step_done()
-            profiler.after_step(s.step, self.tracker)
+            profiler.after_step(s.step, sinks)
 
-            stopping = stop.requested()
-            if stopping:
-                status = stop.status()
-                log.warning("stop requested (%s): checkpointing at step %d", status, s.step)
-            due = cadence.due(s.step, stopping)
-            if not due.any:
-                continue
             metrics: dict[str, Any] = {"step": s.step, "epoch": self.stream.position(s.micro_step)[0],
                                        "samples_seen": s.samples_seen}
-            if self.rank0 and (due.log or due.eval):  # before metrics.jsonl and MLflow: one file read per log step
+            due = cadence.due(s.step)
+            if self.rank0 and (due.log or due.eval):  # before the sinks write: one file read per log step
                 self.fence.still_holds()
             if due.log:
-                train, own = self.log_figures(result, clock, since, stream.padding)
-                since = (time.perf_counter(), s.samples_seen)
-                metrics.update(train)
-                eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)
-                sinks.train(metrics, own, eta)
-                last_train = metrics
+                log_train(metrics)
             if due.eval:
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
                 clock.excluded += time.perf_counter() - t_eval
                 metrics.update(last_val)
-                sinks.val(s.step, last_val)
-            sinks.mlflow(metrics, s.step)
+                sinks.eval(s.step, last_val)
+                callbacks.eval_end(last_val)
+            callbacks.step_end(metrics)
+            # A signal, the stop file or a callback's request: every rank agrees, and the run checkpoints now.
+            if stopping := stop.requested():
+                status = stop.status()
+                log.warning("stop requested (%s): checkpointing at step %d", status, s.step)
+                if not due.log:  # a stop always logs
+                    if self.rank0:
+                        self.fence.still_holds()
+                    log_train(metrics)
+                due = cadence.due(s.step, stopping)
+            if not due.any:
+                continue
+            sinks.step(s.step, metrics)
             t_ckpt = time.perf_counter()
             staged = self.checkpoint(metrics) if due.checkpoint else None
             # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
@@ -658,19 +673,19 @@ class Trainer:
             if due.checkpoint:  # what training waited for: the previous write (if still going) and staging
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
+                callbacks.checkpoint()
             if stopping:
                 break
 
         self.writer.wait()  # a run never ends before its last checkpoint is complete
-        profiler.close(self.tracker)
-        sinks.close()
+        profiler.close(sinks)
         stop.uninstall()
         if sample_log is not None:
             sample_log.close()
         summary = self.summary(status, stop, time.perf_counter() - train_start, start_step, last_train, last_val)
         summary["train_rows_read"] = stream.rows_read  # this rank's: a resume reads from its window on
-        if self.tracker is not None:
-            self.tracker.finish()
+        sinks.close(status)
+        callbacks.fit_end(summary if self.rank0 else {"status": status, "stop_signal": summary["stop_signal"]})
         return summary if self.rank0 else {"status": status, "stop_signal": summary["stop_signal"]}
 
     def summary(self, status: str, stop: StopRequest, wall: float, start_step: int, last_train: dict,
@@ -687,6 +702,7 @@ class Trainer:
         trained = s.step - start_step
         return {
             "status": status, "stop_signal": stop.signal() if status != "completed" else None, "world_size": W,
+            "final": status == "completed" or status == self.ended or stop.final_status() is not None,
             "global_step": s.step, "epochs_completed": self.stream.epochs_completed(s.micro_step),
             "samples_seen": s.samples_seen, "rows_dropped": self.order.rows_dropped_per_epoch,
             "task": self.cfg.model.name, "facts": self.plan.facts,
@@ -694,7 +710,7 @@ class Trainer:
             "initial_val_loss": s.initial_val_loss, **{k: v for k, v in last_val.items() if k != "val_loss"},
             "samples_per_second": trained * self.global_micro * self.cfg.train.grad_accum_steps / max(wall, 1e-9)
             if trained else None,
-            "train_wall_s": wall, "mlflow_run_id": s.mlflow_run_id, "restarts": s.restarts,
+            "train_wall_s": wall, **self.sinks.summary(), "restarts": s.restarts,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],

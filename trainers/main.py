@@ -33,7 +33,7 @@ from stride.datasets.splits import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers import runfolder, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
-                                    public_dict, redact, section_keys, to_yaml)
+                                    public_dict, section_keys, to_yaml)
 from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, check_resume, check_storage,  # noqa: E402
                                     install_signal_handlers, prepare, record_summary, train_on_ray)
 
@@ -109,9 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> None:
-    from stride.trainers.tracking import default_uri
+    from stride.trainers import sinks
 
-    uri = redact(cfg.tracking.mlflow_uri) or default_uri(cfg.run.storage_path)
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     val = "".join(f" {k} {fmt(v)}" for k, v in summary.items() if k.startswith("val_") and k != "val_loss" and v is not None)
     print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "
@@ -121,8 +120,8 @@ def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> N
     print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
     print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
     print(f"stride: checkpoint  {summary.get('checkpoint')}")
-    if cfg.tracking.mlflow:
-        print(f"stride: mlflow      run {summary.get('mlflow_run_id')} in {uri}  (view: mlflow ui --backend-store-uri {uri})")
+    for line in sinks.where(cfg, summary):
+        print(f"stride: {line}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,14 @@ class StopRequest:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def request(self, status: str) -> None:
+        """A callback's request (trainers/callbacks.py): it ends the run for good (its checkpoint says so)."""
+        self.local = self.local or {"status": status, "final": True}
+
+    def final_status(self) -> str | None:
+        """The status of a stop that ends the run for good (a callback's), None for a signal's or none."""
+        return self.local["status"] if self.local and self.local.get("final") else None
+
     def requested(self) -> bool:
         flag = 1.0 if (self.local is not None or self.path.exists()) else 0.0
         if self.world_size > 1:

@@ -37,7 +37,10 @@ class CheckpointMeta(BaseModel):
     samples_seen: Count | None = None
     restarts: Count | None = None
     world_size: Annotated[int, Field(ge=1)] | None = None
-    mlflow_run_id: str | None = None
+    mlflow_run_id: str | None = None  # checkpoints before `sinks`
+    sinks: dict[str, dict[str, JsonValue]] | None = None  # each tracker's state (trainers/sinks)
+    callbacks: dict[str, JsonValue] | None = None  # each callback's state_dict (rank 0's)
+    ended: str | None = None  # the status of a run a callback ended
     initial_val_loss: Number | None = None
     model: str | None = None
     strategy: str | None = None
@@ -75,6 +78,8 @@ class Summary(BaseModel):
     params: dict[str, JsonValue] | None = None
     global_step: Step | None = None
     mlflow_run_id: str | None = None
+    wandb_run_id: str | None = None
+    final: bool | None = None  # the run is over (completed, or ended by a callback): a rerun trains no further
 
     @model_validator(mode="after")
     def _figures(self):

@@ -102,6 +102,11 @@ class Task:
         transformer's layers); the last one is left to the root when they would hold every parameter."""
         return repeated_blocks(model)
 
+    def callbacks(self) -> list:
+        """stride.Callback instances this task always runs with (after train.callbacks'): docs/callbacks.md.
+        Default: none."""
+        return []
+
     def flops_per_sample(self, model: nn.Module) -> float | None:
         """Training FLOPs (forward + backward) per sample, for MFU. Default: 6 x parameters, right for a model
         applied once per sample (an MLP, a CNN's dense part), low for sequence models (x tokens per sample):

@@ -1,7 +1,8 @@
 """What a step costs: step time, data wait, checkpoint blocking, throughput, MFU, and where the figures go.
 
-The loop measures on every rank; each log step the figures go to metrics.jsonl and MLflow (rank 0, averaged
-over ranks) and, on Ray, to Prometheus through `ray.util.metrics` gauges tagged with the run and the rank.
+The loop measures on every rank; each log step the figures go to the sinks (trainers/sinks: metrics.jsonl and the
+trackers on rank 0, averaged over ranks) and, on Ray, to Prometheus through `ray.util.metrics` gauges tagged with
+the run and the rank.
 No Ray import here: the same code runs under torchrun.
 """
 
@@ -68,8 +69,8 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
 
 class Profiler:
     """train.profile_steps [start, end]: a torch.profiler trace of those optimizer steps on every rank, written to
-    profile/rank<k>.json (Chrome trace: Perfetto, chrome://tracing); rank 0 logs the traces it can see to MLflow
-    (all of them when the run folder is shared)."""
+    profile/rank<k>.json (Chrome trace: Perfetto, chrome://tracing); rank 0 hands the traces it can see to the
+    sinks (a tracker keeps them with its record; all of them when the run folder is shared)."""
 
     def __init__(self, steps: list[int] | None, run_dir, env):
         self.steps, self.run_dir, self.env = steps, run_dir, env
@@ -83,11 +84,11 @@ class Profiler:
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self.profiler.start()
 
-    def after_step(self, step: int, tracker) -> None:
+    def after_step(self, step: int, sinks) -> None:
         if self.profiler is not None and step == self.steps[1]:
-            self.close(tracker)
+            self.close(sinks)
 
-    def close(self, tracker) -> None:
+    def close(self, sinks) -> None:
         """Stop and write the trace (also when the run ends or stops inside the profiled range)."""
         if self.profiler is None:
             return
@@ -101,10 +102,9 @@ class Profiler:
         logging.getLogger("stride").info("profile trace written to %s", trace)
         if self.env.world_size > 1:
             torch.distributed.barrier()
-        if tracker is not None:
-            for path in sorted(out.glob("rank*.json")):
-                if path.is_file() and not path.is_symlink():  # a planted link must not upload what it points at
-                    tracker.log_artifact(path, "profile")
+        for path in sorted(out.glob("rank*.json")):
+            if path.is_file() and not path.is_symlink():  # a planted link must not upload what it points at
+                sinks.artifact(path, "profile")
 
 
     def _write_trace(self, out, trace) -> None:

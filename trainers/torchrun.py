@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from stride.datasets.splits import DataError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing, runfolder, runlock  # noqa: E402
+from stride.trainers import checkpointing, runfolder, runlock, sinks  # noqa: E402
 from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
 from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
@@ -170,6 +170,8 @@ def train(config: str, overrides: list[str]) -> int:
                            config=public_dict(cfg), runtime="torchrun")
             runlock.Fence(run_dir, token, cfg.run.lock_stale_s).still_holds()
             write_summary(run_dir, summary)
+            for line in sinks.where(cfg, summary):  # where each tracker's record is, and how to view it
+                print(f"stride: {line}", flush=True)
     finally:
         if lock is not None:
             lock.release()

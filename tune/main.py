@@ -174,7 +174,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def start_parent_run(sweep: Sweep, cfg: Config, uri: str, run_id: str | None) -> str | None:
-    from stride.trainers.tracking import Tracker
+    from stride.trainers.sinks.mlflow_sink import Tracker
 
     tracker = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
     run_id = tracker.start(sweep.sweep.name, run_id, sweep.to_params())
@@ -355,7 +355,7 @@ def finish_mlflow(sweep: Sweep, uri: str, parent_run_id: str | None, trials: lis
         return
     from mlflow.entities import Param
 
-    from stride.trainers.tracking import Tracker
+    from stride.trainers.sinks.mlflow_sink import Tracker
 
     cfg = sweep.base_cfg()
     child = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
@@ -485,7 +485,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
     from ray import tune
 
     from stride.trainers.checkpointing import atomic_write_text
-    from stride.trainers.tracking import default_uri
+    from stride.trainers.sinks.mlflow_sink import default_uri
     from stride.tune.trial import run_trial
 
     import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that

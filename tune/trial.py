@@ -97,7 +97,8 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         if repaired:
             print(f"stride: trial {trial_id}: {repaired}", flush=True)
         trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
-                                      mlflow_parent_run_id=parent_run_id, run_lock_token=lock.token,
+                                      sink_options={"mlflow": {"parent_run_id": parent_run_id}},
+                                      run_lock_token=lock.token,
                                       report_log_steps=True)  # Tune's schedulers read train_* figures too
         t0 = time.time()
         try:

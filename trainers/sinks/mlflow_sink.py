@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stride.trainers.sinks import RunInfo, Sink
+
 log = logging.getLogger("stride")
 
 
@@ -107,3 +109,52 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
             self._guard("ending the run", self.client.set_terminated, self.run_id, status)
+
+
+class MLflowSink(Sink):
+    """tracking.sinks: [mlflow] (the default): params, metrics, tags and profiler traces in one MLflow run."""
+    name = "mlflow"
+
+    summary_fields = ("mlflow_run_id",)
+    legacy_meta_key = "mlflow_run_id"
+
+    def open(self, run: RunInfo) -> None:
+        cfg = run.cfg
+        self.tracker = Tracker(uri(cfg), cfg.tracking.experiment, cfg.run.storage_path)
+        # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
+        self.tracker.start(cfg.run.name, run.state.get("run_id"), run.params, run.options.get("parent_run_id"))
+        for key, value in run.tags.items():  # where the weights came from
+            self.tracker.set_tag(f"init.{key}", value)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.tracker.log_metrics(metrics, step)
+
+    def artifact(self, path: Path, folder: str) -> None:
+        self.tracker.log_artifact(path, folder)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.tracker.run_id} if self.tracker.run_id else {}
+
+    def summary(self) -> dict[str, Any]:
+        return {"mlflow_run_id": self.tracker.run_id}
+
+    def close(self, status: str) -> None:
+        self.tracker.finish()
+
+    @classmethod
+    def after_run(cls, cfg, summary: dict[str, Any]) -> None:
+        if summary.get("mlflow_run_id") and summary.get("checkpoint"):
+            tracker = Tracker(uri(cfg), cfg.tracking.experiment, cfg.run.storage_path)
+            tracker.run_id = summary["mlflow_run_id"]
+            tracker.set_tag("final_checkpoint", summary["checkpoint"])
+
+    @classmethod
+    def where(cls, cfg, summary: dict[str, Any]) -> str:
+        from stride.trainers.config import redact
+
+        shown = redact(cfg.tracking.mlflow_uri) or default_uri(cfg.run.storage_path)
+        return f"mlflow      run {summary.get('mlflow_run_id')} in {shown}  (view: mlflow ui --backend-store-uri {shown})"
+
+
+def uri(cfg) -> str:
+    return cfg.tracking.mlflow_uri or default_uri(cfg.run.storage_path)

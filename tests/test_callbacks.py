@@ -1,0 +1,136 @@
+"""stride.Callback: a user's callbacks from the user's own folder run on every rank, keep their state across a resume
+(at another world size), stop the run at a step they pick for good, and fail in one line naming themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO, read_jsonl, torchrun_launcher
+
+pytestmark = pytest.mark.slow
+
+CALLBACKS = '''
+import json
+from pathlib import Path
+
+from stride import Callback
+from stride.trainers.tasks.mlp import MLPTask
+
+
+class Counter(Callback):
+    """Counts the steps it sees on each rank, across resumes (its state)."""
+
+    def __init__(self):
+        self.steps, self.starts = 0, 0
+
+    def on_fit_start(self, state):
+        self.starts += 1
+
+    def on_step_end(self, state, metrics):
+        self.steps += 1
+        assert metrics["step"] == state.step
+
+    def on_fit_end(self, state, summary):
+        Path(state.run_dir, f"counter_rank{state.rank}.json").write_text(json.dumps(
+            {"steps": self.steps, "starts": self.starts, "step": state.step, "world_size": state.world_size}))
+
+    def state_dict(self):
+        return {"steps": self.steps, "starts": self.starts}
+
+    def load_state_dict(self, state):
+        self.steps, self.starts = state["steps"], state["starts"]
+
+
+class StopAt(Callback):
+    def __init__(self, step):
+        self.at = step
+
+    def on_step_end(self, state, metrics):
+        if state.step == self.at:
+            state.request_stop()
+
+
+class Boom(Callback):
+    def on_step_end(self, state, metrics):
+        if state.step == 15:
+            raise RuntimeError("boom at step 15")
+
+
+class CountingMLP(MLPTask):
+    """A task that brings its own callback."""
+
+    def callbacks(self):
+        return [Counter()]
+'''
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cb_project")
+    (folder / "my_callbacks.py").write_text(textwrap.dedent(CALLBACKS))
+    return folder
+
+
+def train(project: Path, data: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    launcher = torchrun_launcher(nproc) if nproc > 1 else [PYTHON]
+    return subprocess.run(
+        [*launcher, str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
+         f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={project}/runs",
+         "train.epochs=null", "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
+         "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra],
+        cwd=project, env=dict(os.environ, PYTHONPATH=str(project), PYTHONUNBUFFERED="1"), capture_output=True,
+        text=True, timeout=300)
+
+
+def counters(run: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(run.glob("counter_rank*.json"))]
+
+
+def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_run_for_good(project, tabular_data):
+    run = project / "runs" / "cb"
+    first = train(project, tabular_data, 1, "run.name=cb", "train.max_steps=20", "train.callbacks=[my_callbacks:Counter]")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert counters(run) == [{"steps": 20, "starts": 1, "step": 20, "world_size": 1}]
+
+    # Resumed on 2 ranks: each rank's Counter starts from the checkpoint's state; StopAt ends the run at step 30.
+    cbs = "train.callbacks=[my_callbacks:Counter, {my_callbacks:StopAt: {step: 30}}]"
+    second = train(project, tabular_data, 2, "run.name=cb", "train.max_steps=40", cbs)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["global_step"] == 30 and summary["world_size"] == 2
+    assert counters(run) == [{"steps": 30, "starts": 2, "step": 30, "world_size": 2}] * 2
+    assert sorted(p.name for p in run.glob("checkpoint_*")) == ["checkpoint_00000020", "checkpoint_00000030"]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r] == [5, 10, 15, 20, 25, 30]
+
+    # The same command again trains nothing: the callback ended the run.
+    third = train(project, tabular_data, 1, "run.name=cb", "train.max_steps=40", cbs)
+    assert third.returncode == 0, third.stderr[-3000:]
+    again = json.loads((run / "summary.json").read_text())
+    assert again["status"] == "stopped" and again["global_step"] == 30 and again["restarts"] == summary["restarts"]
+    assert counters(run)[0]["steps"] == 30  # no step ran
+
+
+def test_a_tasks_own_callbacks_run_after_the_configs(project, tabular_data):
+    r = train(project, tabular_data, 1, "run.name=task_cb", "train.max_steps=10",
+              "model.name=my_callbacks:CountingMLP")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert counters(project / "runs" / "task_cb") == [{"steps": 10, "starts": 1, "step": 10, "world_size": 1}]
+
+
+def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_checkpoint(project, tabular_data):
+    from stride.trainers import checkpointing
+
+    r = train(project, tabular_data, 1, "run.name=boom", "train.max_steps=40", "train.callbacks=[my_callbacks:Boom]")
+    assert r.returncode == 1
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stride: error:")]
+    assert errors == ["stride: error: callback my_callbacks:Boom failed in on_step_end: RuntimeError: boom at step 15"]
+    assert "Traceback" not in r.stderr
+    run = project / "runs" / "boom"
+    assert [p.name for p in run.glob("checkpoint_*")] == ["checkpoint_00000010"]
+    assert checkpointing.verify(run / "checkpoint_00000010") is None

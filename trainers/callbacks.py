@@ -1,0 +1,216 @@
+"""Callbacks: user code at fixed points of the training loop, on every rank, with state that resumes.
+
+    from stride import Callback
+
+    class StopAt(Callback):
+        def __init__(self, step: int):
+            self.at, self.seen = step, 0
+
+        def on_step_end(self, state, metrics):
+            self.seen += 1
+            if state.step == self.at:
+                state.request_stop()           # every rank agrees; the run checkpoints at this step and ends
+
+        def state_dict(self):
+            return {"seen": self.seen}         # JSON values: saved in the checkpoint, restored on resume
+
+        def load_state_dict(self, state):
+            self.seen = state["seen"]
+
+Added with `train.callbacks: ["my_module:StopAt", {"my_module:StopAt": {"step": 30}}]` (a class, or a class with
+its keyword arguments; the module importable from the working directory or PYTHONPATH, as a task's is) or by
+returning instances from `Task.callbacks(self)`. Plain PyTorch, no Ray: they run under Ray Train and torchrun alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+
+from stride.trainers.policies import TrainingError
+
+
+class Callback:
+    """Base class of a callback. Every hook is optional and runs on every rank, in the order the callbacks were
+    given (train.callbacks first, then the task's). An exception in a hook ends the run (exit 1) with one line
+    naming the callback and the hook; the checkpoints written before it stay as they are."""
+
+    def on_fit_start(self, state: "CallbackState") -> None:
+        """Before the first step of this attempt (after a resume: the checkpoint and this callback's state are
+        restored)."""
+
+    def on_step_end(self, state: "CallbackState", metrics: dict[str, Any]) -> None:
+        """After every optimizer step. `metrics` holds step, epoch and samples_seen, and on a log step the training
+        figures (train_loss, lr, ...; averaged over ranks), on an evaluation step the validation ones too."""
+
+    def on_eval_end(self, state: "CallbackState", metrics: dict[str, float]) -> None:
+        """After an evaluation: val_loss and the task's val_<metric> (reduced across ranks: equal on every rank)."""
+
+    def on_checkpoint(self, state: "CallbackState") -> None:
+        """After a checkpoint is staged (its files are written in the background)."""
+
+    def on_fit_end(self, state: "CallbackState", summary: dict[str, Any]) -> None:
+        """After the last step of this attempt; `summary` is rank 0's (other ranks: status and stop_signal)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This callback's state, as JSON values: rank 0's is saved in every checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """On resume, on every rank, before on_fit_start."""
+
+
+class CallbackState:
+    """What a hook sees of the run. Counters are read-only; the model and the optimizer are the live ones (the
+    model unwrapped: under FSDP its parameters are this rank's shards)."""
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+
+    @property
+    def step(self) -> int:
+        return self._trainer.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self._trainer.stream.position(self._trainer.state.micro_step)[0]
+
+    @property
+    def samples_seen(self) -> int:
+        return self._trainer.state.samples_seen
+
+    @property
+    def total_steps(self) -> int:
+        return self._trainer.total_steps
+
+    @property
+    def rank(self) -> int:
+        return self._trainer.env.world_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._trainer.env.world_size
+
+    @property
+    def run_dir(self):
+        return self._trainer.run_dir
+
+    @property
+    def config(self):
+        return self._trainer.cfg
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._trainer.raw_model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._trainer.optimizer
+
+    def request_stop(self, status: str = "stopped") -> None:
+        """End the run after this step, with a checkpoint: every rank agrees at the step boundary (a request on any
+        rank stops all). `status` goes to summary.json; a rerun of the same command does not train further."""
+        self._trainer.stop.request(status)
+
+
+def parse_entry(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A train.callbacks entry: "module:Class", or {"module:Class": {keyword arguments}}."""
+    if isinstance(entry, str):
+        return entry, {}
+    (spec, kwargs), = entry.items()
+    return spec, dict(kwargs or {})
+
+
+def load(spec: str, kwargs: dict[str, Any], where: str) -> Callback:
+    """Import and construct one callback; a mistake is a one-line ValueError naming `where` (the config key)."""
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported in one line
+        raise ValueError(f"{where} ({spec}): module {module_name} is not importable ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); put it in the working directory or on "
+                         f"PYTHONPATH") from None
+    cls = getattr(module, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, Callback)):
+        what = "has no " + name if cls is None else f"{name} is not a stride.Callback"
+        raise ValueError(f"{where} ({spec}): module {module_name} {what}; name a subclass of stride.Callback")
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{where} ({spec}): {e}; give the arguments {name}.__init__ takes") from None
+    return cls(**kwargs)
+
+
+def build(cfg, task) -> list[Callback]:
+    from stride.trainers.config import ConfigError
+
+    out = []
+    for i, entry in enumerate(cfg.train.callbacks):
+        spec, kwargs = parse_entry(entry)
+        try:
+            out.append(load(spec, kwargs, f"train.callbacks[{i}]"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    own = list(task.callbacks())
+    if bad := [c for c in own if not isinstance(c, Callback)]:
+        raise ConfigError(f"model.name ({cfg.model.name}): Task.callbacks returned {type(bad[0]).__name__}, not a "
+                          f"stride.Callback; return instances of Callback subclasses")
+    return out + own
+
+
+class Callbacks:
+    """The run's callbacks: each hook called on each in order; their state keyed by class and position."""
+
+    def __init__(self, callbacks: list[Callback], state: CallbackState):
+        self.callbacks, self.state = callbacks, state
+        counts: dict[str, int] = {}
+        self.keys = []
+        for cb in callbacks:
+            name = f"{type(cb).__module__}:{type(cb).__qualname__}"
+            counts[name] = counts.get(name, 0) + 1
+            self.keys.append(name if counts[name] == 1 else f"{name}#{counts[name]}")
+
+    def _call(self, hook: str, *args) -> None:
+        for key, cb in zip(self.keys, self.callbacks):
+            try:
+                getattr(cb, hook)(self.state, *args)
+            except TrainingError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the user's code: one line naming it, exit 1
+                first = (str(e).splitlines() or [""])[0][:300]
+                raise TrainingError(f"callback {key} failed in {hook}: {type(e).__name__}: {first}") from e
+
+    def fit_start(self) -> None:
+        self._call("on_fit_start")
+
+    def step_end(self, metrics: dict[str, Any]) -> None:
+        self._call("on_step_end", metrics)
+
+    def eval_end(self, metrics: dict[str, float]) -> None:
+        self._call("on_eval_end", metrics)
+
+    def checkpoint(self) -> None:
+        self._call("on_checkpoint")
+
+    def fit_end(self, summary: dict[str, Any]) -> None:
+        self._call("on_fit_end", summary)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {}
+        for key, cb in zip(self.keys, self.callbacks):
+            try:
+                out[key] = cb.state_dict()
+            except Exception as e:  # noqa: BLE001
+                raise TrainingError(f"callback {key} failed in state_dict: {type(e).__name__}: {e}") from e
+        return out
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for key, cb in zip(self.keys, self.callbacks):
+            if key in saved:
+                try:
+                    cb.load_state_dict(saved[key])
+                except Exception as e:  # noqa: BLE001
+                    raise TrainingError(f"callback {key} failed in load_state_dict: {type(e).__name__}: {e}") from e

@@ -80,7 +80,12 @@ MAIN_CASES = [
      "train.callbacks[0] (no_such_module:Stop): module no_such_module is not importable"),
     (["train.callbacks=[json:dumps]"], "train.callbacks[0] (json:dumps): module json dumps is not a stride.Callback"),
     (["train.callbacks=[{{stride.trainers.callbacks:Callback: {{every: 2}}}}]"],
-     "got an unexpected keyword argument 'every'"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
+     "got an unexpected keyword argument 'every'"),
+    (["train.early_stopping={{metric: val_nope}}"],
+     "train.early_stopping.metric (val_nope) is not a figure mlp reports; use one of val_loss, val_accuracy"),
+    (["train.early_stopping={{metric: loss}}"], "train.early_stopping.metric ('loss') is not an evaluation figure"),
+    (["train.early_stopping={{patience: 0}}"], "train.early_stopping.patience"),
+    (["train.early_stopping={{metric: val_loss}}", "data.val_path=null"], "train.early_stopping needs a validation split"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
     # Issue 27: counts with no sane upper bound, an MLflow scheme MLflow fails on later, a symlink loop, a task
     # module that exits at import (on PYTHONPATH, see `results`), damaged Parquet pages, a value too long to quote.
     (["train.max_steps=1000000000000000000000000000000"],

@@ -134,3 +134,30 @@ def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_che
     run = project / "runs" / "boom"
     assert [p.name for p in run.glob("checkpoint_*")] == ["checkpoint_00000010"]
     assert checkpointing.verify(run / "checkpoint_00000010") is None
+
+
+def test_early_stopping_ends_the_run_where_its_rule_says_and_a_rerun_trains_no_further(project, tabular_data):
+    # mode max on val_loss, which falls as the model learns: from the second evaluation on, nothing improves
+    es = "train.early_stopping={metric: val_loss, mode: max, patience: 2}"
+    r = train(project, tabular_data, 1, "run.name=es", "train.max_steps=200", es)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = project / "runs" / "es"
+    evals = [(x["step"], x["val_loss"]) for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x]
+    best, bad, expected = None, 0, None
+    for step, value in evals:  # the rule, applied to what the run logged
+        if best is None or value > best:
+            best, bad = value, 0
+        else:
+            bad += 1
+            if bad == 2:
+                expected = step
+                break
+    assert expected is not None and evals[-1][0] == expected < 200
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stopped_early" and summary["global_step"] == expected and summary["final"]
+    assert (run / f"checkpoint_{expected:08d}").is_dir()
+    again = train(project, tabular_data, 1, "run.name=es", "train.max_steps=200", es)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads((run / "summary.json").read_text())
+    assert rerun["status"] == "stopped_early" and rerun["global_step"] == expected
+    assert [x["step"] for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x][-1] == expected

@@ -258,6 +258,23 @@ class ParamGroup(Section):
         return self.freeze
 
 
+class EarlyStoppingSection(Section):
+    metric: str = Field("val_loss", description="The evaluation figure watched: val_loss, a val_<metric> of the "
+                        "task, or per source val_loss/<name>")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better; max: higher is better")
+    patience: int = Field(3, ge=1, le=1_000_000, description="Evaluations in a row without improvement that stop "
+                          "the run")
+    min_delta: float = Field(0.0, ge=0, allow_inf_nan=False, description="How much better than the best so far "
+                             "counts as an improvement")
+
+    @field_validator("metric")
+    @classmethod
+    def _an_evaluation_figure(cls, v: str) -> str:
+        if not v.startswith("val_"):
+            raise ValueError("is not an evaluation figure; use val_loss or a val_<metric> of the task")
+        return v
+
+
 class TrainSection(Section):
     callbacks: list[str | dict[str, dict[str, Any] | None]] = Field(
         [], description='stride.Callback classes the run calls, each "module:Class" or {"module:Class": {keyword '
@@ -272,6 +289,9 @@ class TrainSection(Section):
                 raise ValueError(f"entry {i} ({entry!r}) is not \"module:Class\" or {{\"module:Class\": {{keyword "
                                  f"arguments}}}}; name a stride.Callback subclass, e.g. my_callbacks:StopAt")
         return v
+    early_stopping: EarlyStoppingSection | None = Field(None, description="Stop when an evaluation figure stops "
+                                                        "improving: {metric, mode, patience, min_delta} (status "
+                                                        "stopped_early; a rerun trains no further)")
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
     tokens_per_micro_batch: int | None = Field(None, ge=1, description="With data.length_column: micro-batches hold "
                                                "rows whose lengths sum to at most this per worker (rows of similar "
@@ -744,9 +764,34 @@ def _list_item_error(err: dict, raw: dict[str, Any]) -> str | None:
                                              else "; fix that entry")
 
 
+def _nested_section_error(err: dict, raw: dict[str, Any]) -> str | None:
+    """An error inside a section-valued key (train.early_stopping): names the key inside it, with the value."""
+    loc = [str(p) for p in err["loc"]]
+    if len(loc) < 3 or loc[0] not in SECTIONS:
+        return None
+    info = section_class(loc[0], raw).model_fields.get(loc[1])
+    inner = next((t for t in (info.annotation, *typing.get_args(info.annotation)) if isinstance(t, type)
+                  and issubclass(t, BaseModel)), None) if info else None
+    if inner is not None and err["type"] == "extra_forbidden":
+        return (f"{'.'.join(loc[:3])} is not a key of {loc[0]}.{loc[1]} (its keys: {', '.join(inner.model_fields)}); "
+                f"fix or remove it")
+    if inner is None or loc[2] not in inner.model_fields:
+        return None
+    given = raw.get(loc[0], {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
+    value = given.get(loc[2]) if isinstance(given, dict) else None
+    key, msg = ".".join(loc[:3]), err["msg"].removeprefix("Value error, ")
+    if err["type"] == "literal_error":
+        msg = msg.replace("Input should be", "must be one of")
+    elif msg.startswith("Input should be"):
+        msg = "must be " + msg.removeprefix("Input should be ")
+    if "; use " in msg:
+        return f"{key} ({quote(value)}) {msg}"
+    return f"{key} ({quote(value)}) {msg}; set {key}=<value> ({inner.model_fields[loc[2]].description})"
+
+
 def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: str | None = None) -> str:
     err = e.errors()[0]
-    if prefix is None and (item := _list_item_error(err, raw)) is not None:
+    if prefix is None and (item := _list_item_error(err, raw) or _nested_section_error(err, raw)) is not None:
         return item
     loc = ([prefix] if prefix else []) + [str(p) for p in err["loc"] if not str(p).isdigit()]
     # pydantic reports the failing member of a union ("int", "literal['auto']"): keep section.field only.

@@ -154,11 +154,32 @@ def build(cfg, task) -> list[Callback]:
             out.append(load(spec, kwargs, f"train.callbacks[{i}]"))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    out += builtin(cfg, task)
     own = list(task.callbacks())
     if bad := [c for c in own if not isinstance(c, Callback)]:
         raise ConfigError(f"model.name ({cfg.model.name}): Task.callbacks returned {type(bad[0]).__name__}, not a "
                           f"stride.Callback; return instances of Callback subclasses")
     return out + own
+
+
+def builtin(cfg, task) -> list[Callback]:
+    """The callbacks Stride's own keys ask for (train.early_stopping), checked against the task and the data."""
+    from stride.trainers.config import ConfigError
+
+    out = []
+    if (es := cfg.train.early_stopping) is not None:
+        from stride.trainers.callbacks.early_stopping import EarlyStopping
+
+        if not (cfg.data.val_path or cfg.data.val):
+            raise ConfigError("train.early_stopping needs a validation split to watch; set data.val_path (or "
+                              "data.val), or remove train.early_stopping")
+        figures = ["val_loss", *(f"val_{n}" for n in task.metric_names or ())]
+        base = es.metric.split("/")[0]
+        if task.metric_names is not None and base not in figures:
+            raise ConfigError(f"train.early_stopping.metric ({es.metric}) is not a figure {cfg.model.name} reports; "
+                              f"use one of {', '.join(figures)}")
+        out.append(EarlyStopping(es.metric, es.mode, es.patience, es.min_delta))
+    return out
 
 
 class Callbacks:

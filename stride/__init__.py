@@ -26,6 +26,7 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "Task": "stride.trainers.task",
     "Callback": "stride.trainers.callbacks",
+    "LossOutput": "stride.trainers.step",
     "DataSplit": "stride.datasets.splits",
     "DataError": "stride.datasets.splits",
     "Config": "stride.trainers.config",

@@ -19,7 +19,9 @@ CALLBACKS = '''
 import json
 from pathlib import Path
 
-from stride import Callback
+import torch.nn.functional as F
+
+from stride import Callback, LossOutput
 from stride.trainers.tasks.mlp import MLPTask
 
 
@@ -60,6 +62,18 @@ class Boom(Callback):
     def on_step_end(self, state, metrics):
         if state.step == 15:
             raise RuntimeError("boom at step 15")
+
+
+class MetricMLP(MLPTask):
+    """Training metrics on the forward's own outputs (LossOutput), no second forward."""
+
+    def loss(self, model, batch):
+        logits = model(batch["x"])
+        return LossOutput(F.cross_entropy(logits.float(), batch["y"]), outputs=logits)
+
+    def train_metrics(self, model, batch, outputs):
+        assert outputs is not None and outputs.shape[0] == batch["y"].shape[0]
+        return {"label": batch["y"].float(), "accuracy": (outputs.argmax(-1) == batch["y"]).float()}
 
 
 class CountingMLP(MLPTask):
@@ -161,3 +175,31 @@ def test_early_stopping_ends_the_run_where_its_rule_says_and_a_rerun_trains_no_f
     rerun = json.loads((run / "summary.json").read_text())
     assert rerun["status"] == "stopped_early" and rerun["global_step"] == expected
     assert [x["step"] for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x][-1] == expected
+
+
+def test_a_tasks_training_metrics_are_averaged_over_the_interval_and_the_ranks(project, tabular_data):
+    import pyarrow.parquet as pq
+
+    log = project / "samples_metric"
+    r = subprocess.run(
+        [*torchrun_launcher(2), str(REPO / "trainers" / "torchrun.py"), "--config",
+         str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
+         f"data.val_path={tabular_data}/val", f"run.storage_path={project}/runs", "run.name=metric",
+         "model.name=my_callbacks:MetricMLP", "train.epochs=null", "train.max_steps=12", "train.log_every_steps=4",
+         "train.grad_accum_steps=2", "train.batch_size_per_worker=16", "tracking.mlflow=false"],
+        cwd=project, env=dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(log)), capture_output=True,
+        text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = pq.read_table(tabular_data / "train", columns=["sample_id", "label"])
+    label = dict(zip(table["sample_id"].to_pylist(), table["label"].to_pylist()))
+    ids: dict[int, list[int]] = {}  # log interval -> every sample any rank trained on in it
+    for f in log.glob("rank*.jsonl"):
+        for rec in read_jsonl(f):
+            ids.setdefault(rec["step"] // 4, []).extend(rec["sample_ids"])
+    lines = [x for x in read_jsonl(project / "runs" / "metric" / "metrics.jsonl") if "train_loss" in x]
+    assert [x["step"] for x in lines] == [4, 8, 12]
+    for k, line in enumerate(lines):
+        seen = ids[k]
+        assert len(seen) == 4 * 2 * 2 * 16  # steps x micro-batches x ranks x rows
+        assert line["train_label"] == pytest.approx(sum(label[i] for i in seen) / len(seen), rel=1e-12)
+        assert 0.0 <= line["train_accuracy"] <= 1.0

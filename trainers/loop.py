@@ -32,7 +32,7 @@ from stride.trainers.callbacks import Callbacks, CallbackState, build as build_c
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
-from stride.trainers.step import (Freezer, Precision, StepResult, all_reduce_mean_many, build_optimizer,
+from stride.trainers.step import (Freezer, Precision, StepResult, TrainMetrics, all_reduce_mean_many, build_optimizer,
                                   build_scheduler, evaluate, logged_lrs, resolve_groups, resolve_precision, train_step)
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
@@ -172,6 +172,9 @@ class Trainer:
         self.run_dir = Path(plan.run_dir)
         self.checkpoint_metrics: dict[str, Any] = {}  # the figures the resumed checkpoint recorded
         self.task = make_task(cfg, plan.facts)
+        # Task.train_metrics, when the task has them: computed on each training forward's outputs.
+        own_metrics = type(self.task).train_metrics is not Task.train_metrics
+        self.train_metrics = TrainMetrics(self.task) if own_metrics else None
         self.state = TrainState()
         self.start_position = (0, 0)  # (epoch, rows into it): where a token-budget stream starts (resume sets it)
         self.stream = None  # fit()'s stream of training micro-batches: it knows the data position
@@ -484,7 +487,7 @@ class Trainer:
         self.unfreeze()
         try:
             result = train_step(self.task.loss, self.model, self.optimizer, self.scaler, self.precision, batches,
-                                self.cfg.optim.grad_clip_norm)
+                                self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe)
         except torch.OutOfMemoryError:
             raise TrainingError(
                 f"out of memory at step {self.state.step + 1} with train.batch_size_per_worker="
@@ -563,6 +566,8 @@ class Trainer:
         metrics = {"train_loss": mean[0], **lrs,
                    "samples_per_second": sps, **dict(zip(keys, mean[1:])),
                    **{f"samples_seen/{name}": n for name, n in self.order.source_counts(s.micro_step).items()}}
+        if self.train_metrics is not None:
+            metrics.update(self.train_metrics.take(self.env.device))
         if (tokens := self.task.tokens_per_sample()) is not None:
             metrics["tokens_per_second"] = sps * tokens
         if self.device_peak and self.sample_flops:  # model FLOPs per second of step time, over the device's peak

@@ -326,10 +326,22 @@ class StepResult:
     finite: bool
 
 
+@dataclass
+class LossOutput:
+    """What Task.loss may return instead of a bare loss: the loss (a mean, or a sum with its `count` of terms)
+    and the forward's `outputs` (logits, predictions), handed to Task.train_metrics without a second forward."""
+
+    loss: torch.Tensor
+    count: Any = None
+    outputs: Any = None
+
+
 def split_loss(out: Any, summed: bool | None) -> tuple[torch.Tensor, Any]:
     """Task.loss's return -> (mean, None), or (loss_sum, count). `summed`: whether the earlier batches of the same
     step or evaluation returned (loss_sum, count); None for the first. One form throughout: a mean and a sum cannot
     be weighted against each other."""
+    if isinstance(out, LossOutput):
+        out = out.loss if out.count is None else (out.loss, out.count)
     if isinstance(out, tuple) and len(out) != 2:
         raise TypeError(f"Task.loss returned a tuple of {len(out)}; return a scalar mean, or (loss_sum, count)")
     loss, count = out if isinstance(out, tuple) else (out, None)
@@ -344,8 +356,34 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+class TrainMetrics:
+    """Task.train_metrics over a logging interval: per-sample values summed on each rank as the micro-batches go
+    by, averaged over every sample of every rank at the log step (one all-reduce), reported as train_<name>."""
+
+    def __init__(self, task):
+        self.task, self.names, self.sums = task, None, None
+
+    def observe(self, model: nn.Module, batch: dict[str, torch.Tensor], outputs: Any) -> None:
+        with torch.no_grad():
+            values = self.task.train_metrics(model, batch, outputs)
+        if self.names is None:
+            self.names = sorted(values)
+        own = torch.tensor([[float(values[n].detach().double().sum()), values[n].numel()] for n in self.names],
+                           dtype=torch.float64)
+        self.sums = own if self.sums is None else self.sums + own
+
+    def take(self, device: torch.device) -> dict[str, float]:
+        """The interval's means, over every rank (each rank calls it at the same log step), then a new interval."""
+        if self.names is None:
+            return {}
+        totals = all_reduce_sum(self.sums.reshape(-1), device).reshape(-1, 2)
+        self.sums = torch.zeros_like(self.sums)
+        return {f"train_{n}": float(s / c) if c else math.nan for n, (s, c) in zip(self.names, totals.tolist())}
+
+
 def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               precision: Precision, micro_batches: list[Any], grad_clip_norm: float | None) -> StepResult:
+               precision: Precision, micro_batches: list[Any], grad_clip_norm: float | None,
+               observe: Callable[[nn.Module, Any, Any], None] | None = None) -> StepResult:
     """Accumulate gradients over `micro_batches`, then one optimizer step.
 
     The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
@@ -370,7 +408,10 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with ctx:
             with precision.autocast():
-                loss, count = split_loss(loss_fn(model, batch), None if i == 0 else sums is not None)
+                out = loss_fn(model, batch)
+                loss, count = split_loss(out, None if i == 0 else sums is not None)
+                if observe is not None:  # Task.train_metrics on this forward's outputs
+                    observe(model, batch, out.outputs if isinstance(out, LossOutput) else None)
             if count is not None and i == 0 and scaler.is_enabled():
                 weight = _fp16_weight(count, loss.device)
             # A sum is not divided by its count here: the global count is known only after every micro-batch of

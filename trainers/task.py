@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from stride.datasets.splits import DataError, DataSplit  # noqa: F401 - part of the task API
 from stride.trainers.config import TaskConfig
+from stride.trainers.step import LossOutput  # noqa: F401 - part of the task API
 
 
 class Task:
@@ -87,6 +88,12 @@ class Task:
     def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-sample values (shape [batch]) on validation batches; Stride averages each over every validation
         sample of every rank and reports it as val_<name>. Default: none."""
+        return {}
+
+    def train_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor], outputs: Any) -> dict[str, torch.Tensor]:
+        """Per-sample values (shape [batch]) on training micro-batches, averaged over the logging interval and every
+        rank and logged as train_<name>. `outputs` is what `loss` returned as `LossOutput(loss, outputs=...)` (the
+        forward's logits, say): no second forward. Runs under no_grad. Default: not overridden, nothing computed."""
         return {}
 
     def inspect(self, train: DataSplit, val: DataSplit | None) -> dict[str, Any]:

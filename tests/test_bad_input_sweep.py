@@ -78,7 +78,7 @@ MAIN_CASES = [
     (["train.callbacks=[nope]"], "train.callbacks (['nope']) entry 0 ('nope') is not \"module:Class\""),
     (["train.callbacks=[no_such_module:Stop]"],
      "train.callbacks[0] (no_such_module:Stop): module no_such_module is not importable"),
-    (["train.callbacks=[json:dumps]"], "train.callbacks[0] (json:dumps): module json dumps is not a stride.Callback"),
+    (["train.callbacks=[json:dumps]"], "train.callbacks[0] (json:dumps): dumps is not a stride.Callback"),
     (["train.callbacks=[{{stride.trainers.callbacks:Callback: {{every: 2}}}}]"],
      "got an unexpected keyword argument 'every'"),
     (["train.early_stopping={{metric: val_nope}}"],

@@ -18,13 +18,12 @@
             self.seen = state["seen"]
 
 Added with `train.callbacks: ["my_module:StopAt", {"my_module:StopAt": {"step": 30}}]` (a class, or a class with
-its keyword arguments; the module importable from the working directory or PYTHONPATH, as a task's is) or by
+its keyword arguments; the module found as a task's is: the launch folder, PYTHONPATH) or by
 returning instances from `Task.callbacks(self)`. Plain PyTorch, no Ray: they run under Ray Train and torchrun alike.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
@@ -125,35 +124,26 @@ def parse_entry(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def load(spec: str, kwargs: dict[str, Any], where: str) -> Callback:
-    """Import and construct one callback; a mistake is a one-line ValueError naming `where` (the config key)."""
-    module_name, _, name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported in one line
-        raise ValueError(f"{where} ({spec}): module {module_name} is not importable ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); put it in the working directory or on "
-                         f"PYTHONPATH") from None
-    cls = getattr(module, name, None)
+    """Import and construct one callback, its module found as a task's is (the working directory, PYTHONPATH, and
+    on workers the launcher's folders); a mistake is a one-line ConfigError naming `where` (the config key)."""
+    from stride.trainers.config import ConfigError
+    from stride.trainers.tasks import load_class
+
+    cls = load_class(where, spec, spec)
+    name = spec.partition(":")[2]
     if not (inspect.isclass(cls) and issubclass(cls, Callback)):
-        what = "has no " + name if cls is None else f"{name} is not a stride.Callback"
-        raise ValueError(f"{where} ({spec}): module {module_name} {what}; name a subclass of stride.Callback")
+        raise ConfigError(f"{where} ({spec}): {name} is not a stride.Callback; name a subclass of stride.Callback")
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
-        raise ValueError(f"{where} ({spec}): {e}; give the arguments {name}.__init__ takes") from None
+        raise ConfigError(f"{where} ({spec}): {e}; give the arguments {name}.__init__ takes") from None
     return cls(**kwargs)
 
 
 def build(cfg, task) -> list[Callback]:
     from stride.trainers.config import ConfigError
 
-    out = []
-    for i, entry in enumerate(cfg.train.callbacks):
-        spec, kwargs = parse_entry(entry)
-        try:
-            out.append(load(spec, kwargs, f"train.callbacks[{i}]"))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    out = [load(*parse_entry(entry), f"train.callbacks[{i}]") for i, entry in enumerate(cfg.train.callbacks)]
     out += builtin(cfg, task)
     own = list(task.callbacks())
     if bad := [c for c in own if not isinstance(c, Callback)]:

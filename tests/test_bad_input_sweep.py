@@ -85,7 +85,12 @@ MAIN_CASES = [
      "train.early_stopping.metric (val_nope) is not a figure mlp reports; use one of val_loss, val_accuracy"),
     (["train.early_stopping={{metric: loss}}"], "train.early_stopping.metric ('loss') is not an evaluation figure"),
     (["train.early_stopping={{patience: 0}}"], "train.early_stopping.patience"),
-    (["train.early_stopping={{metric: val_loss}}", "data.val_path=null"], "train.early_stopping needs a validation split"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
+    (["train.early_stopping={{metric: val_loss}}", "data.val_path=null"], "train.early_stopping needs a validation split"),
+    (["checkpoint.keep_best={{metric: val_bpb}}"],
+     "checkpoint.keep_best.metric (val_bpb) is not a figure mlp reports; use one of val_loss, val_accuracy"),
+    (["checkpoint.keep_best={{k: 0}}"], "checkpoint.keep_best.k (0) must be greater than or equal to 1"),
+    (["checkpoint.keep_best={{k: 1}}", "train.eval_every_steps=7", "checkpoint.every_steps=10"],
+     "checkpoint.every_steps (10) is not a multiple of train.eval_every_steps (7)"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
     # Issue 27: counts with no sane upper bound, an MLflow scheme MLflow fails on later, a symlink loop, a task
     # module that exits at import (on PYTHONPATH, see `results`), damaged Parquet pages, a value too long to quote.
     (["train.max_steps=1000000000000000000000000000000"],

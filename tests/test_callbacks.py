@@ -224,3 +224,30 @@ def test_on_ray_workers_callbacks_stop_the_run_and_tensorboard_records_it(projec
     assert counters(run) == [{"steps": 15, "starts": 1, "step": 15, "world_size": 2}] * 2  # every rank's callback
     assert [s for s, _ in scalars(run / "tensorboard", "train_loss")] == [5, 10, 15]
     assert f"stride: tensorboard {run / 'tensorboard'}" in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])  # val_loss falls as the MLP learns: max keeps the first ones
+def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_export_takes_the_best(project, tabular_data,
+                                                                                                 mode):
+    from safetensors import safe_open
+
+    keep = [f"run.name=best_{mode}", "train.eval_every_steps=5", "checkpoint.every_steps=5", "checkpoint.keep_last=1",
+            f"checkpoint.keep_best={{metric: val_loss, mode: {mode}, k: 2}}"]
+    for steps in (20, 40):  # the second run resumes the first at step 20
+        r = train(project, tabular_data, 1, f"train.max_steps={steps}", *keep)
+        assert r.returncode == 0, r.stderr[-3000:]
+    run = project / "runs" / f"best_{mode}"
+    evals = sorted(((x["val_loss"] if mode == "min" else -x["val_loss"], x["step"])
+                    for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x))
+    assert len(evals) == 8
+    want = [step for _, step in evals[:2]]  # every evaluation step had a checkpoint: the best two are kept
+    summary = json.loads((run / "summary.json").read_text())
+    assert [b["step"] for b in summary["best_checkpoints"]] == want
+    assert sorted(p.name for p in (run / "best").iterdir()) == sorted(f"checkpoint_{s:08d}" for s in want)
+    assert [p.name for p in run.glob("checkpoint_*")] == ["checkpoint_00000040"]  # keep_last as before
+    out = project / f"best_{mode}.safetensors"
+    r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(run), str(out), "--best"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["step"] == str(want[0])

@@ -679,3 +679,71 @@ def repair_snapshot(run_dir: Path) -> str | None:
     snap.rename(aside)
     return (f"{snap} was unreadable (Ray was stopped while writing it) and no usable copy exists; moved it aside to "
             f"{aside.name}")
+
+
+BEST = "best"
+
+
+class BestCheckpoints:
+    """checkpoint.keep_best: the k checkpoints with the best `metric` (those written at evaluation steps), kept in
+    <run>/best/ beside keep_last's newest ones. Each is the checkpoint's files hard-linked (copied across
+    filesystems) into best/checkpoint_<step>, so the launcher's pruning of old checkpoints never takes them, and a
+    resumed run ranks what is on disk. Rank 0 offers each checkpoint once its write is complete."""
+
+    def __init__(self, run_dir: Path, metric: str, mode: str, k: int):
+        self.folder, self.metric, self.mode, self.k = Path(run_dir) / BEST, metric, mode, k
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _value(self, folder: Path) -> float | None:
+        value = (read_meta(folder).get("metrics") or {}).get(self.metric)
+        return float(value) if isinstance(value, (int, float)) and value == value else None  # not NaN
+
+    def ranked(self) -> list[tuple[float, int, Path]]:
+        """(value, step, folder) of the kept ones, best first (ties: the earlier step)."""
+        kept = []
+        for folder in self.folder.glob("checkpoint_*") if self.folder.is_dir() else ():
+            if folder.is_dir() and not folder.is_symlink() and verify(folder) is None:
+                if (value := self._value(folder)) is not None:
+                    kept.append((value, read_meta(folder)["step"], folder))
+        return sorted(kept, key=lambda t: (t[0] if self.mode == "min" else -t[0], t[1]))
+
+    def offer(self, checkpoint: Path) -> None:
+        value = self._value(checkpoint)
+        if value is None:  # not an evaluation step's checkpoint
+            return
+        kept = self.ranked()
+        target = self.folder / checkpoint.name
+        if target.exists() or (len(kept) >= self.k and not self._better(value, kept[-1][0])):
+            return
+        runfolder.make_folder(self.folder)
+        staging = runfolder.temp_name(target)
+        staging.mkdir()
+        for f in checkpoint.iterdir():
+            if f.is_file() and not f.is_symlink():
+                try:
+                    os.link(f, staging / f.name)
+                except OSError:  # another filesystem, or no hard links there
+                    shutil.copy2(f, staging / f.name)
+        os.rename(staging, target)
+        for *_, worse in self.ranked()[self.k:]:
+            shutil.rmtree(worse, ignore_errors=True)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"checkpoint": str(folder), "step": step, self.metric: value} for value, step, folder in self.ranked()]
+
+
+def check_keep_best(cfg, task) -> None:
+    """checkpoint.keep_best ranks the checkpoints written at evaluation steps: refuse (ConfigError) a figure the run
+    does not report, or a cadence where no periodic checkpoint falls on an evaluation."""
+    from stride.trainers.callbacks import check_evaluation_figure
+    from stride.trainers.config import ConfigError
+
+    if cfg.checkpoint.keep_best is None:
+        return
+    check_evaluation_figure(cfg, task, "checkpoint.keep_best")
+    every, evals = cfg.checkpoint.every_steps, cfg.train.eval_every_steps
+    if every and evals and every % evals:
+        raise ConfigError(f"checkpoint.keep_best ranks checkpoints written at evaluation steps, and checkpoint."
+                          f"every_steps ({every}) is not a multiple of train.eval_every_steps ({evals}); make it one")

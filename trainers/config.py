@@ -364,7 +364,19 @@ class ScalingSection(Section):
         return v
 
 
+class KeepBestSection(Section):
+    metric: str = Field("val_loss", description="The evaluation figure checkpoints are ranked by: val_loss, a "
+                        "val_<metric> of the task, or per source val_loss/<name>")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better; max: higher is better")
+    k: int = Field(1, ge=1, le=1000, description="How many of the best checkpoints are kept")
+
+    _an_evaluation_figure = field_validator("metric")(EarlyStoppingSection._an_evaluation_figure.__func__)
+
+
 class CheckpointSection(Section):
+    keep_best: KeepBestSection | None = Field(None, description="Also keep the k checkpoints with the best "
+                                              "evaluation figure, in <run>/best/: {metric, mode, k} "
+                                              "(docs/fault-tolerance.md)")
     every_steps: int | None = Field(200, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and always at the end)")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on storage")
     trainable_only: bool = Field(False, description="Save only the trainable parameters and their optimizer state "

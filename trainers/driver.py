@@ -59,12 +59,14 @@ def prepare(cfg: Config, num_workers: int | None = None):
     Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
     the launcher knows it (torchrun); else the config's."""
     from stride.trainers.callbacks import build as build_callbacks
+    from stride.trainers.checkpointing import check_keep_best
     from stride.trainers.step import check_optimizer
     from stride.trainers.tasks import make_task
 
     sinks.preflight(cfg)  # a tracker whose package is missing: refused now, not warned about on every worker
     task = make_task(cfg)
     build_callbacks(cfg, task)  # each imported and built once here: a mistake is one line, before any worker
+    check_keep_best(cfg, task)
     check_optimizer(cfg)
     specs = inspect(cfg, task)
     check_model(cfg, task)

@@ -2,6 +2,7 @@
 
     python trainers/export.py runs/char_gpt/checkpoint_00000600 model.safetensors
     python trainers/export.py runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
+    python trainers/export.py runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
 
 The checkpoint's shards (every rank's DCP file, any world size, DDP or FSDP) are consolidated in this one process into
 the full tensors, named as the model's `state_dict()` names them, and written with safetensors (no pickle: loading the
@@ -61,6 +62,20 @@ def resolve(folder: Path) -> Path:
     return folder
 
 
+def best_of(run: Path) -> Path:
+    """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it."""
+    from stride.trainers import runfolder
+
+    try:
+        best = (runfolder.read_summary(run / "summary.json").get("best_checkpoints") or [None])[0]
+    except (OSError, ValueError, runfolder.RunFolderError):
+        best = None
+    if best is None:
+        raise ExportError(f"--best: run folder ({run}) names no best checkpoint in its summary.json (it ran without "
+                          f"checkpoint.keep_best, or has not finished); pass a checkpoint folder instead")
+    return Path(best["checkpoint"])
+
+
 def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False) -> dict:
     """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
     the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them."""
@@ -111,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
     ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     ap.add_argument("--force", action="store_true", help="replace `out` if it exists")
+    ap.add_argument("--best", action="store_true",
+                    help="the run folder's best checkpoint (checkpoint.keep_best; summary.json names it)")
     ap.add_argument("--trainable-only", action="store_true",
                     help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
     args = ap.parse_args(argv)
     try:
-        info = export(args.checkpoint, args.out, args.force, args.trainable_only)
+        source = best_of(args.checkpoint) if args.best else args.checkpoint
+        info = export(source, args.out, args.force, args.trainable_only)
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

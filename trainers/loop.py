@@ -239,9 +239,17 @@ class Trainer:
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
-        self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group,
-                                                     lambda folder, s: env.checkpoint_write_s.append(s),
+        best = cfg.checkpoint.keep_best  # rank 0 keeps the best k beside the newest ones
+        self.best = (checkpointing.BestCheckpoints(self.run_dir, best.metric, best.mode, best.k)
+                     if best is not None and self.rank0 else None)
+        self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group, self.written,
                                                      fence=self.fence.still_holds)
+
+    def written(self, folder: Path, seconds: float) -> None:
+        """Rank 0, once a checkpoint's files are all in (the writer's thread)."""
+        self.env.checkpoint_write_s.append(seconds)
+        if self.best is not None:
+            self.best.offer(folder)
 
     def build_model(self) -> torch.nn.Module:
         """The task's model on this rank's device, with its initial weights: seeded (the same on every rank), then
@@ -720,6 +728,7 @@ class Trainer:
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],
             **({"init": self.init_record} if self.init_record else {}),
+            **({"best_checkpoints": self.best.summary()} if self.best is not None else {}),
         }
 
 

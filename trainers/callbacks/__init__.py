@@ -152,22 +152,28 @@ def build(cfg, task) -> list[Callback]:
     return out + own
 
 
-def builtin(cfg, task) -> list[Callback]:
-    """The callbacks Stride's own keys ask for (train.early_stopping), checked against the task and the data."""
+def check_evaluation_figure(cfg, task, key: str) -> None:
+    """`key` (a section with a `metric`: train.early_stopping, checkpoint.keep_best) watches an evaluation figure:
+    the run must evaluate, and the figure must be one the task reports (when it declares metric_names)."""
     from stride.trainers.config import ConfigError
 
+    section, _, field = key.partition(".")
+    metric = getattr(getattr(cfg, section), field).metric
+    if not (cfg.data.val_path or cfg.data.val):
+        raise ConfigError(f"{key} needs a validation split to watch; set data.val_path (or data.val), or remove {key}")
+    figures = ["val_loss", *(f"val_{n}" for n in task.metric_names or ())]
+    if task.metric_names is not None and metric.split("/")[0] not in figures:
+        raise ConfigError(f"{key}.metric ({metric}) is not a figure {cfg.model.name} reports; use one of "
+                          f"{', '.join(figures)}")
+
+
+def builtin(cfg, task) -> list[Callback]:
+    """The callbacks Stride's own keys ask for (train.early_stopping), checked against the task and the data."""
     out = []
     if (es := cfg.train.early_stopping) is not None:
         from stride.trainers.callbacks.early_stopping import EarlyStopping
 
-        if not (cfg.data.val_path or cfg.data.val):
-            raise ConfigError("train.early_stopping needs a validation split to watch; set data.val_path (or "
-                              "data.val), or remove train.early_stopping")
-        figures = ["val_loss", *(f"val_{n}" for n in task.metric_names or ())]
-        base = es.metric.split("/")[0]
-        if task.metric_names is not None and base not in figures:
-            raise ConfigError(f"train.early_stopping.metric ({es.metric}) is not a figure {cfg.model.name} reports; "
-                              f"use one of {', '.join(figures)}")
+        check_evaluation_figure(cfg, task, "train.early_stopping")
         out.append(EarlyStopping(es.metric, es.mode, es.patience, es.min_delta))
     return out
 

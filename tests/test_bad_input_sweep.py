@@ -89,6 +89,9 @@ MAIN_CASES = [
     (["checkpoint.keep_best={{metric: val_bpb}}"],
      "checkpoint.keep_best.metric (val_bpb) is not a figure mlp reports; use one of val_loss, val_accuracy"),
     (["checkpoint.keep_best={{k: 0}}"], "checkpoint.keep_best.k (0) must be greater than or equal to 1"),
+    (["train.ema={{decay: 1.5}}"], "train.ema.decay (1.5) must be less than 1"),
+    (["train.ema={{decay: 0}}"], "train.ema.decay (0) must be greater than 0"),
+    (["train.ema={{eval: best}}"], "train.ema.eval ('best') must be one of 'ema', 'raw' or 'both'"),
     (["checkpoint.keep_best={{k: 1}}", "train.eval_every_steps=7", "checkpoint.every_steps=10"],
      "checkpoint.every_steps (10) is not a multiple of train.eval_every_steps (7)"), (["trian.max_steps=1"], "trian"), (["lr=0.1"], "section.field=value"),
     # Issue 27: counts with no sane upper bound, an MLflow scheme MLflow fails on later, a symlink loop, a task

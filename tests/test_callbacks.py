@@ -76,6 +76,30 @@ class MetricMLP(MLPTask):
         return {"label": batch["y"].float(), "accuracy": (outputs.argmax(-1) == batch["y"]).float()}
 
 
+class ParamLog(Callback):
+    """Every step's full parameters (FSDP: gathered), saved by rank 0 at the end of each attempt."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def _log(self, state):
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+                for n, p in state.model.named_parameters()}
+        if state.rank == 0:
+            self.steps[state.step] = full
+
+    def on_fit_start(self, state):
+        self._log(state)
+
+    def on_step_end(self, state, metrics):
+        self._log(state)
+
+    def on_fit_end(self, state, summary):
+        if state.rank == 0:
+            import torch
+            torch.save(self.steps, Path(state.run_dir, f"params_{min(self.steps)}.pt"))
+
+
 class CountingMLP(MLPTask):
     """A task that brings its own callback."""
 
@@ -251,3 +275,37 @@ def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_expor
     assert r.returncode == 0, r.stderr
     with safe_open(str(out), "pt") as f:
         assert f.metadata()["step"] == str(want[0])
+
+
+def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_the_logged_weights(project, tabular_data):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    ema = ["run.name=ema", "train.ema={decay: 0.9, eval: both}", "train.callbacks=[my_callbacks:ParamLog]",
+           "train.strategy=fsdp"]
+    first = train(project, tabular_data, 2, "train.max_steps=25", "train.batch_size_per_worker=64", *ema)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = project / "runs" / "ema"
+    shutil.rmtree(run / "checkpoint_00000025")  # killed after step 20's checkpoint: what follows is lost
+    second = train(project, tabular_data, 1, "train.max_steps=40", "train.batch_size_per_worker=128", *ema)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 40 and summary["world_size"] == 1 and summary["restarts"] == 1
+    evals = [x for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x]
+    assert [x["step"] for x in evals] == [10, 20, 30, 40] and all("val_loss_ema" in x for x in evals)
+
+    params = torch.load(run / "params_0.pt", weights_only=True)  # steps 0..25 on 2 ranks
+    params.update({k: v for k, v in torch.load(run / "params_20.pt", weights_only=True).items()})  # 20..40, 1 rank
+    reference = dict(params[0])
+    for step in range(1, 41):
+        reference = {n: torch.lerp(reference[n], params[step][n], 1.0 - 0.9) for n in reference}
+    out = project / "ema.safetensors"
+    r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(run), str(out), "--ema"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    exported = load_file(str(out))
+    for name, value in reference.items():
+        assert torch.equal(exported[name], value), name  # bitwise: elementwise lerp, whatever the sharding
+    assert not torch.equal(exported[name], params[40][name])  # an average, not the weights

@@ -553,18 +553,20 @@ def saved_model_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
 
 
-def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
+def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The full (consolidated) model weights of a checkpoint of either format, in one process, as plain CPU
-    tensors: for trainers/generate.py and trainers/export.py."""
+    tensors: for trainers/generate.py and trainers/export.py. `part`: "ema" for train.ema's average (sharded
+    checkpoints; empty when the run had none)."""
     folder = Path(folder)
     if not is_sharded(folder):
-        return load_state(folder / STATE)["model"]
+        return load_state(folder / STATE)["model"] if part == "model" else {}
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = dcp_metadata(folder).state_dict_metadata
-    model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    load_sharded(folder, {"model": model})
+    model = {k.removeprefix(f"{part}."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith(f"{part}.") and isinstance(m, TensorStorageMetadata)}
+    if model:
+        load_sharded(folder, {part: model})
     return model
 
 

@@ -275,7 +275,15 @@ class EarlyStoppingSection(Section):
         return v
 
 
+class EMASection(Section):
+    decay: float = Field(0.999, gt=0, lt=1, description="Each step: ema <- decay x ema + (1 - decay) x weights")
+    eval: Literal["ema", "raw", "both"] = Field("ema", description="Which weights evaluations use: ema (val_loss is "
+                                                "the average's), raw, or both (val_loss and val_loss_ema)")
+
+
 class TrainSection(Section):
+    ema: EMASection | None = Field(None, description="An exponential moving average of the weights, sharded like "
+                                   "them, in the checkpoint, exported with export.py --ema: {decay, eval}")
     callbacks: list[str | dict[str, dict[str, Any] | None]] = Field(
         [], description='stride.Callback classes the run calls, each "module:Class" or {"module:Class": {keyword '
         'arguments}} (docs/callbacks.md)')

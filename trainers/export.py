@@ -76,7 +76,7 @@ def best_of(run: Path) -> Path:
     return Path(best["checkpoint"])
 
 
-def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False) -> dict:
+def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False) -> dict:
     """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
     the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them."""
     from safetensors import SafetensorError
@@ -94,8 +94,13 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     ckpt = resolve(checkpoint)
     try:
         weights = checkpointing.load_model_state(ckpt)
+        average = checkpointing.load_model_state(ckpt, "ema") if ema else {}
     except checkpointing.UnsafeCheckpointError as e:
         raise ExportError(str(e)) from None
+    if ema and not average:
+        raise ExportError(f"--ema: checkpoint ({ckpt}) holds no average of the weights (the run had no train.ema); "
+                          f"export without --ema")
+    weights.update(average)  # the average's parameters; buffers (batch-norm statistics) are the model's
     meta = checkpointing.read_meta(ckpt)
     if meta.get("trainable_only") and not trainable_only:
         raise ExportError(f"checkpoint ({ckpt}) holds only the trainable parameters (checkpoint.trainable_only): "
@@ -107,7 +112,8 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     # load_state_dict expects; safetensors refuses tensors that share memory, so copies of the earlier format's.
     weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
-              "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower()}
+              "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),
+              "ema": str(ema).lower()}
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         save_file(weights, str(tmp), metadata=header)
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
     ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     ap.add_argument("--force", action="store_true", help="replace `out` if it exists")
+    ap.add_argument("--ema", action="store_true", help="the average of the weights (train.ema) instead of the weights")
     ap.add_argument("--best", action="store_true",
                     help="the run folder's best checkpoint (checkpoint.keep_best; summary.json names it)")
     ap.add_argument("--trainable-only", action="store_true",
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         source = best_of(args.checkpoint) if args.best else args.checkpoint
-        info = export(source, args.out, args.force, args.trainable_only)
+        info = export(source, args.out, args.force, args.trainable_only, args.ema)
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

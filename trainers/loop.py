@@ -29,6 +29,7 @@ from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources,
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import checkpointing, fsdp, pretrained, runlock, sinks as run_sinks, telemetry
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
+from stride.trainers.ema import EMA
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
@@ -235,6 +236,8 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps, self.groups)
         self.freezer = Freezer(self.groups)
         self.freezer.apply(0)
+        self.ema = EMA(model, t.ema.decay) if t.ema is not None else None  # the checkpoint's, or these weights'
+        self.ema_restored = False
         self.scaler = self.precision.grad_scaler()
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
@@ -347,6 +350,8 @@ class Trainer:
     def restore(self) -> None:
         if self.checkpoint_dir is not None:
             self._load(self.checkpoint_dir)
+        if self.ema is not None and not self.ema_restored:  # a checkpoint from before train.ema: start from it
+            self.ema.reset()
         if not self.sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded in setup
             self.model = self.env.wrap_model(self.model)
         self.raw_model = getattr(self.model, "module", self.model)
@@ -399,6 +404,8 @@ class Trainer:
         partial = bool(meta.get("trainable_only"))  # the rest is init.from's, loaded in build_model
         model_state, optim_state = self.training_state(partial)  # this rank's tensors, to fill
         state = {"model": model_state, "optim": optim_state}
+        if self.ema is not None and meta.get("ema"):  # filled in place, each rank its own slices
+            state["ema"], self.ema_restored = self.ema.state_dict(), True
         checkpointing.load_sharded(ckpt_dir, state, self.checkpoint_group)
         set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=not partial))
@@ -502,14 +509,27 @@ class Trainer:
                 f"{self.cfg.train.batch_size_per_worker}; use a smaller train.batch_size_per_worker with more "
                 f"train.grad_accum_steps (same global batch), train.precision=bf16, or train.strategy=fsdp") from None
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         self.state.step += 1
         return result
 
     # ---- evaluate: every validation row once across ranks ----
 
     def evaluate(self) -> dict[str, float]:
+        """val_loss and the task's figures; with train.ema, of the average (eval: ema), or of both (the average's
+        as val_<name>_ema)."""
         if self.plan.val is None:
             return {}
+        which = self.cfg.train.ema.eval if self.ema is not None else "raw"
+        out = self.evaluate_weights() if which != "ema" else {}
+        if which != "raw":
+            with self.ema.swapped_in():
+                ema = self.evaluate_weights()
+            out.update(ema if which == "ema" else {f"{k}_ema": v for k, v in ema.items()})
+        return out
+
+    def evaluate_weights(self) -> dict[str, float]:
         self.task.training = False
         out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device,
                        tuple(src.name for src in self.plan.val.sources))
@@ -545,7 +565,10 @@ class Trainer:
         # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
         trainable_only = self.cfg.checkpoint.trainable_only
         model_state, optim_state = self.training_state(trainable_only)
-        meta = {"trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
+        state = {"model": model_state, "optim": optim_state}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        meta = {"ema": self.ema is not None, "trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
                 "step": s.step, "epoch": epoch, "epoch_offset_samples": offset,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "sinks": self.sinks.state_dict(),
                 "callbacks": self.callbacks.state_dict(), "ended": self.stop.final_status(),
@@ -553,8 +576,7 @@ class Trainer:
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
         self.fence.still_holds()  # save() clears a torn folder of this step on rank 0 before its background write
-        return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step),
-                                {"model": model_state, "optim": optim_state}, meta)
+        return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step), state, meta)
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 

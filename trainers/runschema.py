@@ -41,6 +41,7 @@ class CheckpointMeta(BaseModel):
     sinks: dict[str, dict[str, JsonValue]] | None = None  # each tracker's state (trainers/sinks)
     callbacks: dict[str, JsonValue] | None = None  # each callback's state_dict (rank 0's)
     ended: str | None = None  # the status of a run a callback ended
+    ema: bool | None = None  # the checkpoint holds train.ema's average under "ema"
     initial_val_loss: Number | None = None
     model: str | None = None
     strategy: str | None = None

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,61 @@ def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_th
     for name, value in reference.items():
         assert torch.equal(exported[name], value), name  # bitwise: elementwise lerp, whatever the sharding
     assert not torch.equal(exported[name], params[40][name])  # an average, not the weights
+
+
+def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_run_from_its_checkpoint(project,
+                                                                                                        tabular_data):
+    """Killed (SIGKILL) on 2 FSDP ranks after a checkpoint and a few more logged steps, resumed on 1 rank: its EMA and
+    weights end bitwise those of a 1-rank run started from a copy of the same checkpoint, and TensorBoard's reader
+    sees every train_loss step once (the killed attempt logged past the checkpoint)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import descendants, kill_pids, wait_for_step
+    from stride.trainers import checkpointing
+    from test_sinks import scalars
+
+    common = ["train.ema={decay: 0.9, eval: both}", "train.strategy=fsdp", "tracking.sinks=[tensorboard]",
+              "checkpoint.every_steps=20", "train.eval_every_steps=20"]
+    run = project / "runs" / "ema_kill"
+    cmd = [*torchrun_launcher(2), str(REPO / "trainers" / "torchrun.py"), "--config",
+           str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
+           f"data.val_path={tabular_data}/val", f"run.storage_path={project}/runs", "run.name=ema_kill",
+           "train.epochs=null", "train.max_steps=100000", "train.log_every_steps=5", "model.hidden_sizes=[32]",
+           "tracking.mlflow=false", "train.batch_size_per_worker=64", *common]
+    proc = subprocess.Popen(cmd, cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(run / "metrics.jsonl", 45, proc)
+        time.sleep(1.0)  # the trackers' thread flushes the steps it was handed
+    finally:
+        kill_pids([*descendants(proc.pid), proc.pid])
+        proc.wait()
+    k = checkpointing.read_meta(checkpointing.newest_complete(run))["step"]
+    assert max(s for s, _ in scalars(run / "tensorboard", "train_loss")) > k  # logged past its last checkpoint
+    twin = project / "runs" / "ema_twin"
+    twin.mkdir()
+    shutil.copytree(run / f"checkpoint_{k:08d}", twin / f"checkpoint_{k:08d}")
+
+    end = k + 20
+    for name in ("ema_kill", "ema_twin"):
+        r = train(project, tabular_data, 1, f"run.name={name}", f"train.max_steps={end}", "train.log_every_steps=5",
+                  "train.batch_size_per_worker=128", *common)
+        assert r.returncode == 0, r.stderr[-3000:]
+    outs = {}
+    for name in ("ema_kill", "ema_twin"):
+        for part in ("", "--ema"):
+            out = project / f"{name}{part}.safetensors"
+            r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(project / "runs" / name), str(out),
+                                *([part] if part else [])], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            outs[name, part] = load_file(str(out))
+    for part in ("", "--ema"):
+        a, b = outs["ema_kill", part], outs["ema_twin", part]
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), part
+    assert not all(torch.equal(outs["ema_kill", ""][n], outs["ema_kill", "--ema"][n]) for n in a)
+    logged = [x["step"] for x in read_jsonl(run / "metrics.jsonl") if "train_loss" in x]
+    assert logged == list(range(5, end + 1, 5))
+    assert [s for s, _ in scalars(run / "tensorboard", "train_loss")] == logged  # each step once

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -54,6 +56,7 @@ class Sink:
     summary_fields: tuple[str, ...] = ()  # summary.json keys it fills (None when the sink is off)
     legacy_meta_key: str | None = None  # where checkpoints before sinks kept state kept its run id
     package: str | None = None  # the package it needs, installed by the extra of the sink's name
+    background = False  # True: its records are made on the sinks' own thread, never inside a training step
 
     def open(self, run: RunInfo) -> None:
         """Before the first step (resumed runs: after the checkpoint is restored)."""
@@ -147,13 +150,22 @@ def where(cfg, summary: dict[str, Any]) -> list[str]:
     return [line for cls in trackers(cfg) if (line := cls.where(cfg, summary))]
 
 
+# The hooks a background sink runs on the sinks' thread (in order); open, state_dict, summary and close stay on the
+# caller's.
+BACKGROUND_HOOKS = ("train", "eval", "step", "artifact")
+
+
 class Sinks:
-    """One log step or evaluation goes out to every sink this rank has."""
+    """One log step or evaluation goes out to every sink this rank has. metrics.jsonl, the console and Prometheus
+    are written in the step; the trackers (`background`) on one thread of their own, in order, so that a slow
+    server or disk costs the training thread a queue put, not a round trip."""
 
     def __init__(self, sinks: list[Sink], off: tuple[str, ...] = ()):
         self.sinks = sinks
         self.dropped: list[Sink] = []  # failed: no more figures, but their run ids stay in summary and checkpoint
         self.off = off  # summary fields of the trackers this run does not use (None in summary.json)
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def open(cls, run: RunInfo, rank0: bool) -> "Sinks":
@@ -189,7 +201,30 @@ class Sinks:
 
     def _each(self, hook: str, *args) -> None:
         for sink in list(self.sinks):
-            self._call(sink, hook, *args)
+            if getattr(sink, "background", False) and hook in BACKGROUND_HOOKS:
+                self._post(sink, hook, tuple(dict(a) if isinstance(a, dict) else a for a in args))
+            else:
+                self._call(sink, hook, *args)
+
+    def _post(self, sink: Sink, hook: str, args: tuple) -> None:
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._drain, name="stride-sinks", daemon=True)
+            self._thread.start()
+        self._queue.put((sink, hook, args))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sink, hook, args = item
+            if sink in self.sinks:
+                self._call(sink, hook, *args)
+
+    def flush(self) -> None:
+        """Wait until the background sinks have made every record handed to them."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def train(self, metrics: dict[str, Any], own: dict[str, Any], eta_s: float) -> None:
         self._each("train", metrics, own, eta_s)
@@ -216,4 +251,5 @@ class Sinks:
         return out
 
     def close(self, status: str) -> None:
+        self.flush()
         self._each("close", status)

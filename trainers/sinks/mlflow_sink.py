@@ -114,6 +114,7 @@ class Tracker:
 class MLflowSink(Sink):
     """tracking.sinks: [mlflow] (the default): params, metrics, tags and profiler traces in one MLflow run."""
     name = "mlflow"
+    background = True
 
     summary_fields = ("mlflow_run_id",)
     legacy_meta_key = "mlflow_run_id"

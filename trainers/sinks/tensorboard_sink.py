@@ -18,6 +18,7 @@ FOLDER = "tensorboard"
 
 class TensorBoardSink(Sink):
     name = "tensorboard"
+    background = True
     package = "tensorboard"
     def open(self, run: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -26,12 +27,13 @@ class TensorBoardSink(Sink):
         runfolder.refuse_link(folder)  # shared storage: never write through a planted link
         folder.mkdir(parents=True, exist_ok=True)
         purge = run.resume_step + 1 if run.resume_step is not None else None
-        self.writer = SummaryWriter(str(folder), purge_step=purge, flush_secs=10)
+        self.writer = SummaryWriter(str(folder), purge_step=purge, flush_secs=30)
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # on the sinks' thread: the log on disk keeps up with metrics.jsonl
 
     def close(self, status: str) -> None:
         self.writer.close()

@@ -19,6 +19,7 @@ from stride.trainers.sinks import RunInfo, Sink
 
 class WandbSink(Sink):
     name = "wandb"
+    background = True
     package = "wandb"
     summary_fields = ("wandb_run_id",)
 

@@ -121,7 +121,9 @@ class MLflowSink(Sink):
 
     def open(self, run: RunInfo) -> None:
         cfg = run.cfg
-        self.tracker = Tracker(uri(cfg), cfg.tracking.experiment, cfg.run.storage_path)
+        # The launcher's URI: a default store under a relative run.storage_path is the launcher's folder's, not
+        # the one a Ray worker happens to run in.
+        self.tracker = Tracker(run.options.get("uri") or uri(cfg), cfg.tracking.experiment, str(run.run_dir.parent))
         # A resumed run continues its MLflow run (the id is in the checkpoint), never a second one.
         self.tracker.start(cfg.run.name, run.state.get("run_id"), run.params, run.options.get("parent_run_id"))
         for key, value in run.tags.items():  # where the weights came from
@@ -141,6 +143,10 @@ class MLflowSink(Sink):
 
     def close(self, status: str) -> None:
         self.tracker.finish()
+
+    @classmethod
+    def plan(cls, cfg) -> dict[str, Any]:
+        return {"uri": uri(cfg)}
 
     @classmethod
     def after_run(cls, cfg, summary: dict[str, Any]) -> None:

@@ -62,7 +62,9 @@ FORMAT_GOALS = {"jsonl_ingest_ratio": (">=", 0.8), "jsonl_memory_growth_ratio": 
 # reason (tests/test_bench.py's count of GOALS).
 DATA_GOALS = {"file_read_ratio": (">=", 0.8), "bucketing_padding_ratio": ("<=", 0.33),
               "bucketing_step_time_ratio": ("<=", 0.6)}
-NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS}  # the goals judged in a figure's notes (judged())
+# The callbacks-and-sinks issue's goals, the same way.
+SINK_GOALS = {"sink_overhead_ratio": ("<=", 1.01), "ema_step_time_ratio": ("<=", 1.05)}
+NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS}  # the goals judged in a figure's notes (judged())
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
 LABELS = {
@@ -90,6 +92,8 @@ LABELS = {
     "file_read_ratio": "rows/s of referenced files (20k x 16 KiB, warm), Stride's stream / a 16-thread pool, same threads",
     "bucketing_padding_ratio": "padding fraction, data.length_column bucketing on / off (lengths log-uniform 10..1000)",
     "bucketing_step_time_ratio": "epoch time of a small transformer, bucketing on / off, batches padded to their longest",
+    "sink_overhead_ratio": "time per step, metrics.jsonl + MLflow + TensorBoard + W&B offline / metrics.jsonl alone",
+    "ema_step_time_ratio": "step time, train.ema on / off, FSDP on 2 CPU ranks",
 }
 
 
@@ -592,12 +596,43 @@ def bucketing_figures(raw: dict) -> dict:
     }
 
 
+def sinks_figures(raw: dict) -> dict:
+    """benchmarks/sinks_bench.py's alternating runs: a sample per repetition, one side over the other."""
+    sk = raw.get("sinks") or {}
+    missing = [] if sk else ["not measured in this result: python benchmarks/run.py --only sinks"]
+    sinks, alone = by_rep(sk.get("runs", []), variant="all"), by_rep(sk.get("runs", []), variant="alone")
+    on, off = by_rep(sk.get("ema_runs", []), variant="on"), by_rep(sk.get("ema_runs", []), variant="off")
+    pairs, ema_pairs = sorted(sinks.keys() & alone.keys()), sorted(on.keys() & off.keys())
+    return {
+        "sink_overhead_ratio": judged(figure(
+            [ratio(sinks[i]["s_per_step"], alone[i]["s_per_step"]) for i in pairs], "ratio",
+            f"seconds per step of the training loop (summary.json's train_wall_s / steps) of tabular_mlp with hidden "
+            f"sizes {sk.get('hidden')} in one process (one torch thread), "
+            f"{sk.get('steps')} steps logged every {sk.get('log_every')}, tracking.sinks [mlflow, tensorboard, wandb] "
+            f"(W&B offline; MLflow's sqlite store) / tracking.sinks [] (metrics.jsonl and the console only), "
+            f"alternating, per repetition (benchmarks/sinks_bench.py)", notes=list(missing),
+            all_on_ms_per_step=summary([sinks[i]["s_per_step"] * 1e3 for i in pairs]),
+            alone_ms_per_step=summary([alone[i]["s_per_step"] * 1e3 for i in pairs]),
+            added_ms_per_step=summary([(sinks[i]["s_per_step"] - alone[i]["s_per_step"]) * 1e3 for i in pairs]),
+            started=sk.get("started")),
+            "sink_overhead_ratio"),
+        "ema_step_time_ratio": judged(figure(
+            [ratio(on[i]["step_time_s"], off[i]["step_time_s"]) for i in ema_pairs], "ratio",
+            f"median step_time_s past step {sk.get('warmup')} of an MLP {sk.get('hidden')} under FSDP on 2 CPU "
+            f"ranks (torch.distributed.run), train.ema on / off, {sk.get('ema_steps')} steps, alternating, per "
+            f"repetition (benchmarks/sinks_bench.py)", notes=list(missing),
+            on_ms=summary([on[i]["step_time_s"] * 1e3 for i in ema_pairs]),
+            off_ms=summary([off[i]["step_time_s"] * 1e3 for i in ema_pairs])), "ema_step_time_ratio"),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "jsonl_ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction",
          "memory_growth_ratio", "jsonl_memory_growth_ratio", "checkpoint_rank0_memory_ratio",
          "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio", "compile_step_time_ratio",
          "lock_overhead_ratio", "init_peak_memory_ratio", "init_peak_memory_ratio_ddp", "frozen_step_time_ratio",
-         "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio")
+         "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio",
+         "sink_overhead_ratio", "ema_step_time_ratio")
 
 
 def figures(raw: dict) -> dict:
@@ -606,7 +641,7 @@ def figures(raw: dict) -> dict:
             "scaling_2_over_1": scaling_figure(raw), "memory_growth_ratio": memory_figure(raw),
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
             "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
-            **bucketing_figures(raw)}
+            **bucketing_figures(raw), **sinks_figures(raw)}
     return {name: figs[name] for name in ORDER}
 
 

@@ -1,5 +1,5 @@
 """`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile,
-fine-tuning, files by reference and length bucketing.
+fine-tuning, files by reference, length bucketing, metric sinks and EMA.
 
     python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
@@ -11,6 +11,7 @@ fine-tuning, files by reference and length bucketing.
     python benchmarks/run.py --only memory      # the same, stream_memory.py (Parquet and JSON Lines)
     python benchmarks/run.py --only file_read   # the same, file_read_bench.py (files by reference)
     python benchmarks/run.py --only bucketing   # the same, bucketing_bench.py (data.length_column)
+    python benchmarks/run.py --only sinks       # the same, sinks_bench.py (tracking.sinks, train.ema)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -45,6 +46,9 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
 9. benchmarks/bucketing_bench.py: one epoch of a small transformer over sequences of log-uniform lengths with
    data.length_column bucketing and without, alternating, `reps` times (-> bucketing_padding_ratio,
    bucketing_step_time_ratio).
+10. benchmarks/sinks_bench.py: tabular_mlp with every tracker on (MLflow, TensorBoard, W&B offline) and with
+   metrics.jsonl alone, and an MLP under FSDP on 2 ranks with train.ema on and off, alternating, `reps` times
+   (-> sink_overhead_ratio, ema_step_time_ratio).
 """
 
 from __future__ import annotations
@@ -432,6 +436,7 @@ def measure(mode: Mode, tmp: Path) -> dict:
     raw["finetune"] = measure_finetune(mode)
     raw["file_read"] = measure_file_read(mode)
     raw["bucketing"] = measure_bucketing(mode)
+    raw["sinks"] = measure_sinks(mode)
     return raw
 
 
@@ -486,10 +491,18 @@ def measure_bucketing(mode: Mode) -> dict:
     return bucketing_bench(reps=mode.reps, smoke=mode.tiny_models)
 
 
+def measure_sinks(mode: Mode) -> dict:
+    from benchmarks.sinks_bench import measure as sinks_bench
+
+    print("bench: metric sinks and train.ema per step (benchmarks/sinks_bench.py)", flush=True)
+    return sinks_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+
+
 # --only NAME: raw[key] = measure(mode)
 ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
         "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory),
-        "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing)}
+        "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing),
+        "sinks": ("sinks", measure_sinks)}
 
 
 def measure_only(name: str, mode: Mode, latest: Path) -> dict:

@@ -251,6 +251,21 @@ def test_on_ray_workers_callbacks_stop_the_run_and_tensorboard_records_it(projec
     assert f"stride: tensorboard {run / 'tensorboard'}" in r.stdout
 
 
+def test_on_ray_a_failing_callback_ends_the_run_in_one_line_naming_it(project, tabular_data, ray_cluster):
+    from conftest import run_cli
+
+    r = run_cli([str(REPO / "trainers/main.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
+                 f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                 f"run.storage_path={project}/runs", "run.name=ray_boom", "train.epochs=null", "train.max_steps=40",
+                 "checkpoint.every_steps=10", "model.hidden_sizes=[32]", "scaling.num_workers=2",
+                 "tracking.mlflow=false", "train.callbacks=[my_callbacks:Boom]"],
+                env=ray_cluster, cwd=project, timeout=600)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("stride: error:")]
+    assert errors == ["stride: error: callback my_callbacks:Boom failed in on_step_end: RuntimeError: boom at step 15"]
+    assert [p.name for p in (project / "runs" / "ray_boom").glob("checkpoint_*") if p.is_dir()] == ["checkpoint_00000010"]
+
+
 @pytest.mark.parametrize("mode", ["min", "max"])  # val_loss falls as the MLP learns: max keeps the first ones
 def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_export_takes_the_best(project, tabular_data,
                                                                                                  mode):

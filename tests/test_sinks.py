@@ -159,13 +159,16 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(name, monk
                             f"'stride[{name}]' or take it out")
 
 
-def test_tracking_mlflow_false_leaves_mlflow_out_and_its_summary_field_null():
+def test_tracking_mlflow_false_leaves_mlflow_out_and_its_summary_field_null(tmp_path):
     from stride.trainers.config import build_config
-    from stride.trainers.sinks import Sinks
+    from stride.trainers.sinks import RunInfo, Sinks
 
     cfg = build_config({"tracking": {"sinks": ["mlflow", "tensorboard"], "mlflow": False}}, origin="test")
     assert cfg.tracking.active_sinks() == ["tensorboard"]
-    assert Sinks([], off=("mlflow_run_id",)).summary() == {"mlflow_run_id": None}
+    sinks = Sinks.open(RunInfo(cfg, tmp_path, None), rank0=True)
+    assert [s.name for s in sinks.sinks] == ["metrics.jsonl", "console", "prometheus", "tensorboard"]
+    sinks.close("completed")
+    assert sinks.summary() == {"mlflow_run_id": None, "wandb_run_id": None}  # the trackers this run does not use
 
 
 def test_the_launcher_says_where_each_record_is_and_how_to_view_it(tmp_path, monkeypatch):

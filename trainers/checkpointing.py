@@ -698,23 +698,29 @@ class BestCheckpoints:
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def _value(self, folder: Path) -> float | None:
-        value = (read_meta(folder).get("metrics") or {}).get(self.metric)
-        return float(value) if isinstance(value, (int, float)) and value == value else None  # not NaN
+    def _ranked_entry(self, folder: Path) -> tuple[float, int, Path] | None:
+        """(value, step, folder) from its meta.json (schema-checked), or None: not an evaluation step's, or not a
+        checkpoint. Only meta.json is read: best/'s folders appear by rename once their files are all linked, and
+        whoever loads one (export.py --best) verifies it."""
+        try:
+            meta = read_meta(folder)
+        except (OSError, ValueError, RunFolderError):
+            return None
+        value = (meta.get("metrics") or {}).get(self.metric)
+        if not isinstance(value, (int, float)) or value != value:  # missing, or NaN
+            return None
+        return float(value), meta["step"], folder
 
     def ranked(self) -> list[tuple[float, int, Path]]:
         """(value, step, folder) of the kept ones, best first (ties: the earlier step)."""
-        kept = []
-        for folder in self.folder.glob("checkpoint_*") if self.folder.is_dir() else ():
-            if folder.is_dir() and not folder.is_symlink() and verify(folder) is None:
-                if (value := self._value(folder)) is not None:
-                    kept.append((value, read_meta(folder)["step"], folder))
+        kept = [e for f in (self.folder.glob("checkpoint_*") if self.folder.is_dir() else ())
+                if f.is_dir() and not f.is_symlink() and (e := self._ranked_entry(f)) is not None]
         return sorted(kept, key=lambda t: (t[0] if self.mode == "min" else -t[0], t[1]))
 
     def offer(self, checkpoint: Path) -> None:
-        value = self._value(checkpoint)
-        if value is None:  # not an evaluation step's checkpoint
+        if (entry := self._ranked_entry(checkpoint)) is None:  # not an evaluation step's checkpoint
             return
+        value = entry[0]
         kept = self.ranked()
         target = self.folder / checkpoint.name
         if target.exists() or (len(kept) >= self.k and not self._better(value, kept[-1][0])):
@@ -735,17 +741,3 @@ class BestCheckpoints:
     def summary(self) -> list[dict[str, Any]]:
         return [{"checkpoint": str(folder), "step": step, self.metric: value} for value, step, folder in self.ranked()]
 
-
-def check_keep_best(cfg, task) -> None:
-    """checkpoint.keep_best ranks the checkpoints written at evaluation steps: refuse (ConfigError) a figure the run
-    does not report, or a cadence where no periodic checkpoint falls on an evaluation."""
-    from stride.trainers.callbacks import check_evaluation_figure
-    from stride.trainers.config import ConfigError
-
-    if cfg.checkpoint.keep_best is None:
-        return
-    check_evaluation_figure(cfg, task, "checkpoint.keep_best")
-    every, evals = cfg.checkpoint.every_steps, cfg.train.eval_every_steps
-    if every and evals and every % evals:
-        raise ConfigError(f"checkpoint.keep_best ranks checkpoints written at evaluation steps, and checkpoint."
-                          f"every_steps ({every}) is not a multiple of train.eval_every_steps ({evals}); make it one")

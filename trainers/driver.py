@@ -59,7 +59,6 @@ def prepare(cfg: Config, num_workers: int | None = None):
     Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
     the launcher knows it (torchrun); else the config's."""
     from stride.trainers.callbacks import build as build_callbacks
-    from stride.trainers.checkpointing import check_keep_best
     from stride.trainers.step import check_optimizer
     from stride.trainers.tasks import make_task
 
@@ -75,6 +74,21 @@ def prepare(cfg: Config, num_workers: int | None = None):
     if num_workers is not None or elastic(cfg):  # num_workers "auto": checked once the cluster is known
         check_batch_fits(cfg, specs, num_workers or 1)
     return task, specs
+
+
+def check_keep_best(cfg: Config, task) -> None:
+    """checkpoint.keep_best ranks the checkpoints written at evaluation steps: refuse (ConfigError) a figure the run
+    does not report, or a cadence where no periodic checkpoint falls on an evaluation."""
+    from stride.trainers.callbacks import check_evaluation_figure
+    from stride.trainers.config import ConfigError
+
+    if cfg.checkpoint.keep_best is None:
+        return
+    check_evaluation_figure(cfg, task, "checkpoint.keep_best")
+    every, evals = cfg.checkpoint.every_steps, cfg.train.eval_every_steps
+    if every and evals and every % evals:
+        raise ConfigError(f"checkpoint.keep_best ranks checkpoints written at evaluation steps, and checkpoint."
+                          f"every_steps ({every}) is not a multiple of train.eval_every_steps ({evals}); make it one")
 
 
 def check_model(cfg: Config, task) -> None:

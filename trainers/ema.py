@@ -41,14 +41,21 @@ class EMA:
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """The average in the model's parameters for the block; the trained weights back afterwards, bitwise."""
-        with torch.no_grad():
-            trained = [p.detach().clone() for p in self.params]
-        _copy(self.params, self.shadow)
+        """The average in the model's parameters for the block; the trained weights back afterwards, bitwise.
+        Exchanged tensor by tensor, so the swap holds one parameter's copy at a time, not a second model."""
+        _swap(self.params, self.shadow)
         try:
             yield
         finally:
-            _copy(self.params, trained)
+            _swap(self.params, self.shadow)
+
+
+def _swap(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for x, y in zip(a, b):
+            kept = x.detach().clone()
+            x.detach().copy_(y.detach())
+            y.detach().copy_(kept)
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

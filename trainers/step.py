@@ -368,15 +368,17 @@ class TrainMetrics:
             values = self.task.train_metrics(model, batch, outputs)
         if self.names is None:
             self.names = sorted(values)
-        own = torch.tensor([[float(values[n].detach().double().sum()), values[n].numel()] for n in self.names],
-                           dtype=torch.float64)
+        # Summed where the values are (no host sync per micro-batch); copied to the host at the log step.
+        own = torch.stack([torch.stack([values[n].detach().double().sum(),
+                                        values[n].new_tensor(values[n].numel(), dtype=torch.float64)])
+                           for n in self.names])
         self.sums = own if self.sums is None else self.sums + own
 
     def take(self, device: torch.device) -> dict[str, float]:
         """The interval's means, over every rank (each rank calls it at the same log step), then a new interval."""
         if self.names is None:
             return {}
-        totals = all_reduce_sum(self.sums.reshape(-1), device).reshape(-1, 2)
+        totals = all_reduce_sum(self.sums.reshape(-1).cpu(), device).reshape(-1, 2)
         self.sums = torch.zeros_like(self.sums)
         return {f"train_{n}": float(s / c) if c else math.nan for n, (s, c) in zip(self.names, totals.tolist())}
 

@@ -190,15 +190,20 @@ class Callbacks:
             counts[name] = counts.get(name, 0) + 1
             self.keys.append(name if counts[name] == 1 else f"{name}#{counts[name]}")
 
+    @staticmethod
+    def _guarded(key: str, hook: str, fn, *args) -> Any:
+        """One callback's hook; its exception becomes one line naming the callback and the hook (exit 1)."""
+        try:
+            return fn(*args)
+        except TrainingError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code
+            first = (str(e).splitlines() or [""])[0][:300]
+            raise TrainingError(f"callback {key} failed in {hook}: {type(e).__name__}: {first}") from e
+
     def _call(self, hook: str, *args) -> None:
         for key, cb in zip(self.keys, self.callbacks):
-            try:
-                getattr(cb, hook)(self.state, *args)
-            except TrainingError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the user's code: one line naming it, exit 1
-                first = (str(e).splitlines() or [""])[0][:300]
-                raise TrainingError(f"callback {key} failed in {hook}: {type(e).__name__}: {first}") from e
+            self._guarded(key, hook, getattr(cb, hook), self.state, *args)
 
     def fit_start(self) -> None:
         self._call("on_fit_start")
@@ -216,18 +221,9 @@ class Callbacks:
         self._call("on_fit_end", summary)
 
     def state_dict(self) -> dict[str, Any]:
-        out = {}
-        for key, cb in zip(self.keys, self.callbacks):
-            try:
-                out[key] = cb.state_dict()
-            except Exception as e:  # noqa: BLE001
-                raise TrainingError(f"callback {key} failed in state_dict: {type(e).__name__}: {e}") from e
-        return out
+        return {key: self._guarded(key, "state_dict", cb.state_dict) for key, cb in zip(self.keys, self.callbacks)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         for key, cb in zip(self.keys, self.callbacks):
             if key in saved:
-                try:
-                    cb.load_state_dict(saved[key])
-                except Exception as e:  # noqa: BLE001
-                    raise TrainingError(f"callback {key} failed in load_state_dict: {type(e).__name__}: {e}") from e
+                self._guarded(key, "load_state_dict", cb.load_state_dict, saved[key])

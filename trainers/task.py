@@ -154,6 +154,18 @@ class Task:
         """Text generation from a trained model (trainers/generate.py), where the task has it."""
         raise NotImplementedError(f"the task {type(self).__name__} has no text generation")
 
+    def predict(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | np.ndarray]:
+        """`stride predict`: per-sample outputs of one batch of `transform`ed rows, as {name: values} whose first
+        dimension is the batch's rows (a class, a score, an embedding vector). Runs in eval mode under no_grad.
+        Stride writes them beside each row's sample_id (docs/commands.md). Default: none (NotImplementedError)."""
+        raise NotImplementedError(f"the task {type(self).__name__} has no predict")
+
+    def hf_model(self, model: nn.Module) -> Any:
+        """`stride export --format hf`: a `transformers.PreTrainedModel` holding `model`'s trained weights (the
+        model itself when build_model returns one), written with its `save_pretrained` so that
+        `from_pretrained` loads it. Default: none (NotImplementedError)."""
+        raise NotImplementedError(f"the task {type(self).__name__} has no Hugging Face form")
+
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The largest group (by parameters) of same-type children of one ModuleList/Sequential, at least two of

@@ -1,8 +1,11 @@
-"""Export a checkpoint's model weights as one safetensors file, loadable without Stride.
+"""Export a checkpoint's model weights: one safetensors file loadable without Stride, or a Hugging Face model folder.
 
     python trainers/export.py runs/char_gpt/checkpoint_00000600 model.safetensors
     python trainers/export.py runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
     python trainers/export.py runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
+    python trainers/export.py --run runs/char_gpt --out model.safetensors [--checkpoint last|best] [--dtype bf16]
+    PYTHONPATH=. python trainers/export.py --run runs/hf_causal_lm --out hf_model --format hf \\
+        --task hf_lm_task:HFCausalLM     # a transformers save_pretrained folder (the task's hf_model)
 
 The checkpoint's shards (every rank's DCP file, any world size, DDP or FSDP) are consolidated in this one process into
 the full tensors, named as the model's `state_dict()` names them, and written with safetensors (no pickle: loading the
@@ -11,13 +14,21 @@ file runs no code). Load them anywhere with
     from safetensors.torch import load_file
     model.load_state_dict(load_file("model.safetensors"))   # the task's build_model(), built-in or your own
 
+--dtype bf16|fp16 casts the floating-point tensors (integer buffers stay as they are) before writing: half the bytes.
 The optimizer state is not exported (resume from the checkpoint folder for that). The file's header metadata records
 the step, the model name and the checkpoint it came from. An existing output file is never overwritten unless --force;
-a folder is never replaced.
+a folder is never replaced (--format hf: see below).
 
-Export reads only tensors (through the checkpoint's allow-list) and meta.json: it imports no task, so no module a run
-folder names runs, and it needs neither --task nor --trust-remote-code (trainers/generate.py does). It does not put
-the working directory on sys.path either.
+The safetensors format reads only tensors (through the checkpoint's allow-list) and meta.json: it imports no task, so
+no module a run folder names runs, and it needs neither --task nor --trust-remote-code. It does not put the working
+directory on sys.path either.
+
+--format hf writes a folder that `transformers.AutoModel*.from_pretrained` loads: the run's task is rebuilt from its
+summary.json (config and data facts, as trainers/generate.py does, with the same consent for a task of your own:
+--task MODULE:CLASS or --trust-remote-code), its model gets the checkpoint's weights, and the task's `hf_model` turns it
+into a `transformers.PreTrainedModel`, saved with `save_pretrained` (safetensors). The folder is written beside `out`
+and renamed into place, so a failed export leaves nothing half-written; --force replaces only an earlier Hugging Face
+export (a folder with config.json and a *.safetensors file).
 """
 
 from __future__ import annotations
@@ -40,29 +51,34 @@ from stride.cli import ArgumentParser  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 
 EXIT_USAGE = 2
+# --dtype: the torch dtype floating-point tensors are written in (fp32: as Stride saves them).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FORMATS = ("safetensors", "hf")
 
 
 class ExportError(ValueError):
     """A problem the user can fix: one line naming the argument, the value and the fix."""
 
 
-def resolve(folder: Path) -> Path:
-    """The checkpoint to export: `folder` itself, or a run folder's newest complete checkpoint."""
+def resolve(folder: Path, name: str = "checkpoint") -> Path:
+    """The checkpoint to export: `folder` itself, or a run folder's newest complete checkpoint. `name`: the argument
+    that gave `folder`, for the error line."""
     if not folder.is_dir():
-        raise ExportError(f"checkpoint ({folder}) is not a folder; pass a checkpoint folder such as "
+        raise ExportError(f"{name} ({folder}) is not a folder; pass a checkpoint folder such as "
                           f"runs/char_gpt/checkpoint_00000600, or a run folder")
-    if not (folder / checkpointing.META).exists() and any(folder.glob("checkpoint_*")):
+    is_run = any(folder.glob("checkpoint_*")) or (folder / "summary.json").is_file()
+    if not (folder / checkpointing.META).exists() and is_run:
         newest = checkpointing.newest_complete(folder)
         if newest is None:
-            raise ExportError(f"checkpoint ({folder}) is a run folder without a complete checkpoint; train it first")
+            raise ExportError(f"{name} ({folder}) is a run folder without a complete checkpoint; train it first")
         return newest
     if problem := checkpointing.verify(folder):
-        raise ExportError(f"checkpoint ({folder}) is unusable ({problem}); pass a complete checkpoint folder, "
+        raise ExportError(f"{name} ({folder}) is unusable ({problem}); pass a complete checkpoint folder, "
                           f"or the run folder to take its newest complete one")
     return folder
 
 
-def best_of(run: Path) -> Path:
+def best_of(run: Path, flag: str = "--best") -> Path:
     """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it."""
     from stride.trainers import runfolder
 
@@ -71,27 +87,30 @@ def best_of(run: Path) -> Path:
     except (OSError, ValueError, runfolder.RunFolderError):
         best = None
     if best is None:
-        raise ExportError(f"--best: run folder ({run}) names no best checkpoint in its summary.json (it ran without "
-                          f"checkpoint.keep_best, or has not finished); pass a checkpoint folder instead")
+        raise ExportError(f"{flag}: run folder ({run}) names no best checkpoint in its summary.json (it ran without "
+                          f"checkpoint.keep_best, or has not finished); export its newest checkpoint (without "
+                          f"{flag}) or a checkpoint folder instead")
     return Path(best["checkpoint"])
 
 
-def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False) -> dict:
-    """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
-    the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+def cast(weights: dict, dtype: str) -> dict:
+    """Floating-point tensors in `dtype` (a DTYPES key); integer buffers (step counters, indices) as they are."""
+    import torch
 
-    if out.is_dir():
-        raise ExportError(f"out ({out}) is a folder; pass a file path such as {out / 'model.safetensors'}")
-    if out.exists() and not force:
-        raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
+    to = getattr(torch, DTYPES[dtype])
+    return {k: v.to(to) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def check_out_parent(out: Path) -> None:
     if not out.parent.is_dir():
         raise ExportError(f"out ({out}): folder {out.parent} does not exist; create it or pass another path")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise ExportError(f"out ({out}): folder {out.parent} is not writable by you; pass a path in a folder you "
                           f"can write")
-    ckpt = resolve(checkpoint)
+
+
+def checkpoint_weights(ckpt: Path, ema: bool) -> dict:
+    """The checkpoint's model weights; with `ema` the average's parameters in place of the weights'."""
     try:
         weights = checkpointing.load_model_state(ckpt)
         average = checkpointing.load_model_state(ckpt, "ema") if ema else {}
@@ -101,6 +120,24 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
         raise ExportError(f"--ema: checkpoint ({ckpt}) holds no average of the weights (the run had no train.ema); "
                           f"export without --ema")
     weights.update(average)  # the average's parameters; buffers (batch-norm statistics) are the model's
+    return weights
+
+
+def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False,
+           dtype: str = "fp32", name: str = "checkpoint") -> dict:
+    """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
+    the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them.
+    `name`: the argument that gave `checkpoint`, for the error lines."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    if out.is_dir():
+        raise ExportError(f"out ({out}) is a folder; pass a file path such as {out / 'model.safetensors'}")
+    if out.exists() and not force:
+        raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
+    check_out_parent(out)
+    ckpt = resolve(checkpoint, name)
+    weights = checkpoint_weights(ckpt, ema)
     meta = checkpointing.read_meta(ckpt)
     if meta.get("trainable_only") and not trainable_only:
         raise ExportError(f"checkpoint ({ckpt}) holds only the trainable parameters (checkpoint.trainable_only): "
@@ -110,10 +147,10 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
         weights = {k: v for k, v in weights.items() if k in set(meta["trainable"])}
     # Tied weights (a head sharing the embedding) are separate tensors here, each under its own name, as
     # load_state_dict expects; safetensors refuses tensors that share memory, so copies of the earlier format's.
-    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    weights = {k: v.detach().contiguous().clone() for k, v in cast(weights, dtype).items()}
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
               "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),
-              "ema": str(ema).lower()}
+              "ema": str(ema).lower(), "dtype": dtype}
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         save_file(weights, str(tmp), metadata=header)
@@ -126,21 +163,163 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
             "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="python trainers/export.py",
-                        description="Consolidate a checkpoint's model weights into one safetensors file.")
-    ap.add_argument("checkpoint", type=Path, help="checkpoint folder (or run folder: its newest complete checkpoint)")
-    ap.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
-    ap.add_argument("--force", action="store_true", help="replace `out` if it exists")
+# ---- --format hf ----
+
+def is_hf_export(folder: Path) -> bool:
+    """An earlier `save_pretrained` folder: config.json, a *.safetensors file, and files only (what --force may
+    replace: never a folder of anything else)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    entries = list(folder.iterdir())
+    return ((folder / "config.json").is_file() and any(e.suffix == ".safetensors" for e in entries)
+            and all(e.is_file() and not e.is_symlink() for e in entries))
+
+
+def check_out_folder(out: Path, force: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
+        if not is_hf_export(out):
+            raise ExportError(f"out ({out}) exists and is not an earlier Hugging Face export (a folder of files with "
+                              f"config.json and *.safetensors), which is all --force replaces; pass another path")
+    check_out_parent(out)
+
+
+def hf_model_of(checkpoint: Path, ema: bool, task: str | None, trust_remote_code: bool, label: str):
+    """The run's task rebuilt from the checkpoint's run folder (its summary.json), its model with the checkpoint's
+    weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). `label` names the run folder's argument."""
+    from stride.ray_cluster.connect import UsageError
+    from stride.trainers.config import ConfigError
+    from stride.trainers.generate import load_run, trained_model
+
+    try:
+        _, cfg, built = load_run(checkpoint.parent, task, trust_remote_code, label)  # refused before reading weights
+        model = trained_model(built, cfg, checkpoint, checkpoint_weights(checkpoint, ema))
+    except (UsageError, ConfigError) as e:
+        raise ExportError(str(e)) from None
+    try:
+        hf = built.hf_model(model)
+    except NotImplementedError:
+        raise ExportError(f"--format hf: the task {cfg.model.name} has no Hugging Face form; implement "
+                          f"Task.hf_model, or export --format safetensors") from None
+    if not callable(getattr(hf, "save_pretrained", None)):
+        raise ExportError(f"--format hf: the task {cfg.model.name}'s hf_model returned a {type(hf).__name__}, not a "
+                          f"transformers PreTrainedModel; return one (the model itself when build_model gives one)")
+    return hf
+
+
+def write_folder(model, out: Path) -> None:
+    """`model.save_pretrained` into a sibling folder, then renamed to `out` (an earlier export moved aside and
+    removed only once the new one is in place): a failed export leaves `out` as it was."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    old = out.with_name(f".{out.name}.{os.getpid()}.old")
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp, safe_serialization=True)
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except (OSError, SafetensorError) as e:
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise ExportError(f"out ({out}) could not be written ({' '.join(str(e).split())[:200]}); pass a path in a "
+                          f"folder you can write, with room for the model") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_hf(checkpoint: Path, out: Path, force: bool = False, ema: bool = False, dtype: str = "fp32",
+              task: str | None = None, trust_remote_code: bool = False, name: str = "checkpoint") -> dict:
+    """Write `checkpoint`'s model as a Hugging Face folder `out` (save_pretrained, safetensors); returns what was
+    written. The task comes from the summary.json of the checkpoint's run folder (`name`: the argument that gave
+    `checkpoint`, for the error lines)."""
+    import torch
+
+    check_out_folder(out, force)
+    ckpt = resolve(checkpoint, name)
+    model = hf_model_of(ckpt, ema, task, trust_remote_code, "--run" if name == "--run" else "checkpoint's run folder")
+    model.to(getattr(torch, DTYPES[dtype]))  # nn.Module.to(dtype) casts floating-point tensors only
+    write_folder(model, out)
+    meta = checkpointing.read_meta(ckpt)
+    return {"checkpoint": str(ckpt), "out": str(out), "format": "hf", "class": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "bytes": sum(f.stat().st_size for f in out.iterdir()), "step": meta.get("step"),
+            "model": meta.get("model"), "ema": ema, "dtype": dtype}
+
+
+# ---- the command line ----
+
+def parse_args(argv: list[str] | None, prog: str):
+    usage = "%(prog)s CHECKPOINT OUT [options]\n       %(prog)s --run DIR --out PATH [options]"
+    ap = ArgumentParser(prog=prog, usage=usage,
+                        description="Export a checkpoint's model weights: one safetensors file, or a Hugging Face "
+                                    "model folder (--format hf).")
+    ap.add_argument("checkpoint", type=Path, nargs="?",
+                    help="checkpoint folder (or run folder: its newest complete checkpoint)")
+    ap.add_argument("out", type=Path, nargs="?", help="output file, e.g. model.safetensors (--format hf: a folder)")
+    ap.add_argument("--run", type=Path, metavar="DIR", help="run folder (instead of CHECKPOINT OUT): "
+                                                            "<run.storage_path>/<run.name>")
+    ap.add_argument("--out", type=Path, dest="out_path", metavar="PATH", help="with --run: the file (--format hf: "
+                                                                              "the folder) to write")
+    ap.add_argument("--checkpoint", choices=("last", "best"), dest="which",
+                    help="with --run: its newest complete checkpoint (last, the default) or its best one "
+                         "(checkpoint.keep_best)")
+    ap.add_argument("--format", choices=FORMATS, default="safetensors",
+                    help="safetensors: one file of the state_dict's tensors; hf: a save_pretrained folder (the "
+                         "task's hf_model)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                    help="the floating-point tensors' type as written (integer buffers stay as they are)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace `out` if it exists (--format hf: only an earlier Hugging Face export)")
     ap.add_argument("--ema", action="store_true", help="the average of the weights (train.ema) instead of the weights")
     ap.add_argument("--best", action="store_true",
                     help="the run folder's best checkpoint (checkpoint.keep_best; summary.json names it)")
     ap.add_argument("--trainable-only", action="store_true",
                     help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
+    ap.add_argument("--task", metavar="MODULE:CLASS",
+                    help="--format hf: import this task of your own (on PYTHONPATH); must be the run's model.name")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="--format hf: import whatever task module the run's summary.json names (it runs its code)")
     args = ap.parse_args(argv)
+    if args.run is not None:
+        if args.checkpoint is not None:
+            ap.error("pass either CHECKPOINT OUT or --run DIR --out PATH, not both")
+        if args.out_path is None:
+            ap.error("--run needs --out PATH (the file to write; with --format hf, the folder)")
+        if args.best:
+            ap.error("--best goes with CHECKPOINT OUT; with --run pass --checkpoint best")
+    else:
+        if args.out_path is not None or args.which is not None:
+            ap.error(f"{'--out' if args.out_path is not None else '--checkpoint'} goes with --run DIR; pass --run, "
+                     f"or CHECKPOINT OUT")
+        if missing := [n for n in ("checkpoint", "out") if getattr(args, n) is None]:
+            ap.error(f"the following arguments are required: {', '.join(missing)}")
+    if args.format == "hf" and args.trainable_only:
+        ap.error("--trainable-only writes the trained parameters alone, a safetensors file; drop it for --format hf")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str = "python trainers/export.py") -> int:
+    args = parse_args(argv, prog)
     try:
-        source = best_of(args.checkpoint) if args.best else args.checkpoint
-        info = export(source, args.out, args.force, args.trainable_only, args.ema)
+        if args.run is not None:
+            if not (args.run / "summary.json").is_file():
+                raise ExportError(f"--run ({args.run}) has no summary.json; pass a run folder such as runs/char_gpt, "
+                                  f"or a checkpoint folder as CHECKPOINT")
+            name, out = ("--checkpoint best" if args.which == "best" else "--run"), args.out_path
+            source = best_of(args.run, name) if args.which == "best" else args.run
+        else:
+            name, out = ("--best" if args.best else "checkpoint"), args.out
+            source = best_of(args.checkpoint) if args.best else args.checkpoint
+        if args.format == "hf":
+            info = export_hf(source, out, args.force, args.ema, args.dtype, args.task, args.trust_remote_code, name)
+        else:
+            info = export(source, out, args.force, args.trainable_only, args.ema, args.dtype, name)
     except ExportError as e:
         print(f"export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
     import runpy
@@ -69,6 +70,49 @@ def _model_name(summary: dict, summary_path: Path) -> str:
     return name
 
 
+def load_run(run: Path, task: str | None = None, trust_remote_code: bool = False,
+             label: str = "--run") -> tuple[dict, Any, Any]:
+    """A run folder's summary.json, its config and its task rebuilt from them (with the facts it records), for the
+    commands that read a finished run (generate, export --format hf). A task of the user's own is imported only with
+    consent (`task`, `trust_remote_code`). Raises UsageError or ConfigError, one line naming `label` (the argument
+    that gave `run`)."""
+    summary_path = run / "summary.json"
+    if not summary_path.is_file():
+        raise UsageError(f"{label} ({run}) has no summary.json; pass a finished run folder such as runs/char_gpt")
+    try:
+        summary = runfolder.read_summary(summary_path)
+    except runfolder.RunFolderError:  # its own line (a link in the run folder), not the ValueError's below
+        raise
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{label} ({run}): {summary_path.name} is not one Stride writes ({e}); pass the folder of a "
+                         f"finished run") from None
+    search_working_directory(False)
+    consent(_model_name(summary, summary_path), task, trust_remote_code, str(summary_path))
+    cfg = from_dict(summary["config"])
+    return summary, cfg, make_task(cfg, summary.get("facts"))
+
+
+def trained_model(task, cfg, ckpt: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`task`'s model with a checkpoint's `weights` loaded. A checkpoint of the trainable parameters only
+    (checkpoint.trainable_only) goes on the frozen base that init.from gives, as in training; a base that changed
+    since is refused (ConfigError)."""
+    model = task.build_model()
+    meta = checkpointing.read_meta(ckpt)
+    if not meta.get("trainable_only"):
+        model.load_state_dict(weights)
+        return model
+    from stride.trainers import pretrained
+
+    init = cfg.init
+    plan = pretrained.init_model(model, init.from_, strict=init.strict, include=init.include, exclude=init.exclude,
+                                 rename=init.rename, adapt=pretrained.adapter(task))
+    recorded = (meta.get("init") or {}).get("sha256")
+    if recorded != plan.sha256:
+        raise ConfigError(pretrained.changed_base_line(init.from_, recorded, plan.sha256))
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python trainers/generate.py",
                         description="Sample text from a trained run (a task with generate, e.g. char_gpt).")
@@ -82,59 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="import whatever task module the run's summary.json names (it runs that module's code)")
     args = ap.parse_args(argv)
-    summary_path = args.run / "summary.json"
-    if not summary_path.is_file():
-        print(f"generate: error: --run ({args.run}) has no summary.json; pass a finished run folder such as runs/char_gpt",
-              file=sys.stderr)
-        return 2
     try:
-        summary = runfolder.read_summary(summary_path)
-    except runfolder.RunFolderError as e:
-        print(f"generate: error: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        print(f"generate: error: --run ({args.run}): {summary_path.name} is not one Stride writes ({e}); pass the "
-              f"folder of a finished run", file=sys.stderr)
-        return 2
-    search_working_directory(False)
-    try:
-        consent(_model_name(summary, summary_path), args.task, args.trust_remote_code, str(summary_path))
-        cfg = from_dict(summary["config"])
-        task = make_task(cfg, summary.get("facts"))
-    except ConfigError as e:
-        print(f"generate: error: {e}", file=sys.stderr)
-        return 2
-    try:
+        summary, cfg, task = load_run(args.run, args.task, args.trust_remote_code)
         ckpt = find_checkpoint(args.run, summary)
-    except UsageError as e:
+    except (UsageError, ConfigError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if ckpt is None:
         print(f"generate: error: --run ({args.run}) has no complete checkpoint; train it first", file=sys.stderr)
         return 2
     try:
-        weights = checkpointing.load_model_state(ckpt)
-    except checkpointing.UnsafeCheckpointError as e:
+        model = trained_model(task, cfg, ckpt, checkpointing.load_model_state(ckpt))
+    except (checkpointing.UnsafeCheckpointError, ConfigError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
-    model = task.build_model()
-    meta = checkpointing.read_meta(ckpt)
-    if meta.get("trainable_only"):  # the frozen base is init.from's, as in training
-        from stride.trainers import pretrained
-
-        try:
-            init = cfg.init
-            plan = pretrained.init_model(model, init.from_, strict=init.strict, include=init.include,
-                                         exclude=init.exclude, rename=init.rename, adapt=pretrained.adapter(task))
-            recorded = (meta.get("init") or {}).get("sha256")
-            if recorded != plan.sha256:
-                raise ConfigError(pretrained.changed_base_line(init.from_, recorded, plan.sha256))
-        except ConfigError as e:
-            print(f"generate: error: {e}", file=sys.stderr)
-            return 2
-        model.load_state_dict(weights, strict=False)
-    else:
-        model.load_state_dict(weights)
     model.eval()
     torch.manual_seed(args.seed)
     try:

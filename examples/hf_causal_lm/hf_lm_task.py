@@ -88,6 +88,10 @@ class HFCausalLM(Task):
     def loss(self, model, batch):
         return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
 
+    def hf_model(self, model):
+        """`export --format hf`: build_model's GPT2LMHeadModel is already the Hugging Face model."""
+        return model
+
     def blocks(self, model):
         return list(model.transformer.h)  # FSDP units / activation-checkpointing units: the GPT-2 blocks
 

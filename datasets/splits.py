@@ -51,6 +51,7 @@ class DataSpec:
     schema: pa.Schema | None = field(default=None, repr=False)  # the split's types: every file's rows are cast to them
     length_column: str | None = None  # data.length_column: bucketing (datasets/bucketing.py), padding_fraction
     row_bytes: float = 0.0  # a row's mean size in memory, its referenced files included: bounds the window in bytes
+    origin: str | None = None  # what named the files, for messages (a command's --data); None: data.<split>_path
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ class DataSpec:
 
     @property
     def key(self) -> str:
-        return f"data.{self.split}_path"
+        return self.origin or f"data.{self.split}_path"
 
 
 @dataclass(frozen=True)
@@ -271,29 +272,34 @@ def inspect(cfg, task) -> dict[str, DataSpec]:
     # A task's inspect may stream a whole split through Arrow: hand the pool's cached memory back (mimalloc keeps
     # hundreds of MB otherwise, for the whole run, in the driver).
     pa.default_memory_pool().release_unused()
-    specs = {}
-    for name, split in splits.items():
+    return {name: split_spec(cfg, task, split) for name, split in splits.items()}
+
+
+def split_spec(cfg, task, split: DataSplit, columns: tuple[str, ...] | None = None) -> DataSpec:
+    """What the workers read of one split (checked against the task): its columns (the task's, or `columns`), its
+    sample ids, its file columns and, for training, its length column. Raises DataError."""
+    if columns is None:
         columns = tuple(task.columns) if task.columns is not None else tuple(c for c in split.schema.names if c != SAMPLE_ID)
-        for part in [m for _, m in split.sources] or [split]:
-            missing = [c for c in columns if c not in part.schema.names]
-            if missing:
-                raise DataError(f"{part.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
-                                f"(columns: {part.schema.names}); point {part.key} at data with it")
-        # A mixture numbers its rows in order (sources one after another): the sources' own ids may collide.
-        has_id = SAMPLE_ID in split.schema.names and not split.sources
-        if has_id:
-            check_sample_ids(split)
-        references = file_columns(task, columns, split)
-        file_bytes = check_files(split, references, cfg.data.file_read_threads) if references else 0.0
-        lengths = (check_length_column(split, cfg.data.length_column, cfg.train.tokens_per_micro_batch)
-                   if name == "train" else None)
-        read = columns + ((SAMPLE_ID,) if has_id else ())
-        typed = read + ((lengths,) if lengths and lengths not in read else ())  # what the readers may read
-        row_bytes = sum(lay.data_bytes for lay in split.layouts) / max(split.num_rows, 1) + file_bytes
-        specs[name] = DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, name, references,
-                               cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
-                               pa.schema([split.schema.field(c) for c in typed]), lengths, row_bytes)
-    return specs
+    for part in [m for _, m in split.sources] or [split]:
+        missing = [c for c in columns if c not in part.schema.names]
+        if missing:
+            raise DataError(f"{part.key}: no column {missing[0]!r}, which model.name ({cfg.model.name}) reads "
+                            f"(columns: {part.schema.names}); point {part.key} at data with it")
+    # A mixture numbers its rows in order (sources one after another): the sources' own ids may collide.
+    has_id = SAMPLE_ID in split.schema.names and not split.sources
+    if has_id:
+        check_sample_ids(split)
+    references = file_columns(task, columns, split)
+    file_bytes = check_files(split, references, cfg.data.file_read_threads) if references else 0.0
+    lengths = (check_length_column(split, cfg.data.length_column, cfg.train.tokens_per_micro_batch)
+               if split.name == "train" else None)
+    read = columns + ((SAMPLE_ID,) if has_id else ())
+    typed = read + ((lengths,) if lengths and lengths not in read else ())  # what the readers may read
+    row_bytes = sum(lay.data_bytes for lay in split.layouts) / max(split.num_rows, 1) + file_bytes
+    return DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, split.name, references,
+                    cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
+                    pa.schema([split.schema.field(c) for c in typed]), lengths, row_bytes,
+                    None if split.key.startswith("data.") else split.key)
 
 
 def check_length_column(split: DataSplit, column: str | None, budget: float | None = None) -> str | None:

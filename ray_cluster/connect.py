@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 
-class UsageError(Exception):
-    """One line for the user; exit 2."""
+from stride.errors import UsageError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 def _auth_env_for_embedded() -> None:

@@ -15,9 +15,20 @@ from typing import NoReturn
 EXIT_USAGE = 2
 
 
+# The command as the user typed it (`stride sweep`), set by the `stride` dispatcher (stride/commands.py): a
+# command's usage and errors name it rather than the script that implements it (`python tune/main.py`).
+COMMAND: str | None = None
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse.ArgumentParser whose errors are one line, "<prog>: error: <message>; see <prog> --help", exit 2.
     Subparsers made through add_subparsers are of this class too (argparse uses the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        global COMMAND
+        if COMMAND is not None and "prog" in kwargs:  # the command's own parser, not a subparser argparse makes
+            kwargs["prog"], COMMAND = COMMAND, None
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")

@@ -4,7 +4,8 @@
 
 Why: a test file's torchrun cases each paid torchrun's, Python's and torch's start-up and the process group's
 set-up (seconds each on a 2-core machine); here that is paid once per batch. CASES.json is a list of
-{"label": ..., "args": [trainers/torchrun.py arguments], "env": {extra variables, optional}}, run in order (a case
+{"label": ..., "args": [trainers/torchrun.py arguments], "env": {extra variables, optional}, "entry": "stride"
+(optional: the args are a `stride` command line instead)}, run in order (a case
 may resume the run of an earlier one). Every rank calls stride.trainers.torchrun.main(args) per case, as the script's
 own entry point does: train() initializes the process group from the environment (env://) and destroys it at the
 end, so the next case initializes it again. Not on torchrun's agent store: every init writes the same keys there
@@ -74,6 +75,7 @@ def case_store_env(agent: dist.TCPStore | None, index: int, rank: int) -> dict[s
 
 
 def run_case(case: dict, store_env: dict[str, str]) -> dict:
+    from stride import commands
     from stride.trainers import torchrun
 
     saved_env = dict(os.environ)
@@ -84,7 +86,8 @@ def run_case(case: dict, store_env: dict[str, str]) -> dict:
     result = {"label": case.get("label"), "args": case["args"], "code": None, "exception": None}
     try:
         os.environ.update({**store_env, **{k: str(v) for k, v in (case.get("env") or {}).items()}})
-        result["code"] = torchrun.main(list(case["args"]))
+        entry = commands.main if case.get("entry") == "stride" else torchrun.main  # `stride <command>`, or training
+        result["code"] = entry(list(case["args"]))
     except (Exception, SystemExit) as e:  # argparse's SystemExit too: recorded, and the next case runs (an interrupt
         # is not a case's failure: it ends the launch)
         result["code"] = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1

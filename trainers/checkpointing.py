@@ -49,13 +49,7 @@ log = logging.getLogger("stride")
 from stride.trainers.runfolder import RunFolderError, atomic_write_bytes, atomic_write_text  # noqa: E402, F401
 
 
-class CheckpointWriteError(RuntimeError):
-    """Storage stayed broken through every retry, or failed in a way no retry mends. `reason`: what the storage said;
-    the message: the one line for the user (the checkpoint that failed, the last complete one, what to do)."""
-
-    def __init__(self, message: str, reason: str = "", errno: int | None = None):
-        super().__init__(message)
-        self.reason, self.errno = reason or message, errno
+from stride.errors import CheckpointWriteError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 # A full disk, a quota or a read-only mount stays so for minutes or until a person acts: retrying only delays the
@@ -427,9 +421,7 @@ def _bytes_items_problem(folder: Path, metadata) -> str | None:
 
 # ---- reading: never an unrestricted unpickler ----
 
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file that holds more than tensors, plain values and DCP's own metadata: refused, never
-    unpickled (it could run code)."""
+from stride.errors import UnsafeCheckpointError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 def _refused(path: Path, what: str) -> UnsafeCheckpointError:

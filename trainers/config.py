@@ -22,8 +22,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
                       model_validator)
 
 
-class ConfigError(ValueError):
-    """A problem the user can fix; the message is the one line shown to them (exit code 2)."""
+from stride.errors import ConfigError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 # Upper bounds of step and epoch counts: far above any real run (a billion steps at 10 ms is four months), low

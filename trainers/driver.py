@@ -17,7 +17,7 @@ from stride.ray_cluster.connect import UsageError, elastic, resolve_scaling
 from stride.trainers import sinks
 from stride.trainers.config import Config
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from stride.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: E402, F401 - the exit codes live in stride/errors.py
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:

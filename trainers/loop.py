@@ -185,15 +185,31 @@ class Trainer:
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
-    def setup(self) -> None:
-        cfg, env, t = self.cfg, self.env, self.cfg.train
-        setup_logging(env.world_rank)
+    def setup_process(self) -> None:
+        """This process's logging, determinism and CPU threads."""
+        t = self.cfg.train
+        setup_logging(self.env.world_rank)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        if env.device.type == "cpu":
+        if self.env.device.type == "cpu":
             torch.set_num_threads(t.num_threads or max(1, int(self.plan.cpus_per_worker)))
+
+    def setup_precision(self, shard: bool = True) -> None:
+        """train.precision and train.strategy on this gang (fsdp shards only across several workers)."""
+        t, W = self.cfg.train, self.env.world_size
+        self.precision_name = resolve_precision(t.precision, self.env.device)
+        # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
+        self.sharded = shard and t.strategy == "fsdp" and W > 1
+        if t.strategy == "fsdp" and not self.sharded and self.rank0:
+            log.info("train.strategy=fsdp with %d worker(s): training unsharded", W)
+        self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
+        self.precision = Precision.create(self.precision_name, self.env.device, self.sharded)
+
+    def setup(self) -> None:
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        self.setup_process()
         # The order is a function of (seed, epoch, the split's blocks) only; the rows stream in (fit).
         train, val, W = self.plan.train, self.plan.val, env.world_size
         self.global_micro = global_micro_batch(cfg, W)  # B x W; elastic runs: B x max workers, whatever W is now
@@ -209,13 +225,7 @@ class Trainer:
                  val.num_rows if val else 0, self.order.window_rows, global_batch_size(cfg, W),
                  self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)
 
-        self.precision_name = resolve_precision(t.precision, env.device)
-        # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
-        self.sharded = t.strategy == "fsdp" and W > 1
-        if t.strategy == "fsdp" and not self.sharded and self.rank0:
-            log.info("train.strategy=fsdp with 1 worker: nothing to shard, training unsharded")
-        self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
-        self.precision = Precision.create(self.precision_name, env.device, self.sharded)
+        self.setup_precision()
         self.checkpoint_dir = env.latest_checkpoint()
         self.resume_meta = checkpointing.read_meta(self.checkpoint_dir) if self.checkpoint_dir else None
         model = self.build_model()

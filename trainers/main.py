@@ -29,12 +29,12 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.datasets.splits import DataError  # noqa: E402
+from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
 from stride.trainers import runfolder, runlock  # noqa: E402
-from stride.trainers.config import (SECTIONS, Config, ConfigError, apply_overrides, build_config, load_config,  # noqa: E402
+from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
                                     public_dict, section_keys, to_yaml)
-from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, check_resume, check_storage,  # noqa: E402
+from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, check_resume, check_storage,  # noqa: E402
                                     install_signal_handlers, prepare, record_summary, train_on_ray)
 
 
@@ -92,6 +92,12 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stride.trainers.gang import under_torchrun
+
+    if under_torchrun():  # `torchrun ... -m stride train`: the gang is torchrun's (trainers/torchrun.py), not Ray's
+        from stride.trainers import torchrun
+
+        return torchrun.main(argv)
     args = parse_args(argv)
     try:
         if args.config is None and not args.overrides:
@@ -101,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             return EXIT_OK
         code, summary, embedded = _train(cfg, progress_bar=sys.stdout.isatty())
-    except (ConfigError, DataError, UsageError) as e:
+    except StrideError as e:
         error_line(e)
-        return EXIT_USAGE
+        return e.exit_code
     report_paths(cfg, cfg.run_dir, summary, embedded)
     return code
 

@@ -17,8 +17,7 @@ from stride.trainers import checkpointing, runfolder
 log = logging.getLogger("stride")
 
 
-class TrainingError(RuntimeError):
-    """A run that cannot go on (exit 1); the message is one line saying why and what to change."""
+from stride.errors import TrainingError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 @dataclass(frozen=True)

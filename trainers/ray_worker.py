@@ -79,3 +79,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         node=ray.get_runtime_context().get_node_id(),
     )
     return run(cfg, env, plan)
+
+
+def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """What Ray Train runs on each worker of a command after training (trainers/gang.py): config["job"](cfg, env,
+    plan), with no checkpoints and no reports."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    env = WorkerEnv(world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
+                    device=ray.train.torch.get_device(), wrap_model=lambda m: m, latest_checkpoint=lambda: None,
+                    report=lambda metrics, written: None, node=ray.get_runtime_context().get_node_id())
+    return config["job"](from_dict(config["cfg"]), env, config["plan"])

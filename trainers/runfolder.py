@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 
-from stride.ray_cluster.connect import UsageError
 
 META = "meta.json"
 SUMMARY = "summary.json"
@@ -38,9 +37,7 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 JSON_LIMIT = 64 << 20  # meta.json, summary.json, the stop file: far above what Stride writes, far below a machine's memory
 
 
-class RunFolderError(UsageError):
-    """A symlink (or another non-regular file) where Stride writes or reads in a run folder, or a symlinked
-    checkpoint folder: refused, never followed. The message names the path."""
+from stride.errors import RunFolderError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 def kind(mode: int) -> str:

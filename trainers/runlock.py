@@ -34,19 +34,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stride.ray_cluster.connect import UsageError, process_start
-from stride.trainers.policies import TrainingError
 
 LOCK = "stride.lock"
 MAX_LOCK_BYTES = 64 * 1024  # a lock record is ~300 bytes; a bigger file is not Stride's
 log = logging.getLogger("stride")
 
 
-class RunLockedError(UsageError):
-    """Another live run holds the run folder (exit 2, one line naming the folder and the holder)."""
-
-
-class RunLockLostError(TrainingError):
-    """This run no longer holds its run folder: another run took it over, or the driver's heartbeat stopped (exit 1)."""
+from stride.errors import RunLockedError, RunLockLostError  # noqa: E402, F401 - stride/errors.py
 
 
 def heartbeat_interval(stale_s: float) -> float:

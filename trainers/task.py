@@ -53,6 +53,8 @@ class Task:
     # Names of the per-sample values `metrics` returns (val_<name>), when known before training: a sweep then
     # checks sweep.metric against them before any trial starts. None: not declared, any val_<name> is accepted.
     metric_names: ClassVar[tuple[str, ...] | None] = None
+    # The columns `stride predict` reads (data without labels): None, the same as `columns`.
+    predict_columns: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, config: TaskConfig, data_config: Any = None, facts: dict[str, Any] | None = None):
         self.config = config

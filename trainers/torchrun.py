@@ -26,13 +26,13 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stride.datasets.splits import DataError  # noqa: E402
+from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
 from stride.trainers import checkpointing, runfolder, runlock, sinks  # noqa: E402
-from stride.trainers.config import ConfigError, load_config, public_dict  # noqa: E402
-from stride.trainers.driver import EXIT_FAILED, EXIT_USAGE, prepare, write_summary  # noqa: E402
+from stride.trainers.config import load_config, public_dict  # noqa: E402
+from stride.trainers.driver import prepare, write_summary  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
-from stride.trainers.policies import TrainingError, clear_stop_request  # noqa: E402
+from stride.trainers.policies import clear_stop_request  # noqa: E402
 
 
 OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)
@@ -69,12 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return train(args.config, args.overrides)
-    except (ConfigError, DataError, UsageError, checkpointing.UnsafeCheckpointError) as e:
+    except StrideError as e:
         error_line(e)
-        return EXIT_USAGE
-    except (TrainingError, checkpointing.CheckpointWriteError) as e:
-        error_line(e)
-        return EXIT_FAILED
+        return e.exit_code
 
 
 def take_run_lock(cfg, rank: int, world_size: int) -> tuple[runlock.RunLock | None, str]:
@@ -100,14 +97,15 @@ def take_run_lock(cfg, rank: int, world_size: int) -> tuple[runlock.RunLock | No
     return lock, outcome[1]
 
 
-def train(config: str, overrides: list[str]) -> int:
-    cfg = load_config(config, overrides)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    task, specs = prepare(cfg, world_size)
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # scaling.use_gpu as on Ray, against this node's devices (one per process): refused (exit 2) before anything is
-    # written, never quietly trained on the CPU.
+def gang_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of this process in torchrun's gang (one process without torchrun)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def start_gang(cfg) -> torch.device:
+    """This process's device, and the process group of torchrun's gang. scaling.use_gpu as on Ray, against this
+    node's devices (one per process): refused (exit 2) before anything is written, never quietly run on the CPU."""
+    _, world_size, local_rank = gang_rank()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if problem := gpu_shortfall(cfg.scaling.use_gpu, local_world_size, gpus, workers_key="--nproc-per-node",
@@ -119,6 +117,26 @@ def train(config: str, overrides: list[str]) -> int:
         torch.cuda.set_device(device)
     if world_size > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    return device
+
+
+def leave_gang() -> None:
+    """Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter
+    finalization, gloo's work threads could be torn down unjoined ("terminate called without an active exception",
+    SIGABRT) after a run that had finished its work."""
+    if dist.is_initialized():
+        import gc
+
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(config: str, overrides: list[str]) -> int:
+    cfg = load_config(config, overrides)
+    rank, world_size, local_rank = gang_rank()
+    task, specs = prepare(cfg, world_size)
+    device = start_gang(cfg)
+    use_cuda = device.type == "cuda"
 
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,14 +193,7 @@ def train(config: str, overrides: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release()
-    if world_size > 1:
-        # Free the DDP/FSDP modules (reference cycles) while the interpreter is alive: left to interpreter
-        # finalization, gloo's work threads could be torn down unjoined ("terminate called without an active
-        # exception", SIGABRT) after a run that had finished its work.
-        import gc
-
-        gc.collect()
-        dist.destroy_process_group()
+    leave_gang()
     # Stopped by SIGTERM/SIGINT (checkpointed): 128 + the signal, as the Ray driver exits; the same command resumes.
     return 128 + summary["stop_signal"] if summary.get("stop_signal") else 0
 

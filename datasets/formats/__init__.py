@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 
-class DataError(ValueError):
-    """Bad input data the user can fix (exit code 2)."""
+from stride.errors import DataError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import os
 from typing import Literal
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from pydantic import Field
 
@@ -42,6 +43,10 @@ class MLPTask(Task):
     def columns(self) -> tuple[str, ...] | None:  # known once inspect found the feature columns
         f = self.facts
         return (*f["feature_columns"], f["label_column"]) if f else None
+
+    @property
+    def predict_columns(self) -> tuple[str, ...] | None:  # stride predict: the features; a label is not needed
+        return tuple(self.facts["feature_columns"]) if self.facts else None
 
     # ---- driver: which columns, how many classes, the statistics of the training features ----
 
@@ -126,7 +131,10 @@ class MLPTask(Task):
                 x[bad] = np.take(np.asarray(f["fill"], np.float32), np.nonzero(bad)[1])
         if "mean" in f:
             x = (x - np.asarray(f["mean"], np.float32)) / np.asarray(f["std"], np.float32)
-        return {"x": x, "y": batch[f["label_column"]].astype(np.int64)}
+        out = {"x": x}
+        if f["label_column"] in batch:  # stride predict reads the features only
+            out["y"] = batch[f["label_column"]].astype(np.int64)
+        return out
 
     def build_model(self) -> MLP:
         c = self.config
@@ -138,6 +146,10 @@ class MLPTask(Task):
 
     def metrics(self, model, batch):
         return {"accuracy": (model(batch["x"]).argmax(-1) == batch["y"]).float()}
+
+    def predict(self, model, batch):
+        probs = torch.softmax(model(batch["x"]).float(), dim=-1)
+        return {"label": probs.argmax(-1), "probs": probs}
 
 
 class _SplitStats:

@@ -1,0 +1,258 @@
+"""`stride <command>`: the dispatcher, `stride eval` and `stride predict` (docs/commands.md).
+
+The runs they read are trained, and the commands run, under one torchrun launch of 2 ranks (tests/torchrun_cases.py):
+eval and predict are the same job code on Ray and under torchrun (trainers/gang.py), so the gang mechanics are proven
+there, and one test on the shared Ray head proves the Ray edge. Bad inputs run in this process: each is refused
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, run_torchrun_cases, torchrun_launcher
+
+SLOW_TASK = '''
+import time
+
+from stride.trainers.tasks.mlp import MLPTask
+
+
+class SlowMLP(MLPTask):
+    """The built-in MLP whose predict takes a while: a SIGKILL lands in the middle of a prediction."""
+
+    def predict(self, model, batch):
+        time.sleep(0.4)
+        return super().predict(model, batch)
+'''
+
+
+def tabular(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
+    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
+            "train.max_steps=20", "train.eval_every_steps=10", "checkpoint.every_steps=10", "model.hidden_sizes=[32]",
+            "tracking.mlflow=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("commands")
+    (folder / "slow_task.py").write_text(textwrap.dedent(SLOW_TASK))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def unlabeled(project, tabular_data) -> Path:
+    """The validation rows without label and sample_id, in row groups of 20 rows (a block each), ids by position."""
+    table = pq.read_table(tabular_data / "val")
+    out = project / "unlabeled.parquet"
+    pq.write_table(table.drop_columns(["label", "sample_id"]), out, row_group_size=20)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
+    """Runs trained and commands run under one launch of 2 ranks; returns the storage folder and the cases' results."""
+    runs = project / "runs"
+    stride = lambda label, *args: {"label": label, "entry": "stride", "args": list(args)}  # noqa: E731
+    cases = [
+        {"label": "train ddp", "args": tabular(tabular_data, runs, "ddp")},
+        {"label": "train fsdp", "args": tabular(tabular_data, runs, "fsdp", "train.strategy=fsdp")},
+        {"label": "train char_gpt", "args": ["--config", str(REPO / "trainers/configs/char_gpt.yaml"),
+                                             f"data.train_path={text_data}/train", f"data.val_path={text_data}/val",
+                                             f"run.storage_path={runs}", "run.name=gpt", "train.max_steps=2",
+                                             "train.eval_every_steps=2", "checkpoint.every_steps=2", "model.n_layers=1",
+                                             "model.width=32", "model.n_heads=2", "model.context=16",
+                                             "train.batch_size_per_worker=4", "tracking.mlflow=false"]},
+        {"label": "train slow", "args": tabular(tabular_data, runs, "slow", "model.name=slow_task:SlowMLP")},
+        stride("eval ddp", "eval", "--run-dir", str(runs / "ddp")),
+        stride("eval fsdp", "eval", "--run-dir", str(runs / "fsdp")),
+        stride("eval ddp train split", "eval", "--run-dir", str(runs / "ddp"), "--data", f"{tabular_data}/train",
+               "--checkpoint", str(runs / "ddp" / "checkpoint_00000010"), "--name", "train_at_10"),
+        stride("predict ddp", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
+               "--out", str(project / "predictions")),
+    ]
+    r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("commands_cases"), project,
+                                  {"PYTHONPATH": str(project)})
+    failed = [(c["label"], c["code"], c["stderr"][-2000:]) for c in ranks[0] + ranks[1] if c["code"] != 0]
+    assert r.returncode == 0 and not failed, (failed, r.stderr[-3000:])
+    return {"runs": runs, "ranks": ranks}
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+# ---- the dispatcher ----
+
+def test_stride_help_lists_every_command(capsys):
+    from stride.commands import COMMANDS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
+    assert list(COMMANDS) == ["train", "eval", "predict", "export", "generate", "sweep", "doctor", "prepare"]
+
+
+def test_an_unknown_command_exits_2_in_one_line(capsys):
+    from stride.commands import main
+
+    assert main(["evaluate", "--run", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["stride: error: unknown command 'evaluate'; use one of train, eval, predict, export, generate, "
+                   "sweep, doctor, prepare, or train with stride --config <file.yaml>; see stride --help"]
+
+
+def test_train_is_the_default_command_and_each_command_names_itself_in_its_usage(capsys):
+    from stride.commands import main, split_command
+
+    assert split_command(["--config", "x.yaml", "train.max_steps=3"]) == ("train", ["--config", "x.yaml", "train.max_steps=3"])
+    assert split_command(["train.max_steps=3"])[0] == "train" and split_command([])[0] == "train"
+    assert split_command(["eval", "--run", "r"]) == ("eval", ["--run", "r"])
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--no-such-flag"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("stride sweep: error: ")
+
+
+# ---- eval ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_eval_under_torchrun_equals_the_runs_val_loss_bitwise(gang, strategy):
+    run = gang["runs"] / strategy
+    record = json.loads((run / "eval" / "checkpoint_00000020.json").read_text())
+    s = summary(run)
+    assert record["val_loss"] == s["val_loss"] and record["val_accuracy"] == s["val_accuracy"]
+    assert (record["runtime"], record["world_size"], record["step"]) == ("torchrun", 2, 20)
+    assert record["checkpoint"] == str(run / "checkpoint_00000020")
+
+
+@pytest.mark.slow
+def test_eval_data_runs_on_another_split_and_checkpoint(gang, tabular_data):
+    run = gang["runs"] / "ddp"
+    record = json.loads((run / "eval" / "train_at_10.json").read_text())
+    assert record["rows"] == sum(pq.read_metadata(f).num_rows for f in (tabular_data / "train").glob("*.parquet"))
+    assert record["step"] == 10 and record["data"] == f"{tabular_data}/train"
+    at_10 = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if m.get("step") == 10 and "val_loss" in m][0]
+    assert record["val_loss"] != at_10["val_loss"]  # the training rows, not the validation ones, at step 10
+
+
+# ---- predict ----
+
+def read_predictions(out: Path) -> pa.Table:
+    return pq.read_table(out)  # the parts; _predict.json and .stride-predict.json are not read as data
+
+
+@pytest.mark.slow
+def test_predict_writes_every_row_once_with_its_position_as_sample_id(gang, project, unlabeled):
+    out = project / "predictions"
+    table = read_predictions(out)
+    n = pq.read_metadata(unlabeled).num_rows
+    assert sorted(table.column("sample_id").to_pylist()) == list(range(n))
+    assert table.column("sample_id").to_pylist() == list(range(n))  # parts in the data's order
+    blocks = pq.ParquetFile(unlabeled).metadata.num_row_groups
+    assert sorted(p.name for p in out.glob("part-*")) == [f"part-{b:06d}.parquet" for b in range(blocks)]
+    probs = np.stack(table.column("probs").to_pylist())
+    assert probs.shape == (n, 4) and np.allclose(probs.sum(1), 1, atol=1e-5)
+    assert table.column("label").to_pylist() == probs.argmax(1).tolist()
+    manifest = json.loads((out / "_predict.json").read_text())
+    assert (manifest["rows_written"], manifest["parts"], manifest["world_size"]) == (n, blocks, 2)
+
+
+@pytest.mark.slow
+def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang, project, unlabeled):
+    out = project / "killed"
+    cmd = [*torchrun_launcher(2), "-m", "stride", "predict", "--run-dir", str(gang["runs"] / "slow"), "--data",
+           str(unlabeled), "--out", str(out), "--batch-size", "10", "--task", "slow_task:SlowMLP"]
+    env = dict(os.environ, PYTHONPATH=str(project))
+    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob("part-*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        written = len(list(out.glob("part-*.parquet")))
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert 1 <= written < pq.ParquetFile(unlabeled).metadata.num_row_groups, proc.stdout.read().decode()[-3000:]
+    assert not (out / "_predict.json").exists()
+    r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "already written" in r.stdout
+    ids = read_predictions(out).column("sample_id").to_pylist()
+    assert ids == list(range(pq.read_metadata(unlabeled).num_rows))  # none missing, none twice
+    assert not list(out.glob(".part-*"))  # a part the kill cut short was never renamed into place, nor left
+
+
+# ---- refused before any worker: exit 2, one line ----
+
+def refusal(capsys, *argv: str) -> str:
+    from stride.commands import main
+
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (code, err)
+    return err[0]
+
+
+@pytest.mark.slow
+def test_bad_inputs_are_refused_in_one_line(gang, project, unlabeled, tmp_path, capsys):
+    runs = gang["runs"]
+    line = refusal(capsys, "eval", "--run", str(tmp_path))
+    assert line == (f"stride: error: --run ({tmp_path}) is not a run folder (no summary.json); pass "
+                    f"<run.storage_path>/<run.name> of a run that trained, such as runs/char_gpt")
+    gpt_checkpoint = runs / "gpt" / "checkpoint_00000002"
+    line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", str(gpt_checkpoint))
+    assert line == (f"stride: error: --checkpoint ({gpt_checkpoint}) holds model.name char_gpt, not the run's mlp; "
+                    f"pass a checkpoint of this run")
+    line = refusal(capsys, "predict", "--run", str(runs / "gpt"), "--data", str(unlabeled), "--out", str(tmp_path / "p"))
+    assert line.startswith("stride: error: model.name (char_gpt) has no predict; implement Task.predict(")
+    assert not (tmp_path / "p").exists()
+    finished = project / "predictions"
+    line = refusal(capsys, "predict", "--run", str(runs / "ddp"), "--data", str(unlabeled), "--out", str(finished))
+    assert line == (f"stride: error: --out ({finished}) exists and holds a finished prediction; pass a new folder, or "
+                    f"--force to replace it")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    line = refusal(capsys, "predict", "--run", str(runs / "ddp"), "--data", str(unlabeled), "--out",
+                   str(tmp_path / "mine"), "--force")
+    assert "holds files that stride predict did not write" in line
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    line = refusal(capsys, "eval", "--run", str(runs / "slow"))  # a task of the user's own: imported on consent only
+    assert "pass --task slow_task:SlowMLP (on PYTHONPATH) if you trust it, or --trust-remote-code" in line
+    line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", "best")
+    assert "kept no best checkpoint" in line
+
+
+# ---- on Ray ----
+
+@pytest.mark.slow
+def test_eval_and_predict_on_two_ray_workers(gang, project, unlabeled, ray_cluster):
+    from conftest import run_cli
+
+    run = gang["runs"] / "ddp"
+    r = run_cli(["-m", "stride", "eval", "--run", str(run), "--name", "on_ray"], env=ray_cluster, cwd=project)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads((run / "eval" / "on_ray.json").read_text())
+    assert (record["runtime"], record["world_size"]) == ("ray", 2)
+    assert record["val_loss"] == summary(run)["val_loss"]  # bitwise, as under torchrun: the same job code
+    out = project / "ray_predictions"
+    r = run_cli(["-m", "stride", "predict", "--run", str(run), "--data", str(unlabeled), "--out", str(out)],
+                env=ray_cluster, cwd=project)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert read_predictions(out).equals(read_predictions(project / "predictions"))
+    assert not (run / ".jobs").exists()  # Ray Train's records of the job are removed with it

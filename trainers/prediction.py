@@ -1,0 +1,214 @@
+"""`stride predict`: the task's per-sample outputs over a data set, written as Parquet parts.
+
+    stride predict --run runs/my_run --data new.parquet --out predictions/ [--checkpoint last|best|PATH]
+    torchrun --standalone --nproc-per-node 2 -m stride predict --run-dir runs/my_run --data ... --out ...
+
+Each worker loads the whole model (the run's task, precision, checkpoint; no sharding, so no worker waits on
+another) and takes the data's blocks (Parquet row groups, line ranges) r, r + N, ...; block b becomes
+`<out>/part-<b>.parquet` with `sample_id` (the data's column, or the row's position in file order when it has none)
+and the columns `Task.predict(model, batch)` returns, in the data's order. A part is written under a temporary name
+and renamed: it is there whole or not at all. A rerun of the same command (after a crash, a SIGKILL, a lost node)
+skips the parts that are there, so every row is written exactly once. `<out>/_predict.json` marks the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from stride.errors import TrainingError, UsageError
+from stride.trainers.evaluation import CheckpointModel, JobPlan
+
+# The end of a prediction, and what it is of (a resume checks it); "_" and "." keep readers of the folder (pyarrow,
+# pandas, Ray Data) to the parts.
+MANIFEST, JOB = "_predict.json", ".stride-predict.json"
+
+
+def part_name(block: int) -> str:
+    return f"part-{block:06d}.parquet"
+
+
+def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
+    """One worker's share of `stride predict`: its blocks that have no part yet."""
+    from stride.datasets.order import eval_blocks
+    from stride.datasets.stream import BlockReader, fetcher, frame_of
+
+    job = CheckpointModel(cfg, env, plan, shard=False)
+    job.load()
+    out, spec = Path(plan.out), plan.val
+    reader, files = BlockReader(spec), fetcher(spec)
+    rows = parts = 0
+    t0 = time.perf_counter()
+    try:
+        for b in eval_blocks(reader.num_blocks, env.world_rank, env.world_size):
+            if (out / part_name(b)).exists():  # written whole by an earlier attempt
+                continue
+            frame = frame_of(reader.read(b))
+            batches = [files.fetch(frame.slice(lo, lo + plan.batch_rows)).columns()
+                       for lo in range(0, len(frame), plan.batch_rows)]
+            write_part(out / part_name(b), predict_rows(job, batches))
+            rows, parts = rows + len(frame), parts + 1
+    finally:
+        files.close()
+    # Summed over the gang, which is also the barrier: under torchrun rank 0 checks every part once this returns.
+    from stride.trainers.step import all_reduce_sum
+
+    rows, parts = all_reduce_sum(torch.tensor([rows, parts], dtype=torch.float64), env.device).tolist()
+    return {"rows_predicted": int(rows), "parts_predicted": int(parts), "seconds": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def predict_rows(job: CheckpointModel, batches) -> pa.Table:
+    """sample_id and the task's outputs of `batches` (Columns), as one table."""
+    from stride.trainers.loop import to_device
+
+    ids, outputs = [], {}
+    for rows in batches:
+        batch = to_device(job.task.transform(rows.data), job.env.device, job.cfg.model.name)
+        with job.precision.autocast():
+            got = job.task.predict(job.model, batch)
+        for name, value in got.items():
+            value = value.detach().float().cpu().numpy() if torch.is_floating_point(value) else \
+                value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            if len(value) != len(rows):
+                raise TrainingError(f"model.name ({job.cfg.model.name}): predict returned {name!r} with {len(value)} "
+                                    f"rows for a batch of {len(rows)}; return one value per row")
+            outputs.setdefault(name, []).append(value)
+        ids.append(rows.sample_id)
+    return pa.table({"sample_id": np.concatenate(ids), **{k: arrow_column(np.concatenate(v)) for k, v in outputs.items()}})
+
+
+def arrow_column(values: np.ndarray) -> pa.Array:
+    """A per-row value as a column: a number, or a fixed-size list (a vector; further dimensions flattened)."""
+    if values.ndim == 1:
+        return pa.array(values)
+    flat = values.reshape(len(values), -1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+
+
+def write_part(path: Path, table: pa.Table) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+# ---- the driver: the output folder, the gang, the manifest ----
+
+def job_identity(run, spec, batch_rows: int) -> dict[str, Any]:
+    """What a prediction is of: a rerun resumes only the same run, checkpoint and data."""
+    return {"run": str(run.run_dir.resolve()), "checkpoint": str(run.checkpoint.resolve()),
+            "step": run.meta.get("step"), "data": [str(Path(f).resolve()) if "://" not in f else f for f in spec.files],
+            "rows": spec.num_rows, "blocks": len(spec.blocks)}
+
+
+def prepare_output(out: Path, identity: dict[str, Any], force: bool, check_only: bool = False) -> bool:
+    """Make `out` ready; True when it resumes an unfinished prediction of the same job. An output that exists is
+    refused (UsageError) unless it is that, or --force replaces an earlier prediction. A folder that holds
+    anything else is never emptied. `check_only`: refuse as rank 0 would, change nothing (torchrun's other ranks,
+    so that every rank exits alike)."""
+    if not out.exists():
+        if not check_only:
+            out.mkdir(parents=True)
+        return False
+    if not out.is_dir():
+        raise UsageError(f"--out ({out}) exists and is not a folder; pass a new folder")
+    ours = (out / JOB).is_file()
+    if not ours and any(out.iterdir()):
+        raise UsageError(f"--out ({out}) exists and holds files that stride predict did not write; pass a new folder")
+    earlier = json.loads((out / JOB).read_text()) if ours else None
+    if ours and earlier == identity and not (out / MANIFEST).exists():
+        return True
+    if not force and ours:
+        what = "a finished prediction" if (out / MANIFEST).exists() else "an unfinished prediction of other inputs"
+        raise UsageError(f"--out ({out}) exists and holds {what}; pass a new folder, or --force to replace it")
+    if check_only:
+        return False
+    for f in out.iterdir():  # an earlier prediction's files only (checked above); JOB last, so it stays "ours"
+        if f.name == MANIFEST or f.name.startswith(("part-", ".part-")):
+            f.unlink()
+    (out / JOB).unlink()
+    return False
+
+
+def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dict[str, Any]:
+    """Check that every block has its part, then write the manifest."""
+    from stride.trainers.runfolder import atomic_write_text
+
+    missing = [b for b in range(identity["blocks"]) if not (out / part_name(b)).exists()]
+    if missing:
+        raise TrainingError(f"--out ({out}): {len(missing)} part(s) missing after the workers finished (first: "
+                            f"{part_name(missing[0])}); rerun the same command to write them")
+    rows = sum(pq.ParquetFile(out / part_name(b)).metadata.num_rows for b in range(identity["blocks"]))
+    manifest = {**identity, "parts": identity["blocks"], "rows_written": rows, **results, "wall_s": time.time() - t0}
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def parse_args(argv):
+    from stride.cli import ArgumentParser
+    from stride.trainers import trained
+
+    ap = ArgumentParser(prog="python trainers/prediction.py",
+                        description="Write the task's per-sample outputs (Task.predict) over a data set as Parquet.")
+    ap.add_argument("--data", required=True, help="Parquet, JSON Lines or text files with the task's columns")
+    ap.add_argument("--out", required=True, type=Path, help="output folder (new; or an unfinished one to resume)")
+    ap.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: max(64, "
+                                                                  "train.batch_size_per_worker))")
+    ap.add_argument("--force", action="store_true", help="replace an earlier prediction in --out")
+    trained.add_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stride.cli import error_line
+    from stride.errors import StrideError
+
+    args = parse_args(argv)
+    try:
+        return predict_command(args)
+    except StrideError as e:
+        error_line(e)
+        return e.exit_code
+
+
+def predict_command(args) -> int:
+    from stride.trainers import gang, trained
+    from stride.trainers.task import Task
+
+    t0 = time.time()
+    run = trained.open_run(args)
+    if type(run.task).predict is Task.predict:
+        raise UsageError(f"model.name ({run.cfg.model.name}) has no predict; implement Task.predict(self, model, "
+                         f"batch) returning per-sample outputs (docs/commands.md)")
+    spec = gang.split_spec(run, "predict", args.data, run.task.predict_columns)
+    batch_rows = args.batch_size or max(64, run.cfg.train.batch_size_per_worker)
+    identity = job_identity(run, spec, batch_rows)
+    resumed = prepare_output(args.out, identity, args.force, check_only=not gang.rank0())
+    if gang.rank0():
+        from stride.trainers.runfolder import atomic_write_text
+
+        atomic_write_text(args.out / JOB, json.dumps(identity, indent=1) + "\n")
+        done = sum((args.out / part_name(b)).exists() for b in range(len(spec.blocks)))
+        print(f"stride: predicting {spec.num_rows} rows ({len(spec.blocks)} parts"
+              + (f", {done} already written" if resumed and done else "") + f") with {run.checkpoint}", flush=True)
+    plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts, out=str(args.out.resolve()),
+                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint), batch_rows=batch_rows)
+    results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}")
+    if results is None:  # a torchrun rank other than 0
+        return 0
+    manifest = finish(args.out, identity, {**where, **results}, t0)
+    print(f"stride: predict: {manifest['rows_written']} rows in {manifest['parts']} parts, written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

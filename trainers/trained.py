@@ -1,0 +1,129 @@
+"""A trained run as the source of the commands that come after training (`stride eval`, `stride predict`): its
+folder, config, task and one of its checkpoints, each checked before any worker starts.
+
+A run folder may sit on shared storage that someone else can write: its summary.json names the task module, and
+importing a module runs it. As trainers/generate.py does, a task of your own is imported only with consent
+(`--task MODULE:CLASS`, the same as the run's, or `--trust-remote-code`); built-in tasks need neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stride.errors import ConfigError, UsageError
+from stride.trainers import checkpointing, runfolder
+from stride.trainers.config import Config, apply_overrides, build_config
+
+
+@dataclass
+class TrainedRun:
+    run_dir: Path
+    summary: dict[str, Any]
+    cfg: Config  # the run's config, with the command's overrides; run.storage_path/run.name point at run_dir
+    task: Any
+    checkpoint: Path
+    meta: dict[str, Any]  # the checkpoint's meta.json
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return self.meta.get("facts") or self.summary.get("facts") or {}
+
+
+def add_arguments(ap) -> None:
+    """The options every command over a trained run takes."""
+    # --run-dir: the same, for torchrun's command line, whose own parser takes --run for its --run-path.
+    ap.add_argument("--run", "--run-dir", dest="run", required=True, type=Path,
+                    help="run folder: <run.storage_path>/<run.name> (under torchrun: --run-dir)")
+    ap.add_argument("--checkpoint", default="last", metavar="last|best|PATH",
+                    help="the newest complete checkpoint (last), the best kept one (best: checkpoint.keep_best), or "
+                         "a checkpoint folder of the run")
+    ap.add_argument("--task", metavar="MODULE:CLASS",
+                    help="import this task of your own; must be the run's model.name")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="import whatever task module the run's summary.json names (it runs that module's code)")
+    ap.add_argument("overrides", nargs="*", metavar="section.field=value",
+                    help="changes to the run's config (scaling.num_workers=2, train.batch_size_per_worker=64)")
+
+
+def open_run(args) -> TrainedRun:
+    """The run of `args.run` with the checkpoint `args.checkpoint`; UsageError/ConfigError (exit 2) otherwise."""
+    from stride.trainers.tasks import consent, make_task
+
+    run_dir = Path(args.run)
+    summary = read_summary(run_dir)
+    name = ((summary.get("config") or {}).get("model") or {}).get("name")
+    if not isinstance(name, str):
+        raise UsageError(f"--run ({run_dir}): summary.json has no config.model.name; pass the folder of a run that "
+                         f"trained")
+    consent(name, args.task, args.trust_remote_code, str(run_dir / "summary.json"))
+    raw = apply_overrides(summary["config"], list(args.overrides))
+    # The run is where it is now, whatever folder it was started from.
+    raw["run"] = {**raw.get("run", {}), "storage_path": str(run_dir.resolve().parent), "name": run_dir.resolve().name}
+    cfg = build_config(raw, origin=f"{run_dir / 'summary.json'}")
+    checkpoint = pick_checkpoint(run_dir, summary, args.checkpoint)
+    meta = checkpointing.read_meta(checkpoint)
+    task = make_task(cfg, meta.get("facts") or summary.get("facts"))
+    check_fits(cfg, task, checkpoint, meta)
+    return TrainedRun(run_dir.resolve(), summary, cfg, task, checkpoint.resolve(), meta)  # workers run elsewhere
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise UsageError(f"--run ({run_dir}) is not a run folder (no summary.json); pass <run.storage_path>/<run.name> "
+                         f"of a run that trained, such as runs/char_gpt")
+    try:
+        summary = runfolder.read_summary(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--run ({run_dir}): summary.json is not one Stride writes ({e}); pass the folder of a run "
+                         f"that trained") from None
+    if not isinstance(summary.get("config"), dict):
+        raise UsageError(f"--run ({run_dir}): summary.json has no config; pass the folder of a run that trained")
+    return summary
+
+
+def pick_checkpoint(run_dir: Path, summary: dict, which: str) -> Path:
+    if which == "last":
+        newest = checkpointing.newest_complete(run_dir)
+        if newest is None:
+            raise UsageError(f"--run ({run_dir}) has no complete checkpoint; train it first, or pass --checkpoint PATH")
+        return newest
+    if which == "best":
+        best = (summary.get("best_checkpoints") or [None])[0]
+        if best is None:
+            raise UsageError(f"--checkpoint best: --run ({run_dir}) kept no best checkpoint (it trained without "
+                             f"checkpoint.keep_best); pass --checkpoint last or a checkpoint folder")
+        which = best["checkpoint"]
+    folder = Path(which)
+    if problem := checkpointing.verify(folder):
+        raise UsageError(f"--checkpoint ({which}) is unusable ({problem}); pass last, best or a complete checkpoint "
+                         f"folder of the run")
+    return folder
+
+
+def check_fits(cfg: Config, task, checkpoint: Path, meta: dict) -> None:
+    """A checkpoint of another task, or of this task with other model settings, is refused before any worker."""
+    import torch
+
+    if meta.get("model") != cfg.model.name:
+        raise UsageError(f"--checkpoint ({checkpoint}) holds model.name {meta.get('model')}, not the run's "
+                         f"{cfg.model.name}; pass a checkpoint of this run")
+    with torch.device("meta"):
+        model = task.build_model()
+    saved = checkpointing.saved_model_shapes(checkpoint)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not meta.get("trainable_only") or k in saved}
+    if mismatch := checkpointing.shape_mismatch(shapes, saved):
+        raise UsageError(f"--checkpoint ({checkpoint}) does not fit the run's model (the {mismatch}); pass a "
+                         f"checkpoint of this run, or the model.* overrides it was trained with")
+
+
+def output_name(text: str) -> str:
+    """A name safe as a file name from a checkpoint's or data set's name."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "eval"
+
+
+__all__ = ["TrainedRun", "add_arguments", "open_run", "ConfigError", "output_name"]

@@ -263,7 +263,10 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
                                      else "PACK"),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+                             # A preempted node (drained with a deadline, then gone) restarts the gang from its
+                             # preemption checkpoint on Ray's own budget, unlimited: it is no failure.
+                             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
+                                                          max_preemption_failures=-1),
                              callbacks=list(callbacks),
                              # A failed run ends in Stride's one line (summary "error"); Ray Train's tracebacks of
                              # it (about 90 lines) go only to its session logs (logs/train/ray-train-sys-*.log) and

@@ -31,7 +31,8 @@ from stride.trainers import checkpointing, fsdp, pretrained, runlock, sinks as r
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
 from stride.trainers.ema import EMA
 from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
-from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, StopRequest, TrainingError, reseed
+from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest,
+                                      TrainingError, reseed)
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
 from stride.trainers.step import (Freezer, Precision, StepResult, TrainMetrics, all_reduce_mean_many, build_optimizer,
                                   build_scheduler, evaluate, logged_lrs, resolve_groups, resolve_precision, train_step)
@@ -65,6 +66,9 @@ class WorkerEnv:
     # The training rows' pipeline: TrainStream's signature (datasets/stream.py); None: TrainStream (a thread).
     # The Ray edge passes a Ray Data pipeline when the driver chose data.pipeline=ray_data.
     stream_factory: Callable[..., Any] | None = None
+    # The runtime's notice that a node of the gang is about to be preempted, or None; asked at every step boundary,
+    # so it must be cheap (Ray: this worker's own copy of the notice, no collective). None: no such notices (torchrun).
+    preempted: Callable[[], Preemption | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class TrainState:
     micro_step: int = 0  # global micro-step counter over epochs: the data position
     samples_seen: int = 0
     restarts: int = 0
+    preemptions: int = 0  # of the restarts, those from a preemption checkpoint
     sinks: dict[str, Any] = field(default_factory=dict)  # each tracker's state (its run id), from the checkpoint
     initial_val_loss: float | None = None
 
@@ -401,6 +406,7 @@ class Trainer:
             self.ended, self.total_steps = meta["ended"], s.step
         # Rerunning a finished run trains nothing: it is not a restart, and its results are the checkpoint's.
         s.restarts = meta.get("restarts", 0) + (s.step < self.total_steps)
+        s.preemptions = meta.get("preemptions", 0) + bool(meta.get("preempted") and s.step < self.total_steps)
         self.checkpoint_metrics = meta.get("metrics") or {}
         s.sinks = saved_state(meta)
         s.initial_val_loss = meta.get("initial_val_loss")
@@ -580,7 +586,8 @@ class Trainer:
             state["ema"] = self.ema.state_dict()
         meta = {"ema": self.ema is not None, "trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
                 "step": s.step, "epoch": epoch, "epoch_offset_samples": offset,
-                "samples_seen": s.samples_seen, "restarts": s.restarts, "sinks": self.sinks.state_dict(),
+                "samples_seen": s.samples_seen, "restarts": s.restarts, "preemptions": s.preemptions,
+                "preempted": self.stop.preemption is not None, "sinks": self.sinks.state_dict(),
                 "callbacks": self.callbacks.state_dict(), "ended": self.stop.final_status(),
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
@@ -640,7 +647,7 @@ class Trainer:
         sinks = self.sinks = self.open_sinks()
         cfg, env, s = self.cfg, self.env, self.state
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
-        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size)
+        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted)
         stop.install()
         callbacks = self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
         callbacks.load_state_dict((self.resume_meta or {}).get("callbacks") or {})
@@ -699,8 +706,11 @@ class Trainer:
             callbacks.step_end(metrics)
             # A signal, the stop file or a callback's request: every rank agrees, and the run checkpoints now.
             if stopping := stop.requested():
-                status = stop.status()
-                log.warning("stop requested (%s): checkpointing at step %d", status, s.step)
+                if stop.preemption is None:
+                    status = stop.status()
+                    log.warning("stop requested (%s): checkpointing at step %d", status, s.step)
+                elif self.rank0:
+                    log.warning("%s: checkpointing at step %d", stop.preemption.describe(), s.step)
                 if not due.log:  # a stop always logs
                     if self.rank0:
                         self.fence.still_holds()
@@ -719,6 +729,13 @@ class Trainer:
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
                 callbacks.checkpoint()
+            if stopping and stop.preemption is not None and s.step < self.total_steps:
+                self.writer.wait()  # complete before the node goes; then nothing is trained that the restart loses
+                if not stop.wait_out_preemption():
+                    if self.rank0:
+                        log.warning("the gang was not ended by the preemption's deadline: training on")
+                    continue
+                status = stop.status()  # a stop requested while waiting: its checkpoint is this one
             if stopping:
                 break
 
@@ -755,7 +772,7 @@ class Trainer:
             "initial_val_loss": s.initial_val_loss, **{k: v for k, v in last_val.items() if k != "val_loss"},
             "samples_per_second": trained * self.global_micro * self.cfg.train.grad_accum_steps / max(wall, 1e-9)
             if trained else None,
-            "train_wall_s": wall, **self.sinks.summary(), "restarts": s.restarts,
+            "train_wall_s": wall, **self.sinks.summary(), "restarts": s.restarts, "preemptions": s.preemptions,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],

@@ -1,13 +1,16 @@
 """The loop's policies, free of training: when to log, evaluate and checkpoint; what a non-finite step does;
-when to stop on request; how each step's randomness is seeded. Each is unit-tested without a model."""
+when to stop on request or on a node's preemption; how each step's randomness is seeded. Each is unit-tested
+without a model."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -104,16 +107,51 @@ def request_stop(run_dir: str | Path, status: str, signum: int) -> None:
     checkpointing.atomic_write_text(Path(run_dir) / STOP_FILE, json.dumps({"status": status, "signal": signum}))
 
 
-class StopRequest:
-    """Preemption and interrupts: a stop file in the run folder (written by the driver's signal handler,
-    or by anyone) or a signal to this process. Checked at every step boundary and agreed on by all
-    ranks with one tiny all-reduce, so either every rank stops at the same step or none does."""
+@dataclass(frozen=True)
+class Preemption:
+    """A runtime's notice that a node of the gang is about to be taken away: Ray's, when a node is drained with reason
+    preemption (what a cloud autoscaler does before it reclaims a spot instance). The runtime then ends the gang and
+    starts it again from the newest checkpoint, on the nodes that remain."""
 
-    def __init__(self, run_dir: Path, device: torch.device, world_size: int):
+    nodes: tuple[str, ...]  # the nodes that go, as the runtime names them (Ray: node ids); () when not known here
+    deadline_s: float | None  # when they go (UNIX time); None: none announced
+
+    def describe(self, now: float | None = None) -> str:
+        nodes = "node " + ", ".join(self.nodes) if len(self.nodes) == 1 else \
+            "nodes " + ", ".join(self.nodes) if self.nodes else "a node"
+        if self.deadline_s is None:
+            return f"preemption of {nodes} announced (no deadline)"
+        left = self.deadline_s - (time.time() if now is None else now)
+        return f"preemption of {nodes} announced (deadline in {left:.0f} s)"
+
+
+# A preemption without a deadline: Ray Train ends the gang this long after it noticed it (its
+# DEFAULT_PREEMPTION_DEADLINE_S); the workers wait as long.
+NO_DEADLINE_WAIT_S = 120.0
+# After a preemption checkpoint the workers wait for the runtime to end them; if it has not this long after the
+# deadline (a runtime that did not act on its own notice), they train on from where they are.
+PREEMPTION_OVERRUN_S = 60.0
+
+
+class StopRequest:
+    """Interrupts and preemption: a stop file in the run folder (written by the driver's signal handler, or by
+    anyone), a signal to this process, a callback's request, or the runtime's notice that a node of the gang will be
+    preempted (`preempted`: WorkerEnv.preempted). Checked at every step boundary and agreed on by all ranks with one
+    tiny all-reduce, so either every rank stops at the same step or none does.
+
+    A stop ends the run after its checkpoint. A preemption does not: after its checkpoint the workers wait
+    (wait_out_preemption) for the runtime to end the gang at the deadline and start it again from that checkpoint,
+    so that nothing is trained that the restart would lose. A stop and a preemption at the same step: the stop."""
+
+    def __init__(self, run_dir: Path, device: torch.device, world_size: int,
+                 preempted: Callable[[], Preemption | None] | None = None):
         self.path = Path(run_dir) / STOP_FILE
         self.device, self.world_size = device, world_size
         self.local: dict[str, Any] | None = None
         self.previous: dict = {}
+        self.preempted = preempted
+        self.preemption: Preemption | None = None  # the notice the agreed stop answers (its deadline the earliest)
+        self.answered = False  # a gang answers one notice: the runtime ends it at that notice's deadline
 
     def on_signal(self, signum: int, _frame=None) -> None:
         self.local = {"status": "interrupted", "signal": signum}
@@ -141,15 +179,45 @@ class StopRequest:
         """The status of a stop that ends the run for good (a callback's), None for a signal's or none."""
         return self.local["status"] if self.local and self.local.get("final") else None
 
+    def _notice(self) -> Preemption | None:
+        return None if self.preempted is None or self.answered else self.preempted()
+
     def requested(self) -> bool:
-        flag = 1.0 if (self.local is not None or self.path.exists()) else 0.0
+        """Whether every rank stops at this step boundary. A preemption any rank has heard of counts for all (each
+        hears of it on its own, not at the same step), with the earliest deadline any of them heard."""
+        notice = self._notice()
+        # [stop, preempted, -deadline]: one all-reduce (MAX) agrees on all three.
+        flags = [1.0 if (self.local is not None or self.path.exists()) else 0.0, 1.0 if notice else 0.0,
+                 -notice.deadline_s if notice and notice.deadline_s is not None else -math.inf]
         if self.world_size > 1:
-            t = torch.tensor([flag], device=self.device if self.device.type == "cuda" else "cpu")
+            t = torch.tensor(flags, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flag = float(t[0])
-        return flag > 0
+            flags = t.tolist()
+        stop, preempted, deadline = flags
+        if not stop and preempted:
+            notice = notice or self._notice()  # another rank heard first: this one may have by now
+            self.preemption = Preemption(notice.nodes if notice else (), -deadline if deadline > -math.inf else None)
+            self.answered = True
+        return bool(stop or preempted)
+
+    def wait_out_preemption(self, clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                            poll_s: float = 0.5) -> bool:
+        """After the preemption checkpoint: wait, training nothing, until the runtime ends this process (Ray ends the
+        gang at the deadline). Returns True when a stop was requested meanwhile (the stop file: the run ends now, its
+        checkpoint written), False when the runtime let PREEMPTION_OVERRUN_S pass after the deadline (train on)."""
+        p, start = self.preemption, clock()
+        until = (p.deadline_s if p is not None and p.deadline_s is not None else start + NO_DEADLINE_WAIT_S) \
+            + PREEMPTION_OVERRUN_S
+        while (now := clock()) < until:
+            if self.path.exists():
+                return True
+            sleep(min(poll_s, until - now))
+        self.preemption = None
+        return False
 
     def status(self) -> str:
+        if self.preemption is not None and not (self.local or self.path.exists()):
+            return "preempted"
         return self._request().get("status", "interrupted")
 
     def signal(self) -> int | None:

@@ -1,5 +1,6 @@
 """The Ray Train edge: what Ray Train runs on each worker. It builds the Ray `WorkerEnv` (rank, device,
-checkpoints through Ray's storage, Prometheus gauges), then runs the plain-PyTorch `Trainer`."""
+checkpoints through Ray's storage, Prometheus gauges, Ray's preemption notices), then runs the plain-PyTorch
+`Trainer`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ from typing import Any
 from stride.trainers import checkpointing, telemetry
 from stride.trainers.config import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, log, run
+from stride.trainers.policies import Preemption
+
+
+def preemption_notice(train_context) -> Preemption | None:
+    """This worker's copy of Ray Train's preemption notice (Ray 2.60: its PreemptionWatcher sees a node of the gang
+    drained with reason preemption and gives every worker the notice, mark_preempt). An attribute read: no barrier,
+    unlike ray.train.get_preemption_info(), so the loop asks it at every step and agrees with one all-reduce."""
+    try:
+        info = train_context.get_train_context().preemption_context.preemption_info
+    except AttributeError:  # a Ray without the watcher
+        return None
+    if info is None:
+        return None
+    return Preemption(tuple(info.preempted_node_ids), info.deadline_ms / 1000.0 if info.deadline_ms else None)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +92,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
         stream_factory=stream_factory,
         node=ray.get_runtime_context().get_node_id(),
+        # A node announced as preempted: checkpoint at the next step, then wait for Ray to restart the gang from it.
+        preempted=lambda: preemption_notice(train_context),
     )
     return run(cfg, env, plan)
 

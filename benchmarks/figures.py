@@ -64,7 +64,10 @@ DATA_GOALS = {"file_read_ratio": (">=", 0.8), "bucketing_padding_ratio": ("<=", 
               "bucketing_step_time_ratio": ("<=", 0.6)}
 # The callbacks-and-sinks issue's goals, the same way.
 SINK_GOALS = {"sink_overhead_ratio": ("<=", 1.01), "ema_step_time_ratio": ("<=", 1.05)}
-NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS}  # the goals judged in a figure's notes (judged())
+# The commands issue's goals (predict, a run's start, preemption), the same way.
+COMMAND_GOALS = {"predict_throughput_ratio": (">=", 0.9), "time_to_first_step_ratio": ("<=", 2.0),
+                 "preemption_steps_lost": ("<=", 0)}
+NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS}  # judged in a figure's notes (judged())
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
 LABELS = {
@@ -94,6 +97,10 @@ LABELS = {
     "bucketing_step_time_ratio": "epoch time of a small transformer, bucketing on / off, batches padded to their longest",
     "sink_overhead_ratio": "time per step, metrics.jsonl + MLflow + TensorBoard + W&B offline / metrics.jsonl alone",
     "ema_step_time_ratio": "step time, train.ema on / off, FSDP on 2 CPU ranks",
+    "predict_throughput_ratio": "rows/s, stride predict on 2 CPU workers / a hand-written no_grad loop on 2 processes",
+    "time_to_first_step_ratio": "launch to the first step, stride train with an embedded Ray / torchrun",
+    "time_to_first_step_on_head_ratio": "the same, stride train joining a running head (RAY_ADDRESS) / torchrun",
+    "preemption_steps_lost": "steps trained after the last checkpoint before a node's preemption and lost",
 }
 
 
@@ -626,13 +633,61 @@ def sinks_figures(raw: dict) -> dict:
     }
 
 
+def commands_figures(raw: dict) -> dict:
+    """benchmarks/commands_bench.py's alternating runs: a sample per repetition, one side over the other."""
+    cm = raw.get("commands") or {}
+    missing = [] if cm else ["not measured in this result: python benchmarks/run.py --only commands"]
+    stride, hand = by_rep(cm.get("predict_runs", []), variant="stride"), by_rep(cm.get("predict_runs", []), variant="hand")
+    firsts = {v: by_rep(cm.get("first_step_runs", []), variant=v) for v in ("embedded", "head", "torchrun")}
+    pairs = sorted(stride.keys() & hand.keys())
+
+    def first_ratio(side: str) -> list:
+        reps = sorted(firsts[side].keys() & firsts["torchrun"].keys())
+        return [ratio(firsts[side][i]["first_step_s"], firsts["torchrun"][i]["first_step_s"]) for i in reps]
+
+    def seconds(side: str) -> dict:
+        return summary([r["first_step_s"] for r in firsts[side].values()])
+
+    lost = [r["steps_lost"] for r in cm.get("preemption_runs", []) if r.get("steps_lost") is not None]
+    first_what = ("seconds from the launch to the first training line of metrics.jsonl (tabular_mlp, hidden sizes "
+                  f"{cm.get('hidden')}, 2 CPU workers), alternating, per repetition (benchmarks/commands_bench.py)")
+    return {
+        "predict_throughput_ratio": judged(figure(
+            [ratio(stride[i]["rows_per_s"], hand[i]["rows_per_s"]) for i in pairs], "ratio",
+            f"rows per second, launch to exit, over {cm.get('predict_rows')} rows in {cm.get('row_groups')} row "
+            f"groups of an MLP {cm.get('hidden')}: `stride predict` on 2 CPU workers (torchrun) / a hand-written "
+            f"torch.no_grad() loop on 2 processes writing the same Parquet, alternating, per repetition "
+            f"(benchmarks/commands_bench.py)", notes=list(missing),
+            stride_rows_per_s=summary([stride[i]["rows_per_s"] for i in pairs]),
+            hand_rows_per_s=summary([hand[i]["rows_per_s"] for i in pairs]), started=cm.get("started")),
+            "predict_throughput_ratio"),
+        "time_to_first_step_ratio": judged(figure(
+            first_ratio("embedded"), "ratio", f"`stride train` with an embedded Ray / torchrun: {first_what}",
+            notes=list(missing), stride_s=seconds("embedded"), torchrun_s=seconds("torchrun")),
+            "time_to_first_step_ratio"),
+        "preemption_steps_lost": judged(figure(
+            lost, "steps",
+            "optimizer steps trained after the last checkpoint before a node's preemption and trained again by the "
+            "restarted gang, per repetition (benchmarks/preemption_bench.py: a two-node cluster on this machine, ray "
+            "drain-node --reason DRAIN_NODE_REASON_PREEMPTION under a 2-worker elastic run)",
+            notes=list(missing), worst=max(lost, default=None),
+            resumed_after_deadline_s=summary([r["resumed_after_deadline_s"] for r in cm.get("preemption_runs", [])
+                                              if r.get("resumed_after_deadline_s") is not None])),
+            "preemption_steps_lost"),
+        "time_to_first_step_on_head_ratio": figure(
+            first_ratio("head"), "ratio", f"`stride train` joining a running head (RAY_ADDRESS) / torchrun: {first_what}",
+            notes=list(missing), stride_s=seconds("head"), torchrun_s=seconds("torchrun")),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "jsonl_ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction",
          "memory_growth_ratio", "jsonl_memory_growth_ratio", "checkpoint_rank0_memory_ratio",
          "checkpoint_blocked_ratio", "ac_memory_ratio", "ac_step_time_ratio", "compile_step_time_ratio",
          "lock_overhead_ratio", "init_peak_memory_ratio", "init_peak_memory_ratio_ddp", "frozen_step_time_ratio",
          "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio",
-         "sink_overhead_ratio", "ema_step_time_ratio")
+         "sink_overhead_ratio", "ema_step_time_ratio", "predict_throughput_ratio", "time_to_first_step_ratio",
+         "time_to_first_step_on_head_ratio", "preemption_steps_lost")
 
 
 def figures(raw: dict) -> dict:
@@ -641,7 +696,7 @@ def figures(raw: dict) -> dict:
             "scaling_2_over_1": scaling_figure(raw), "memory_growth_ratio": memory_figure(raw),
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
             "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
-            **bucketing_figures(raw), **sinks_figures(raw)}
+            **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw)}
     return {name: figs[name] for name in ORDER}
 
 

@@ -12,6 +12,7 @@ fine-tuning, files by reference, length bucketing, metric sinks and EMA.
     python benchmarks/run.py --only file_read   # the same, file_read_bench.py (files by reference)
     python benchmarks/run.py --only bucketing   # the same, bucketing_bench.py (data.length_column)
     python benchmarks/run.py --only sinks       # the same, sinks_bench.py (tracking.sinks, train.ema)
+    python benchmarks/run.py --only commands    # the same, commands_bench.py (stride predict, time to the first step)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -49,6 +50,10 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
 10. benchmarks/sinks_bench.py: tabular_mlp with every tracker on (MLflow, TensorBoard, W&B offline) and with
    metrics.jsonl alone, and an MLP under FSDP on 2 ranks with train.ema on and off, alternating, `reps` times
    (-> sink_overhead_ratio, ema_step_time_ratio).
+11. benchmarks/commands_bench.py: `stride predict` on 2 CPU workers beside a hand-written no_grad loop on 2
+   processes over the same Parquet, and the seconds from the launch to the first step of `stride train` (embedded
+   Ray; joining a running head) and of torchrun, alternating, `reps` times (-> predict_throughput_ratio,
+   time_to_first_step_ratio, time_to_first_step_on_head_ratio).
 """
 
 from __future__ import annotations
@@ -437,6 +442,7 @@ def measure(mode: Mode, tmp: Path) -> dict:
     raw["file_read"] = measure_file_read(mode)
     raw["bucketing"] = measure_bucketing(mode)
     raw["sinks"] = measure_sinks(mode)
+    raw["commands"] = measure_commands(mode)
     return raw
 
 
@@ -499,10 +505,17 @@ def measure_sinks(mode: Mode) -> dict:
 
 
 # --only NAME: raw[key] = measure(mode)
+def measure_commands(mode: Mode) -> dict:
+    from benchmarks.commands_bench import measure as commands_bench
+
+    print("bench: stride predict and the time to the first step (benchmarks/commands_bench.py)", flush=True)
+    return commands_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+
+
 ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
         "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory),
         "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing),
-        "sinks": ("sinks", measure_sinks)}
+        "sinks": ("sinks", measure_sinks), "commands": ("commands", measure_commands)}
 
 
 def measure_only(name: str, mode: Mode, latest: Path) -> dict:

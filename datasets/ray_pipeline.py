@@ -79,7 +79,7 @@ class RayDataStream(FixedPositions):
     rows_read = None  # read in Ray Data tasks, not counted here
 
     def next_batch(self, micro_step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        from stride.trainers.policies import TrainingError
+        from stride.errors import TrainingError
 
         try:
             got, ids, arrays, lengths = self._batches.get(timeout=self.timeout_s)

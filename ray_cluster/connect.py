@@ -262,7 +262,7 @@ def worker_paths() -> dict[str, str]:
     appended to sys.path). A checkout run without installing Stride (stride/_checkout.py) also gives the workers the
     checkout on PYTHONPATH; an installed Stride leaves the user's PYTHONPATH as it is."""
     import stride
-    from stride.trainers.tasks import TASK_PATH_ENV, task_search_path
+    from stride.user_code import TASK_PATH_ENV, task_search_path
 
     env = {TASK_PATH_ENV: os.pathsep.join(dict.fromkeys(task_search_path()))}
     checkout = getattr(stride, "_CHECKOUT_ROOT", None)

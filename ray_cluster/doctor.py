@@ -683,7 +683,6 @@ def _reachable(address: str, timeout_s: float) -> str | None:
 
 def _connect(args: argparse.Namespace) -> None:
     """The training driver's connection logic: --address/RAY_ADDRESS, else an embedded Ray with token auth."""
-    from stride.trainers.config import load_config
     from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 
     if args.address:
@@ -694,7 +693,6 @@ def _connect(args: argparse.Namespace) -> None:
         raise UsageError(f"{flag} ({address}) is not reachable ({why}); start the cluster "
                          f"(python -m stride.ray_cluster.local start) or leave {flag} unset for an embedded local Ray")
     quiet_ray_env()
-    workers = args.num_workers if args.num_workers != "auto" else 1
     init_ray()
 
 

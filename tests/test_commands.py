@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -82,11 +83,15 @@ def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
                "--checkpoint", str(runs / "ddp" / "checkpoint_00000010"), "--name", "train_at_10"),
         stride("predict ddp", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
                "--out", str(project / "predictions")),
+        stride("predict again", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
+               "--out", str(project / "predictions")),  # finished: refused (exit 2) on every rank, not one
     ]
     r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("commands_cases"), project,
                                   {"PYTHONPATH": str(project)})
-    failed = [(c["label"], c["code"], c["stderr"][-2000:]) for c in ranks[0] + ranks[1] if c["code"] != 0]
-    assert r.returncode == 0 and not failed, (failed, r.stderr[-3000:])
+    expected = {"predict again": 2}
+    failed = [(c["label"], c["code"], c["stderr"][-2000:]) for c in ranks[0] + ranks[1]
+              if c["code"] != expected.get(c["label"], 0)]
+    assert len(ranks[0]) == len(ranks[1]) == len(cases) and not failed, (failed, r.stderr[-3000:])
     return {"runs": runs, "ranks": ranks}
 
 
@@ -173,6 +178,15 @@ def test_predict_writes_every_row_once_with_its_position_as_sample_id(gang, proj
 
 
 @pytest.mark.slow
+def test_a_refusal_under_torchrun_is_every_ranks_one_line(gang, project):
+    for rank in gang["ranks"]:
+        again = [c for c in rank if c["label"] == "predict again"][0]
+        errors = [ln for ln in again["stderr"].splitlines() if ln.startswith("stride: error:")]
+        assert errors == [f"stride: error: --out ({project / 'predictions'}) exists and holds a finished prediction; "
+                          f"pass a new folder, or --force to replace it"] and again["exception"] is None
+
+
+@pytest.mark.slow
 def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang, project, unlabeled):
     out = project / "killed"
     cmd = [*torchrun_launcher(2), "-m", "stride", "predict", "--run-dir", str(gang["runs"] / "slow"), "--data",
@@ -217,8 +231,16 @@ def test_bad_inputs_are_refused_in_one_line(gang, project, unlabeled, tmp_path, 
                     f"<run.storage_path>/<run.name> of a run that trained, such as runs/char_gpt")
     gpt_checkpoint = runs / "gpt" / "checkpoint_00000002"
     line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", str(gpt_checkpoint))
-    assert line == (f"stride: error: --checkpoint ({gpt_checkpoint}) holds model.name char_gpt, not the run's mlp; "
-                    f"pass a checkpoint of this run")
+    assert line == (f"stride: error: --checkpoint ({gpt_checkpoint}) lies outside --run ({runs / 'ddp'}); pass a "
+                    f"checkpoint folder of the run, or the run folder that holds it")
+    planted = runs / "ddp" / "planted" / gpt_checkpoint.name  # another task's checkpoint inside the run folder
+    shutil.copytree(gpt_checkpoint, planted)
+    try:
+        line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", str(planted))
+    finally:
+        shutil.rmtree(planted.parent)
+    assert line == (f"stride: error: --checkpoint ({planted}) holds model.name char_gpt, not the run's mlp; pass a "
+                    f"checkpoint of this run")
     line = refusal(capsys, "predict", "--run", str(runs / "gpt"), "--data", str(unlabeled), "--out", str(tmp_path / "p"))
     assert line.startswith("stride: error: model.name (char_gpt) has no predict; implement Task.predict(")
     assert not (tmp_path / "p").exists()
@@ -256,3 +278,61 @@ def test_eval_and_predict_on_two_ray_workers(gang, project, unlabeled, ray_clust
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert read_predictions(out).equals(read_predictions(project / "predictions"))
     assert not (run / ".jobs").exists()  # Ray Train's records of the job are removed with it
+
+
+# ---- one lifecycle: the same refusal from every launcher ----
+
+def test_the_same_bad_config_gives_the_same_line_and_exit_code_from_train_torchrun_and_a_sweep(tmp_path, tabular_data,
+                                                                                                capsys):
+    """The batch-fit check is one function (config.check_batch_fits) that `stride train`, the torchrun launcher and a
+    sweep's trials all run before any worker: one line, exit 2, from each."""
+    from tune_fixtures import write_sweep
+
+    from stride.commands import main
+    from stride.trainers import torchrun
+
+    bad = ["scaling.num_workers=1", "train.batch_size_per_worker=100000", "model.hidden_sizes=[32]"]
+    args = tabular(tabular_data, tmp_path / "runs", "too_big", *bad)
+    sweep = write_sweep(tmp_path / "sweep.yaml", tabular_data, tmp_path / "sweeps", sweep={"name": "too_big"},
+                        base={"train.batch_size_per_worker": 100000, "train.max_steps": 20},
+                        space={"optim.lr": {"loguniform": [1e-4, 1e-2]}})
+    lines = {}
+    for name, call in [("train", lambda: main(["train", *args])), ("torchrun", lambda: torchrun.main(args)),
+                       ("sweep", lambda: main(["sweep", "--config", str(sweep)]))]:
+        code = call()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (name, code, err)
+        lines[name] = err[0]
+    rows = sum(pq.read_metadata(f).num_rows for f in (tabular_data / "train").glob("*.parquet"))
+    assert set(lines.values()) == {f"stride: error: train.batch_size_per_worker (100000) x 1 worker(s) = 100000 rows per "
+                                   f"micro-step exceeds the {rows} rows of {tabular_data}/train; use "
+                                   f"train.batch_size_per_worker={rows} or less"}, lines
+    assert not (tmp_path / "runs").exists()  # no run folder; the sweep's folder (made to check it is writable) is empty
+    assert not any((tmp_path / "sweeps" / "too_big").iterdir())
+
+
+def test_predict_output_rules(tmp_path):
+    """An empty or new --out is used; the same unfinished job resumes; --force starts over (the earlier
+    prediction's files only); a finished prediction or another job's needs --force; other files are never removed."""
+    from stride.errors import UsageError
+    from stride.trainers.prediction import JOB, MANIFEST, prepare_output
+
+    job = {"run": "/r", "checkpoint": "/r/checkpoint_00000020", "data": ["/d.parquet"], "rows": 10, "blocks": 2}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert prepare_output(out, job, force=False) is False  # empty: a new prediction
+    (out / JOB).write_text(json.dumps(job))
+    (out / "part-000000.parquet").write_text("a part")
+    assert prepare_output(out, job, force=False) is True and (out / "part-000000.parquet").exists()  # resumes
+    with pytest.raises(UsageError, match="an unfinished prediction of other inputs"):
+        prepare_output(out, {**job, "rows": 11}, force=False)
+    assert prepare_output(out, job, force=True) is False and not any(out.iterdir())  # starts over
+    (out / JOB).write_text(json.dumps(job))
+    (out / MANIFEST).write_text("{}")
+    with pytest.raises(UsageError, match="holds a finished prediction"):
+        prepare_output(out, job, force=False)
+    (out / JOB).unlink()  # no longer a folder of Stride's, and a file of the user's in it
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="did not write"):
+        prepare_output(out, job, force=True)
+    assert (out / "notes.txt").read_text() == "mine"

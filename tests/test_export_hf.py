@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from stride.trainers import checkpointing, export, tasks  # noqa: E402
+from stride.trainers import checkpointing, export  # noqa: E402
 
 EXPORT = str(REPO / "trainers" / "export.py")
 TASK = "hf_lm_task:HFCausalLM"
@@ -35,7 +35,9 @@ STEPS = 4
 def _task_search_restored(monkeypatch):
     """export --format hf turns off the working directory as a task source for the rest of the process (generate.py's
     rule): put it back for the tests that run after these in this process."""
-    monkeypatch.setattr(tasks, "_search_working_directory", tasks._search_working_directory)
+    from stride import user_code
+
+    monkeypatch.setattr(user_code, "_search_working_directory", user_code._search_working_directory)
 
 
 @pytest.fixture(scope="module")

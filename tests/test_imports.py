@@ -55,3 +55,19 @@ print('FOUND', stride.trainers.__file__, stride._CHECKOUT_ROOT, {str(REPO)!r} in
     assert r.returncode == 0, r.stderr
     assert f"FOUND {REPO}/trainers/__init__.py {REPO} False" in r.stdout
     assert "model:" in r.stdout  # the resolved config was printed
+
+
+def test_the_data_and_cluster_layers_import_nothing_of_trainers():
+    """datasets/ and ray_cluster/ sit under trainers/: they take Stride's errors from stride/errors.py and the user's
+    module path from stride/user_code.py. The SLURM launcher's `run-dir` is the exception: it resolves a user's
+    training config to the run folder, as the driver will."""
+    import re
+
+    offenders = []
+    for path in sorted([*(REPO / "datasets").rglob("*.py"), *(REPO / "ray_cluster").rglob("*.py")]):
+        if path.relative_to(REPO).as_posix() == "ray_cluster/slurm/launch.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"\s*(from|import)\s+stride\.trainers\b", line):
+                offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert offenders == []

@@ -733,3 +733,44 @@ class BestCheckpoints:
     def summary(self) -> list[dict[str, Any]]:
         return [{"checkpoint": str(folder), "step": step, self.metric: value} for value, step, folder in self.ranked()]
 
+
+# ---- retention: checkpoint.keep_last (torchrun prunes here; Ray Train keeps num_to_keep of those it registered) ----
+
+import re  # noqa: E402
+
+OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)
+_verified: set[tuple[str, int]] = set()  # (folder, meta.json mtime) that verified: each read and hashed once
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The loop's checkpoints (checkpoint_<step>) that verify, oldest first. Anything else (folders Ray named, torn
+    writes, an unreadable meta.json) is never listed, so never pruned."""
+    found = []
+    for p in run_dir.glob("checkpoint_*"):
+        if not (p.is_dir() and OWN_CHECKPOINT.fullmatch(p.name)):
+            continue
+        try:
+            key = (str(p), (p / META).stat().st_mtime_ns)
+            if key not in _verified and verify(p) is None:
+                _verified.add(key)
+            if key in _verified:
+                found.append((read_meta(p)["step"], p))
+        except (OSError, ValueError, KeyError, runfolder.RunFolderError):
+            continue
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints of the loop's own (never a torn or foreign one)."""
+    import shutil
+
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def ray_checkpoint_config(keep_last: int):
+    """checkpoint.keep_last on Ray Train: it deletes what it registered beyond num_to_keep (deleting one of them
+    ourselves would make it refuse the run folder on resume)."""
+    from ray.train import CheckpointConfig
+
+    return CheckpointConfig(num_to_keep=keep_last)

@@ -868,6 +868,20 @@ def global_micro_batch(cfg: Config, world_size: int) -> int:
     return cfg.train.batch_size_per_worker * (elastic[1] if elastic else world_size)
 
 
+def check_batch_fits(cfg: Config, train_rows: int, world_size: int) -> None:
+    """One global micro-batch must fit in the training split, or no worker could take a step: the one check (and
+    message) of the driver, torchrun, sweeps and the workers. Raises DataError."""
+    from stride.errors import DataError
+
+    G = global_micro_batch(cfg, world_size)
+    if G > train_rows:
+        workers = G // cfg.train.batch_size_per_worker
+        where = ", ".join(src.path for src in cfg.data.train) if cfg.data.train else cfg.data.train_path
+        raise DataError(f"train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {workers} worker(s) = {G} "
+                        f"rows per micro-step exceeds the {train_rows} rows of {where}; use "
+                        f"train.batch_size_per_worker={max(1, train_rows // workers)} or less")
+
+
 def global_batch_size(cfg: Config, world_size: int) -> int:
     return global_micro_batch(cfg, world_size) * cfg.train.grad_accum_steps
 

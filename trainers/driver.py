@@ -4,10 +4,8 @@ and sweeps (tune/): the task and its data checks, the TorchTrainer, resume check
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -20,38 +18,8 @@ from stride.trainers.config import Config
 from stride.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: E402, F401 - the exit codes live in stride/errors.py
 
 
-def write_summary(run_dir: Path, summary: dict) -> Path:
-    """summary.json; but a rerun that did not end the run (failed, interrupted) never replaces a completed run's
-    record: its summary goes beside it as summary.<status>.json. Returns the path written."""
-    import json
-
-    from stride.trainers import runfolder
-    from stride.trainers.checkpointing import atomic_write_text
-
-    path = run_dir / "summary.json"
-    if not summary.get("final", summary.get("status") == "completed"):
-        try:  # an earlier summary that is not what Stride writes counts as none
-            earlier = runfolder.read_summary(path)
-        except (OSError, ValueError, runfolder.RunFolderError):
-            earlier = None
-        if earlier is not None and earlier.get("status") == "completed":
-            path = run_dir / f"summary.{summary.get('status')}.json"
-    atomic_write_text(path, json.dumps(summary, indent=1, default=str) + "\n")
-    return path
-
-
-def record_summary(run_dir: Path, summary: dict) -> str:
-    """write_summary on storage that may refuse it (a full disk): a failed run keeps its own error line, and a
-    completed run whose record cannot be written becomes a failed one that says so. Returns where the summary went,
-    or why it went nowhere."""
-    try:
-        return str(write_summary(run_dir, summary))
-    except OSError as e:
-        if summary.get("status") == "completed":
-            fix = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "make run.storage_path writable"
-            summary.update(status="failed", error=f"summary.json could not be written in {run_dir} ({e.strerror}); "
-                                                  f"{fix} and rerun: it ends at once from the final checkpoint")
-        return f"not written ({e.strerror})"
+# A run's summary and its error line: trainers/lifecycle.py (these names are kept here for their callers).
+from stride.trainers.lifecycle import last_line, record_summary, write_summary  # noqa: E402, F401
 
 
 def prepare(cfg: Config, num_workers: int | None = None):
@@ -144,16 +112,10 @@ def group_table(groups) -> str:
 
 
 def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) -> None:
-    """One global micro-batch must fit in the training split, or no worker could take a step."""
-    from stride.datasets.splits import DataError
-    from stride.trainers.config import global_micro_batch
+    """One global micro-batch must fit in the training split (config.check_batch_fits)."""
+    from stride.trainers.config import check_batch_fits as check
 
-    rows, G = specs["train"].num_rows, global_micro_batch(cfg, num_workers)
-    if G > rows:
-        workers = G // cfg.train.batch_size_per_worker
-        raise DataError(f"train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {workers} worker(s) = {G} "
-                        f"rows per micro-step exceeds the {rows} rows of {cfg.data.train_path}; use "
-                        f"train.batch_size_per_worker={max(1, rows // workers)} or less")
+    check(cfg, specs["train"].num_rows, num_workers)
 
 
 def ensure_writable(folder: Path, key: str, value) -> Path:
@@ -237,9 +199,10 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
                   callbacks=(), **plan_extra):
     """The TorchTrainer for one Stride run (the driver's and every Tune trial's). Returns (trainer, plan, gang):
     gang = (num_workers, use_gpu, the cluster's resources)."""
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from stride.trainers import checkpointing
     from stride.trainers.loop import plan_run
     from stride.trainers.ray_worker import train_loop_per_worker
 
@@ -262,7 +225,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
                                      placement_strategy="SPREAD" if cfg.scaling.num_workers == "auto" and not use_gpu
                                      else "PACK"),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(cfg.run_dir.parent),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+                             checkpoint_config=checkpointing.ray_checkpoint_config(cfg.checkpoint.keep_last),
                              # A preempted node (drained with a deadline, then gone) restarts the gang from its
                              # preemption checkpoint on Ray's own budget, unlimited: it is no failure.
                              failure_config=FailureConfig(max_failures=cfg.scaling.max_failures,
@@ -371,11 +334,7 @@ def _error_line(e: BaseException, run_dir: Path) -> str:
         # write fails first, while a worker's checkpoint is being written.
         return checkpointing.storage_failure_line(f"Ray Train's {checkpointing.SNAPSHOT} in {run_dir}", run_dir,
                                                   full.strerror or str(full), full.errno)
-    # Ray wraps the worker's exception; keep its last line ("ValueError: ..."), without the class path of Stride's
-    # own errors, whose message is the line.
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    line = lines[-1] if lines else type(e).__name__
-    return re.sub(r"^stride(\.\w+)+: ", "", line)[:500]
+    return last_line(e)
 
 
 def install_signal_handlers(run_dir: Path) -> list[int]:

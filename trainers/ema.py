@@ -39,6 +39,10 @@ class EMA:
         """Name -> this rank's shadow tensor (DCP fills these in place on load)."""
         return dict(zip(self.names, self.shadow))
 
+    def swap(self) -> None:
+        """Exchange the average and the weights in the model's parameters (twice: as they were)."""
+        _swap(self.params, self.shadow)
+
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The average in the model's parameters for the block; the trained weights back afterwards, bitwise.

@@ -56,8 +56,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FORMATS = ("safetensors", "hf")
 
 
-class ExportError(ValueError):
-    """A problem the user can fix: one line naming the argument, the value and the fix."""
+from stride.errors import ExportError  # noqa: E402 - a problem the user can fix (exit 2)
 
 
 def resolve(folder: Path, name: str = "checkpoint") -> Path:

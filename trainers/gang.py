@@ -41,20 +41,47 @@ def split_spec(run, split: str, path: str | None, columns: tuple[str, ...] | Non
     return splits.split_spec(run.cfg, run.task, data, columns)
 
 
-def run_job(run, job: Job, plan, name: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(rank 0's result, where it ran); under torchrun the other ranks get (None, ...)."""
+def run_job(run, job: Job, plan, name: str, before: Callable[[], None] | None = None
+            ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(rank 0's result, where it ran); under torchrun the other ranks get (None, ...). `before`: what the driver
+    does first, once (prepare an output folder); under torchrun rank 0 does it and every rank raises its refusal."""
     if under_torchrun():
-        return _on_torchrun(run.cfg, job, plan)
+        return _on_torchrun(run.cfg, job, plan, before)
+    if before is not None:
+        before()
     return _on_ray(run.cfg, job, plan, run.run_dir.resolve() / ".jobs", name)
 
 
-def _on_torchrun(cfg, job: Job, plan) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _on_rank0(fn: Callable[[], None], rank: int, world_size: int) -> None:
+    """`fn` on rank 0; its refusal (a StrideError) raised on every rank, so that the gang exits alike."""
+    import torch.distributed as dist
+
+    from stride.errors import StrideError
+
+    refusal = None
+    if rank == 0:
+        try:
+            fn()
+        except StrideError as e:
+            refusal = e
+    if world_size > 1:
+        box = [None if refusal is None else (type(refusal), str(refusal))]
+        dist.broadcast_object_list(box, src=0)  # within the gang's own process group: nothing from storage
+        if box[0] is not None and refusal is None:
+            refusal = box[0][0](box[0][1])
+    if refusal is not None:
+        raise refusal
+
+
+def _on_torchrun(cfg, job: Job, plan, before) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     from stride.trainers.loop import WorkerEnv
     from stride.trainers.torchrun import gang_rank, leave_gang, start_gang
 
     rank, world_size, local_rank = gang_rank()
     device = start_gang(cfg)
     try:
+        if before is not None:
+            _on_rank0(before, rank, world_size)
         env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=lambda m: m, latest_checkpoint=lambda: None,
                         report=lambda metrics, written: None, node=socket.gethostname())
         result = job(cfg, env, plan)

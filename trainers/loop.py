@@ -30,7 +30,7 @@ from stride.trainers import blocks as trainer_blocks
 from stride.trainers import checkpointing, fsdp, pretrained, runlock, sinks as run_sinks, telemetry
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
 from stride.trainers.ema import EMA
-from stride.trainers.config import Config, global_batch_size, global_micro_batch, public_dict, scaled_lr
+from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest,
                                       TrainingError, reseed)
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
@@ -221,9 +221,7 @@ class Trainer:
         self.rows_per_worker = self.global_micro // W
         self.order = order_for(train, cfg.run.seed, self.global_micro, cfg.data.shuffle_window_rows,
                                cfg.data.shuffle_window_bytes)
-        if self.order.micro_steps_per_epoch == 0:
-            raise DataError(f"train.batch_size_per_worker ({t.batch_size_per_worker}) x {self.global_micro // t.batch_size_per_worker} "
-                            f"workers exceeds the {train.num_rows} training rows; use a smaller train.batch_size_per_worker")
+        check_batch_fits(cfg, train.num_rows, W)  # the driver's check, again for the gang as it started
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * self.order.micro_steps_per_epoch / t.grad_accum_steps))
         log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; global batch %d = %d per "
                  "worker x %d workers x %d accumulation; %d rows dropped per epoch", train.num_rows, len(train.blocks),

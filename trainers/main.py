@@ -31,11 +31,11 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
-from stride.trainers import runfolder, runlock  # noqa: E402
+from stride.trainers import lifecycle, runfolder, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
-                                    public_dict, section_keys, to_yaml)
+                                    section_keys, to_yaml)
 from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, check_resume, check_storage,  # noqa: E402
-                                    install_signal_handlers, prepare, record_summary, train_on_ray)
+                                    install_signal_handlers, prepare, train_on_ray)
 
 
 def parse_args(argv: list[str] | None):
@@ -82,10 +82,8 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
         code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=lock.token)
         if signals and summary.get("status") in ("preempted", "interrupted"):
             code = 128 + signals[-1]
-        summary.update(wall_s=time.time() - t_start, config=public_dict(cfg))
-        summary.setdefault("restarts", 0)
         if lock.held():  # a run that lost its folder to another run leaves that run's summary alone
-            summary["summary_path"] = record_summary(run_dir, summary)
+            summary["summary_path"] = lifecycle.finish(run_dir, summary, cfg, t_start, runtime="ray")
             if summary["status"] == "failed":  # a completed run whose summary the storage refused
                 code = code or EXIT_FAILED
     return code, summary, embedded

@@ -44,6 +44,8 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
 
     job = CheckpointModel(cfg, env, plan, shard=False)
     job.load()
+    if job.ema is not None and cfg.train.ema.eval != "raw":  # the weights the run evaluated (train.ema.eval)
+        job.ema.swap()
     out, spec = Path(plan.out), plan.val
     reader, files = BlockReader(spec), fetcher(spec)
     rows = parts = 0
@@ -103,21 +105,19 @@ def write_part(path: Path, table: pa.Table) -> None:
 
 # ---- the driver: the output folder, the gang, the manifest ----
 
-def job_identity(run, spec, batch_rows: int) -> dict[str, Any]:
+def job_identity(run, spec) -> dict[str, Any]:
     """What a prediction is of: a rerun resumes only the same run, checkpoint and data."""
     return {"run": str(run.run_dir.resolve()), "checkpoint": str(run.checkpoint.resolve()),
             "step": run.meta.get("step"), "data": [str(Path(f).resolve()) if "://" not in f else f for f in spec.files],
             "rows": spec.num_rows, "blocks": len(spec.blocks)}
 
 
-def prepare_output(out: Path, identity: dict[str, Any], force: bool, check_only: bool = False) -> bool:
+def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
     """Make `out` ready; True when it resumes an unfinished prediction of the same job. An output that exists is
-    refused (UsageError) unless it is that, or --force replaces an earlier prediction. A folder that holds
-    anything else is never emptied. `check_only`: refuse as rank 0 would, change nothing (torchrun's other ranks,
-    so that every rank exits alike)."""
+    refused (UsageError) unless it is that, or --force replaces (starts over) an earlier prediction. A folder that
+    holds anything else is never emptied."""
     if not out.exists():
-        if not check_only:
-            out.mkdir(parents=True)
+        out.mkdir(parents=True)
         return False
     if not out.is_dir():
         raise UsageError(f"--out ({out}) exists and is not a folder; pass a new folder")
@@ -125,17 +125,15 @@ def prepare_output(out: Path, identity: dict[str, Any], force: bool, check_only:
     if not ours and any(out.iterdir()):
         raise UsageError(f"--out ({out}) exists and holds files that stride predict did not write; pass a new folder")
     earlier = json.loads((out / JOB).read_text()) if ours else None
-    if ours and earlier == identity and not (out / MANIFEST).exists():
+    if ours and earlier == identity and not (out / MANIFEST).exists() and not force:
         return True
     if not force and ours:
         what = "a finished prediction" if (out / MANIFEST).exists() else "an unfinished prediction of other inputs"
         raise UsageError(f"--out ({out}) exists and holds {what}; pass a new folder, or --force to replace it")
-    if check_only:
-        return False
     for f in out.iterdir():  # an earlier prediction's files only (checked above); JOB last, so it stays "ours"
         if f.name == MANIFEST or f.name.startswith(("part-", ".part-")):
             f.unlink()
-    (out / JOB).unlink()
+    (out / JOB).unlink(missing_ok=True)  # an empty folder has none
     return False
 
 
@@ -191,18 +189,21 @@ def predict_command(args) -> int:
                          f"batch) returning per-sample outputs (docs/commands.md)")
     spec = gang.split_spec(run, "predict", args.data, run.task.predict_columns)
     batch_rows = args.batch_size or max(64, run.cfg.train.batch_size_per_worker)
-    identity = job_identity(run, spec, batch_rows)
-    resumed = prepare_output(args.out, identity, args.force, check_only=not gang.rank0())
-    if gang.rank0():
+    identity = job_identity(run, spec)
+
+    def open_output() -> None:  # once, before any worker reads the folder
         from stride.trainers.runfolder import atomic_write_text
 
+        resumed = prepare_output(args.out, identity, args.force)
         atomic_write_text(args.out / JOB, json.dumps(identity, indent=1) + "\n")
         done = sum((args.out / part_name(b)).exists() for b in range(len(spec.blocks)))
         print(f"stride: predicting {spec.num_rows} rows ({len(spec.blocks)} parts"
               + (f", {done} already written" if resumed and done else "") + f") with {run.checkpoint}", flush=True)
+
     plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts, out=str(args.out.resolve()),
                    cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint), batch_rows=batch_rows)
-    results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}")
+    results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}",
+                                  before=open_output)
     if results is None:  # a torchrun rank other than 0
         return 0
     manifest = finish(args.out, identity, {**where, **results}, t0)

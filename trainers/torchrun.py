@@ -9,8 +9,6 @@ checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import socket
 import sys
 import time
@@ -26,35 +24,17 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stride.errors import StrideError  # noqa: E402
+from stride.errors import StrideError, TrainingError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing, runfolder, runlock, sinks  # noqa: E402
-from stride.trainers.config import load_config, public_dict  # noqa: E402
-from stride.trainers.driver import prepare, write_summary  # noqa: E402
+from stride.trainers import checkpointing, lifecycle, runfolder, runlock, sinks  # noqa: E402
+from stride.trainers.config import load_config  # noqa: E402
+from stride.trainers.driver import prepare  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
 from stride.trainers.policies import clear_stop_request  # noqa: E402
 
 
-OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)
-_verified: set[tuple[str, int]] = set()  # (folder, meta.json mtime) that verified: each read and hashed once
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The loop's checkpoints (checkpoint_<step>) that verify, oldest first. Anything else (folders Ray named, torn
-    writes, an unreadable meta.json) is never listed, so never pruned."""
-    found = []
-    for p in run_dir.glob("checkpoint_*"):
-        if not (p.is_dir() and OWN_CHECKPOINT.fullmatch(p.name)):
-            continue
-        try:
-            key = (str(p), (p / checkpointing.META).stat().st_mtime_ns)
-            if key not in _verified and checkpointing.verify(p) is None:
-                _verified.add(key)
-            if key in _verified:
-                found.append((checkpointing.read_meta(p)["step"], p))
-        except (OSError, ValueError, KeyError, runfolder.RunFolderError):
-            continue
-    return [p for _, p in sorted(found)]
+# Retention is the checkpoint module's (the names kept here for their callers).
+from stride.trainers.checkpointing import complete_checkpoints, prune_checkpoints  # noqa: E402, F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +137,7 @@ def train(config: str, overrides: list[str]) -> int:
             prune_old()
 
     def prune_old() -> None:
-        for old in complete_checkpoints(run_dir)[:-cfg.checkpoint.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, cfg.checkpoint.keep_last)
 
     def latest_checkpoint() -> Path | None:
         return checkpointing.newest_complete(run_dir, log.warning if rank == 0 else None)
@@ -184,10 +163,10 @@ def train(config: str, overrides: list[str]) -> int:
             # A future's done-callbacks run after its waiters wake: the last write's prune may not have run yet.
             prune_old()
             ckpts = complete_checkpoints(run_dir)
-            summary.update(wall_s=time.time() - t0, checkpoint=str(ckpts[-1]) if ckpts else None,
-                           config=public_dict(cfg), runtime="torchrun")
             runlock.Fence(run_dir, token, cfg.run.lock_stale_s).still_holds()
-            write_summary(run_dir, summary)
+            lifecycle.finish(run_dir, summary, cfg, t0, checkpoint=str(ckpts[-1]) if ckpts else None, runtime="torchrun")
+            if summary["status"] == "failed":  # a completed run whose summary the storage refused (record_summary)
+                raise TrainingError(summary["error"])
             for line in sinks.where(cfg, summary):  # where each tracker's record is, and how to view it
                 print(f"stride: {line}", flush=True)
     finally:

@@ -8,6 +8,7 @@ importing a module runs it. As trainers/generate.py does, a task of your own is 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ def pick_checkpoint(run_dir: Path, summary: dict, which: str) -> Path:
                              f"checkpoint.keep_best); pass --checkpoint last or a checkpoint folder")
         which = best["checkpoint"]
     folder = Path(which)
+    if not os.path.realpath(folder).startswith(os.path.realpath(run_dir) + os.sep):
+        raise UsageError(f"--checkpoint ({which}) lies outside --run ({run_dir}); pass a checkpoint folder of the run, "
+                         f"or the run folder that holds it")
     if problem := checkpointing.verify(folder):
         raise UsageError(f"--checkpoint ({which}) is unusable ({problem}); pass last, best or a complete checkpoint "
                          f"folder of the run")

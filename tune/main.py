@@ -38,8 +38,8 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.datasets.splits import DataError  # noqa: E402
-from stride.trainers.config import Config, ConfigError, build_config, redact  # noqa: E402
+from stride.errors import StrideError  # noqa: E402
+from stride.trainers.config import Config, ConfigError, build_config, check_batch_fits, redact  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 
 # torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
@@ -103,10 +103,8 @@ def check_batches(sweep: Sweep, cfg: Config, train_rows: int, num_workers: int) 
             if biggest * num_workers > train_rows:
                 raise UsageError(f"space.{d.key} ({d.describe()}) can give {biggest}, and {biggest} x {num_workers} "
                                  f"workers exceeds the {train_rows} training rows; lower its upper end")
-    if cfg.train.batch_size_per_worker * num_workers > train_rows and "train.batch_size_per_worker" not in \
-            {d.key for d in sweep.dims}:
-        raise UsageError(f"base train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {num_workers} workers "
-                         f"exceeds the {train_rows} training rows; set base.train.batch_size_per_worker lower")
+    if "train.batch_size_per_worker" not in {d.key for d in sweep.dims}:
+        check_batch_fits(cfg, train_rows, num_workers)  # every trial's: the same check and line as a run's
 
 
 def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> tuple[int, str]:
@@ -438,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                           "space": {d.key: d.describe() for d in sweep.dims}, "trials": sweep.num_trials()}, indent=1))
         return EXIT_OK
 
-    from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
 
     try:
         sweep_dir = check_storage(sweep)
@@ -451,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         init_ray()
         concurrency, num_workers, use_gpu = resolve_concurrency(sweep, cfg)
         check_batches(sweep, cfg, specs["train"].num_rows, num_workers)
-    except (ConfigError, DataError, UsageError) as e:
+    except StrideError as e:
         error_line(e)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         print("stride: interrupted before any trial started", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -18,9 +18,9 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from stride.trainers import runfolder, runlock
+from stride.trainers import lifecycle, runfolder, runlock
 from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
-from stride.trainers.config import Config, build_config, global_micro_batch, public_dict
+from stride.trainers.config import Config, build_config, global_micro_batch
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"
@@ -104,21 +104,15 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         try:
             result = trainer.fit()
         except ray.train.TrainingFailedError as e:
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             if lock.held():
-                write_trial_summary(cfg, {"status": "failed",
-                                          "error": lines[-1][:500] if lines else type(e).__name__}, params, t0)
+                lifecycle.finish(cfg.run_dir, {"status": "failed", "error": lifecycle.last_line(e)}, cfg, t0,
+                                 params=params, runtime="ray")
             raise
         summary = dict(result.return_value or {})
         summary.setdefault("status", "completed")
         summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
         if lock.held():
-            write_trial_summary(cfg, summary, params, t0)
-
-
-def write_trial_summary(cfg: Config, summary: dict[str, Any], params: dict[str, Any], t0: float) -> None:
-    summary.update(params=params, wall_s=time.time() - t0, config=public_dict(cfg))
-    atomic_write_text(cfg.run_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
+            lifecycle.finish(cfg.run_dir, summary, cfg, t0, params=params, runtime="ray")
 
 
 class ConsoleCallback(Callback):
@@ -166,8 +160,7 @@ def error_line(trial) -> str:
         text = Path(path).read_text() if path else ""
     except OSError:
         text = ""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "see the trial's error.txt"
+    return lifecycle.last_line(text)[:300] or "see the trial's error.txt"
 
 
 def _fmt(v: Any) -> str:

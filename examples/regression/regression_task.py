@@ -9,7 +9,6 @@ validation split).
 from __future__ import annotations
 
 import numpy as np
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import Field
@@ -49,6 +48,8 @@ class Regression(Task):
         f = self.facts
         x = np.stack([batch[c] for c in self.config.features], axis=1).astype(np.float32)
         x = (x - np.asarray(f["x_mean"], np.float32)) / np.asarray(f["x_std"], np.float32)
+        if self.config.target not in batch:  # stride predict reads the features only
+            return {"x": x}
         y = (batch[self.config.target].astype(np.float32) - f["y_mean"]) / f["y_std"]
         return {"x": x, "y": y.astype(np.float32)}
 
@@ -66,9 +67,10 @@ class Regression(Task):
         error = model(batch["x"]).squeeze(-1).float() - batch["y"]
         return {"abs_error": error.abs() * self.facts["y_std"]}  # back in the target's units
 
-    def predict(self, model, x: np.ndarray) -> np.ndarray:
-        """Predictions in the target's units for raw feature rows (n, len(features)): for use after training."""
-        f = self.facts
-        x = (np.asarray(x, np.float32) - np.asarray(f["x_mean"], np.float32)) / np.asarray(f["x_std"], np.float32)
-        with torch.no_grad():
-            return model(torch.from_numpy(x)).squeeze(-1).numpy() * f["y_std"] + f["y_mean"]
+    @property
+    def predict_columns(self) -> tuple[str, ...]:  # stride predict: the features; no target needed
+        return tuple(self.config.features)
+
+    def predict(self, model, batch):
+        """stride predict: each row's prediction in the target's units."""
+        return {"prediction": model(batch["x"]).squeeze(-1).float() * self.facts["y_std"] + self.facts["y_mean"]}

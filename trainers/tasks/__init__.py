@@ -16,6 +16,9 @@ import sys
 import traceback
 
 from stride.trainers.config import ConfigError
+# Where a user's module is found: stride/user_code.py (names kept here for the commands that import them from here).
+from stride.user_code import (TASK_PATH_ENV, search_working_directory, searches_working_directory,  # noqa: F401
+                              task_search_path)
 
 # The registry of built-in names: the only place besides the tasks themselves that names them.
 BUILTIN = {
@@ -23,17 +26,6 @@ BUILTIN = {
     "mlp": "stride.trainers.tasks.mlp:MLPTask",
 }
 DEFAULT = "char_gpt"
-TASK_PATH_ENV = "STRIDE_TASK_PATH"
-_search_working_directory = True
-
-
-def search_working_directory(on: bool) -> None:
-    """Whether a user's task module may come from the working directory (training: yes; generate.py: no, a
-    module planted beside a run folder must not be found by accident)."""
-    global _search_working_directory
-    _search_working_directory = on
-
-
 def consent(name: str, named: str | None, trust_remote_code: bool, origin: str) -> None:
     """Refuse (ConfigError) to import the task `name` that a run folder's `origin` (its summary.json) names, unless it
     is built in, the user named the same task (`--task`), or passed --trust-remote-code: importing a module runs it."""
@@ -44,13 +36,6 @@ def consent(name: str, named: str | None, trust_remote_code: bool, origin: str) 
         return
     raise ConfigError(f"{origin} names model.name ({name[:200]}), a module of your own that importing would run; "
                       f"pass --task {name[:200]} (on PYTHONPATH) if you trust it, or --trust-remote-code")
-
-
-def task_search_path() -> list[str]:
-    """Folders a user's task module may live in: STRIDE_TASK_PATH (set by the driver for its workers), then the
-    working directory."""
-    extra = [p for p in os.environ.get(TASK_PATH_ENV, "").split(os.pathsep) if p]
-    return extra + ([os.getcwd()] if _search_working_directory else [])
 
 
 def task_class(name: str):
@@ -84,7 +69,7 @@ def load_class(key: str, name: str, spec: str, user: bool = True):
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            where = f"the working directory ({os.getcwd()}) or " if _search_working_directory else ""
+            where = f"the working directory ({os.getcwd()}) or " if searches_working_directory() else ""
             raise ConfigError(f"{key} ({name}): module {module_name} is not importable; put {module_name}.py in "
                               f"{where}a folder on PYTHONPATH") from None
         raise ConfigError(f"{key} ({name}): importing {module_name} failed: {_where(e)}; install the missing "

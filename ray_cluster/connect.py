@@ -100,9 +100,11 @@ def _ignore_ray_data_shutdown_race() -> None:
 def quiet_ray_env() -> None:
     # The controller polls workers every 2 s by default, which makes every ray.train.report() slow.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-    # On: Ray Train's watcher tells the workers when a node of the gang is drained for preemption, and Stride
-    # checkpoints at the next step (docs/fault-tolerance.md, Preemption). =0 turns it off.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+    # Off unless set: =1 makes Ray Train's watcher tell the workers when a node of the gang is drained for
+    # preemption, and Stride checkpoints at the next step (docs/fault-tolerance.md, Preemption). Ray 2.60's watcher
+    # actor logs an ERROR line of Ray core at every gang start (ray#53727), on the driver's stderr, which breaks
+    # Stride's one-line errors; so it is opt-in until that line can be silenced.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     _ignore_ray_data_shutdown_race()

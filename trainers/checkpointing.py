@@ -589,6 +589,15 @@ def shape_mismatch(model: dict[str, tuple[int, ...]], saved: dict[str, tuple[int
     return f"the checkpoint has tensor {extra[0]} that the model lacks" if extra else None
 
 
+def _mtime(folder: Path) -> float | None:
+    """The folder's own mtime (never a link's target), or None when it is gone: another process's keep_last may
+    remove an old checkpoint while it is being listed."""
+    try:
+        return folder.lstat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> Path | None:
     """The checkpoint folder with the highest step whose contents verify: the one to resume from, whoever wrote
     it. Ray's own pointer is not enough: a driver killed between a checkpoint's write and Ray's registration of
@@ -602,17 +611,18 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> 
         try:
             candidates.append((read_meta(folder)["step"], folder))
         except runfolder.SchemaError as e:
-            bad.append((folder.lstat().st_mtime, folder, f"{META} is not what Stride writes: {e.problem}"))
+            bad.append((_mtime(folder), folder, f"{META} is not what Stride writes: {e.problem}"))
         except (OSError, ValueError, RunFolderError) as e:
-            bad.append((folder.lstat().st_mtime, folder, _unreadable(folder / META, e)))
+            bad.append((_mtime(folder), folder, _unreadable(folder / META, e)))
     newest = None
     for _, folder in sorted(candidates, reverse=True):  # hash only down to the first intact one
         problem = verify(folder)
         if problem is None:
             newest = folder
             break
-        bad.append((folder.lstat().st_mtime, folder, problem))
-    since = newest.lstat().st_mtime if newest else float("-inf")
+        bad.append((_mtime(folder), folder, problem))
+    bad = [b for b in bad if b[0] is not None]  # folders removed meanwhile (keep_last's pruning): not there, not bad
+    since = (_mtime(newest) or float("-inf")) if newest else float("-inf")
     skipped = [f"{folder.name} ({problem})" for mtime, folder, problem in sorted(bad) if mtime >= since]
     if skipped and warn is not None:
         warn(f"checkpoint {'; '.join(skipped)} is unusable; resuming from "

@@ -336,3 +336,17 @@ def test_predict_output_rules(tmp_path):
     with pytest.raises(UsageError, match="did not write"):
         prepare_output(out, job, force=True)
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_predict_outputs_become_columns_whatever_their_type():
+    """Task.predict may return tensors (bf16 too) or numpy arrays: floats become float32, the rest keeps its type,
+    a vector per row a fixed-size list."""
+    import torch
+
+    from stride.trainers.prediction import arrow_column, as_numpy
+
+    assert as_numpy(torch.tensor([1.5, 2.5], dtype=torch.bfloat16)).dtype == np.float32
+    assert as_numpy(torch.tensor([1, 2])).dtype == np.int64
+    assert as_numpy(np.array([0.5, 1.5])).dtype == np.float64  # a numpy array as it is
+    column = arrow_column(as_numpy(torch.ones(3, 4, dtype=torch.float16)))
+    assert column.type == pa.list_(pa.float32(), 4) and len(column) == 3

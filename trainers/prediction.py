@@ -79,14 +79,22 @@ def predict_rows(job: CheckpointModel, batches) -> pa.Table:
         with job.precision.autocast():
             got = job.task.predict(job.model, batch)
         for name, value in got.items():
-            value = value.detach().float().cpu().numpy() if torch.is_floating_point(value) else \
-                value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            value = as_numpy(value)
             if len(value) != len(rows):
                 raise TrainingError(f"model.name ({job.cfg.model.name}): predict returned {name!r} with {len(value)} "
                                     f"rows for a batch of {len(rows)}; return one value per row")
             outputs.setdefault(name, []).append(value)
         ids.append(rows.sample_id)
     return pa.table({"sample_id": np.concatenate(ids), **{k: arrow_column(np.concatenate(v)) for k, v in outputs.items()}})
+
+
+def as_numpy(value) -> np.ndarray:
+    """One output of Task.predict on the host: a floating tensor as float32 (numpy has no bfloat16), any other
+    tensor or a numpy array as it is."""
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value)
+    value = value.detach()
+    return (value.float() if torch.is_floating_point(value) else value).cpu().numpy()
 
 
 def arrow_column(values: np.ndarray) -> pa.Array:

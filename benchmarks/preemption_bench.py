@@ -106,8 +106,9 @@ def _wait(ready, proc: subprocess.Popen, timeout_s: float, what: str, poll_s: fl
 
 
 def _client_env(head, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env = {k: v for k, v in os.environ.items()  # the watcher's switch too: on unless the scenario turns it off
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
     env.update(head.client_env(), PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -116,7 +117,8 @@ def scenario(work: Path, *, deadline_s: int = 12, max_steps: int = 3000, checkpo
              start_timeout_s: float = 20.0, watcher: bool = True, timeout_s: float = 420.0) -> dict:
     """Run the scenario in `work` (data, run folder, logs); returns what it measured and saw. Every process it
     starts is stopped by pid before it returns, whatever happens. watcher=False: the baseline, Ray Train's
-    preemption watcher off (RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0), so no preemption checkpoint is awaited."""
+    preemption watcher off (RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0), so no preemption checkpoint is awaited; otherwise
+    the watcher is Stride's default (the variable unset)."""
     from stride.ray_cluster import local
 
     work = Path(work)
@@ -148,7 +150,7 @@ def scenario(work: Path, *, deadline_s: int = 12, max_steps: int = 3000, checkpo
                                     env=_client_env(head, STRIDE_SHARED_FS="1", STRIDE_SAMPLE_LOG=str(samples),
                                                     RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="1",
                                                     RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=str(start_timeout_s),
-                                                    RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="1" if watcher else "0"))
+                                                    **({} if watcher else {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"})))
         # Training goes on on both nodes: a logged step, and both ranks' sample logs.
         _wait(lambda: any("train_loss" in r for r in _read_jsonl(run_dir / "metrics.jsonl"))
               and (samples / "rank1.jsonl").exists(), proc, timeout_s, "a logged step")

@@ -100,14 +100,40 @@ def _ignore_ray_data_shutdown_race() -> None:
 def quiet_ray_env() -> None:
     # The controller polls workers every 2 s by default, which makes every ray.train.report() slow.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-    # Off unless set: =1 makes Ray Train's watcher tell the workers when a node of the gang is drained for
-    # preemption, and Stride checkpoints at the next step (docs/fault-tolerance.md, Preemption). Ray 2.60's watcher
-    # actor logs an ERROR line of Ray core at every gang start (ray#53727), on the driver's stderr, which breaks
-    # Stride's one-line errors; so it is opt-in until that line can be silenced.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # Ray Train's preemption watcher stays on (Ray's default): it tells the workers when a node of the gang is
+    # drained for preemption, and Stride checkpoints at the next step (docs/fault-tolerance.md, Preemption). Its
+    # one ERROR line per gang start is dropped on the driver (_drop_known_ray_noise).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     _ignore_ray_data_shutdown_race()
+
+
+# Lines Ray forwards from its processes to the driver's stderr that say nothing to a Stride user and would break
+# the one-line error of a run that fails: Ray 2.60 core's warning, logged at ERROR by the controller at every gang
+# start, that the preemption watcher actor's constructor arguments live in the object store (ray#53727; harmless:
+# the watcher is restarted with a fresh gang, never from those arguments).
+KNOWN_RAY_NOISE = ("github.com/ray-project/ray/issues/53727",)
+
+
+def _drop_known_ray_noise() -> None:
+    """Filter KNOWN_RAY_NOISE out of the worker output Ray prints on this driver (every other line is kept). Ray
+    2.60 prints it through one handler of its stdstream dispatcher, "ray_print_logs"; another Ray leaves it as it is."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+
+    def wrap(handler):
+        def drop(data):
+            lines = [ln for ln in data.get("lines", ()) if not any(k in ln for k in KNOWN_RAY_NOISE)]
+            if lines:
+                handler(dict(data, lines=lines))
+        drop.stride_filter = True
+        return drop
+
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, h if name != "ray_print_logs" or getattr(h, "stride_filter", False) else wrap(h))
+                               for name, h in dispatcher.handlers]
 
 
 def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -172,6 +198,7 @@ def init_ray(log_to_driver: bool = True) -> bool:
                              f"RAY_AUTH_TOKEN_PATH to the cluster's token file (and check that the cluster runs "
                              f"ray=={ray.__version__})") from None
         _propagate_address()
+        _drop_known_ray_noise()
         return False
     # The embedded cluster is this machine: as many CPUs as it has cores, so a gang that needs more is refused
     # (exit 2) instead of oversubscribing the cores.
@@ -179,6 +206,7 @@ def init_ray(log_to_driver: bool = True) -> bool:
              logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
     _start_watchdog(ctx.address_info["session_dir"])
     _propagate_address()
+    _drop_known_ray_noise()
     if ctx.dashboard_url:
         # stderr: stdout of tools that embed Ray this way (the doctor's table or JSON) stays theirs alone.
         print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", file=sys.stderr, flush=True)

@@ -130,6 +130,27 @@ def test_the_ray_edge_reads_this_workers_own_copy_of_rays_notice():
     assert preemption_notice(SimpleNamespace(get_train_context=lambda: object())) is None  # a Ray without it
 
 
+def test_the_driver_drops_rays_known_noise_and_keeps_every_other_line(monkeypatch):
+    """ray_cluster/connect.py: Ray core's ERROR line about the watcher actor (ray#53727) is dropped from what Ray
+    forwards to the driver; the other lines of the same batch, and other batches, are printed. Wrapping twice (a
+    second init_ray in one process) does not filter twice."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from stride.ray_cluster import connect
+
+    printed = []
+    monkeypatch.setattr(dispatcher, "handlers", [("ray_print_logs", lambda data: printed.append(data["lines"])),
+                                                 ("other", lambda data: printed.append(["other"] + data["lines"]))])
+    connect._drop_known_ray_noise()
+    connect._drop_known_ray_noise()
+    noise = ("[2026-11-26 14:04:26,066 E 20202 20245] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' "
+             "... See https://github.com/ray-project/ray/issues/53727 for more details.")
+    dispatcher.emit({"lines": [noise, "worker said hello"], "pid": 1, "is_err": True})
+    dispatcher.emit({"lines": [noise], "pid": 1, "is_err": True})
+    assert printed == [["worker said hello"], ["other", noise, "worker said hello"], ["other", noise]]
+    assert sum(getattr(h, "stride_filter", False) for _, h in dispatcher.handlers) == 1
+
+
 # ---- the loop in one process (trainers/torchrun.py in-process) ----------------------------------------------------
 
 def _args(tmp_path, data, *extra):
@@ -262,3 +283,6 @@ def test_a_drained_node_checkpoints_before_its_deadline_and_the_run_resumes_from
     assert ("RETRY", "preemption") in r["failure_decisions"], r["failure_decisions"]
     assert all(source in ("preemption", "controller") for _, source in r["failure_decisions"]), r["failure_decisions"]
     assert not r["left_alive"], r["left_alive"]
+    # The watcher is on by default (the scenario leaves its switch unset), and its ERROR line of Ray core (ray#53727)
+    # does not reach the driver's output.
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in r["command"] and "53727" not in log

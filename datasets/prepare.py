@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from stride.cli import ArgumentParser  # noqa: E402
+from stride.cli import ArgumentParser, error_line  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             counts = prepare_text(args)
     except PrepareError as e:
-        print(f"prepare: error: {e}", file=sys.stderr)
+        error_line(e)
         return 2
     extra = ""
     if args.kind == "text":

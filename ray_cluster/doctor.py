@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stride.cli import ArgumentParser
+from stride.cli import ArgumentParser, error_line
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 ALL = "all"  # the node column of checks that span the whole gang
@@ -731,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     too_big = _too_big_for_embedded(args)
     if too_big:
-        print(f"doctor: error: {too_big}", file=sys.stderr)
+        error_line(too_big)
         return EXIT_USAGE
     from stride.ray_cluster.connect import UsageError
 
@@ -763,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         watchdog.disarm()
     except UsageError as e:
         watchdog.disarm()
-        print(f"doctor: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     return report(rows, facts)
 

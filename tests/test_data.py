@@ -72,7 +72,7 @@ def test_prepare_force_replaces_only_a_prepared_set(tmp_path):
         planted.write_text("mine")
         before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
         r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200", "--force"])
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("prepare: error: --out"), r.stderr
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("stride: error: --out"), r.stderr
         assert planted.name in r.stderr and "did not write" in r.stderr and "Traceback" not in r.stderr
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
         planted.unlink()

@@ -231,7 +231,7 @@ def test_refused_in_one_line_and_nothing_written(lm, mlp, torn, tmp_path, capsys
     capsys.readouterr()
     assert export.main([a.format(**places) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("export: error: ") and says.format(**places) in err[0], err
+    assert len(err) == 1 and err[0].startswith("stride: error: ") and says.format(**places) in err[0], err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "exists.safetensors").read_bytes() == b"someone's file"
     assert "hf_lm_task" not in sys.modules  # the run's own module: refused before any import
@@ -240,7 +240,7 @@ def test_refused_in_one_line_and_nothing_written(lm, mlp, torn, tmp_path, capsys
 def test_a_task_without_hf_model_is_refused_by_the_command_without_a_traceback(mlp, tmp_path):
     r = run_cli([EXPORT, "--run", str(mlp), "--out", str(tmp_path / "hf"), "--format", "hf"], timeout=120)
     assert r.returncode == 2 and r.stdout == "", r
-    assert r.stderr.splitlines() == ["export: error: --format hf: the task mlp has no Hugging Face form; implement "
+    assert r.stderr.splitlines() == ["stride: error: --format hf: the task mlp has no Hugging Face form; implement "
                                      "Task.hf_model, or export --format safetensors"], r.stderr
     assert not (tmp_path / "hf").exists()
 

@@ -217,7 +217,7 @@ def test_bad_arguments_exit_2_with_one_line_before_ray_starts(tmp_path, args, me
         args += ["--out", str(tmp_path / "out")]
     r = run_cli(["datasets/prepare.py", "text", *args], timeout=60)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("prepare: error: ") and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("stride: error: ") and message in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and (tmp_path / "existing" / "keep").read_text() == "mine"
 
 
@@ -301,7 +301,7 @@ def test_ray_prepare_bytes_and_a_bad_jsonl_line(tmp_path, corpus, ray_cluster):
     r = run_cli(["datasets/prepare.py", "text", "--input", str(bad), "--out", str(tmp_path / "out")], timeout=300,
                 env=ray_cluster)
     assert r.returncode == 2, r.stderr[-3000:]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("prepare: error:")]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("stride: error:")]
     assert len(errors) == 1 and "notes.jsonl:122: no 'text' field" in errors[0] and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 

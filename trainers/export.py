@@ -47,7 +47,7 @@ if __name__ == "__main__":
 
     drop_working_directory_from_path()
 
-from stride.cli import ArgumentParser  # noqa: E402
+from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.trainers import checkpointing  # noqa: E402
 
 EXIT_USAGE = 2
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None, prog: str = "python trainers/export.py")
         else:
             info = export(source, out, args.force, args.trainable_only, args.ema, args.dtype, name)
     except ExportError as e:
-        print(f"export: error: {e}", file=sys.stderr)
+        error_line(e)
         return EXIT_USAGE
     print(json.dumps(info))
     return 0

@@ -37,7 +37,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from stride.cli import ArgumentParser  # noqa: E402
+from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.ray_cluster.connect import UsageError  # noqa: E402
 from stride.trainers import checkpointing, runfolder  # noqa: E402
 from stride.trainers.config import ConfigError, from_dict  # noqa: E402
@@ -130,23 +130,23 @@ def main(argv: list[str] | None = None) -> int:
         summary, cfg, task = load_run(args.run, args.task, args.trust_remote_code)
         ckpt = find_checkpoint(args.run, summary)
     except (UsageError, ConfigError) as e:
-        print(f"generate: error: {e}", file=sys.stderr)
+        error_line(e)
         return 2
     if ckpt is None:
-        print(f"generate: error: --run ({args.run}) has no complete checkpoint; train it first", file=sys.stderr)
+        error_line(f"--run ({args.run}) has no complete checkpoint; train it first")
         return 2
     try:
         model = trained_model(task, cfg, ckpt, checkpointing.load_model_state(ckpt))
     except (checkpointing.UnsafeCheckpointError, ConfigError) as e:
-        print(f"generate: error: {e}", file=sys.stderr)
+        error_line(e)
         return 2
     model.eval()
     torch.manual_seed(args.seed)
     try:
         out = task.generate(model, args.prompt, args.tokens, args.temperature)
     except NotImplementedError:
-        print(f"generate: error: --run ({args.run}) trained model.name={cfg.model.name}, whose task has no text "
-              f"generation; use a run of char_gpt or of a task that implements generate", file=sys.stderr)
+        error_line(f"--run ({args.run}) trained model.name={cfg.model.name}, whose task has no text "
+                   f"generation; use a run of char_gpt or of a task that implements generate")
         return 2
     sys.stdout.write(out + "\n")
     return 0

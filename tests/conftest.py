@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +90,129 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env or {}) else None
     return subprocess.run([PYTHON, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+class ForkServer:
+    """tests/forked_cli.py --serve, started on first use: it imports what the commands import once, then forks a
+    child per command. Restarted once if it dies; stopped by pid at the session's end (pytest_sessionfinish)."""
+
+    # Read by the interpreter at its start, so a forked child cannot take them from its env: the server applies
+    # these three itself (sys.path, sys.dont_write_bytecode; output goes to files). Any other PYTHON* variable
+    # must be the server's own.
+    APPLIED = {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] | None = None
+        self.starts = 0
+        self.asked = 0
+        self.log = None
+        self.buffer = b""
+        self.lock = threading.Lock()
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> dict:
+        """One request's answer; a server that died on it is restarted once and asked again."""
+        with self.lock:
+            self.check_env(env)
+            self.asked += 1
+            request = json.dumps({"id": self.asked, "argv": argv, "env": env, "cwd": str(cwd), "timeout": timeout})
+            while True:
+                if self.proc is None:
+                    self.start()
+                answer = self.ask(request + "\n", self.asked, timeout + 60)
+                if answer is not None:
+                    return answer
+                self.stop()
+
+    def check_env(self, env: dict[str, str]) -> None:
+        if self.env is None:
+            self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+            self.env.pop("RAY_ADDRESS", None)
+        differ = sorted(k for k in env.keys() | self.env.keys() if k.startswith("PYTHON") and k not in self.APPLIED
+                        and env.get(k) != self.env.get(k))
+        if differ:
+            raise ValueError(f"{differ} take effect when an interpreter starts: use run_cli, not run_cli_forked")
+
+    def start(self) -> None:
+        if self.starts == 2:
+            pytest.fail("the fork server (tests/forked_cli.py --serve) died twice; its stderr ends:\n" + self.tail())
+        self.starts += 1
+        self.log = tempfile.TemporaryFile("w+")
+        self.buffer = b""
+        self.proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "forked_cli.py"), "--serve"], cwd=REPO, env=self.env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def ask(self, request: str, ident: int, timeout: float) -> dict | None:
+        """The answer to request `ident`, or None if the server died first. Answers to earlier requests (a test
+        interrupted while it waited) are passed over; a server silent past `timeout` is stopped, loudly."""
+        try:
+            self.proc.stdin.write(request.encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.read_line(deadline)
+            if line is None:
+                return None
+            answer = json.loads(line)
+            if answer["id"] == ident:
+                return answer
+
+    def read_line(self, deadline: float) -> bytes | None:
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                pytest.fail("the fork server gave no answer in time; its stderr ends:\n" + self.tail())
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    return None
+                self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def stop(self) -> None:
+        """Ends the server by its pid: its stdin closed (it exits at the end of its input), else SIGKILL."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+FORK_SERVER = ForkServer()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    FORK_SERVER.stop()
+
+
+def run_cli_forked(args: list[str], timeout: float = 120, env: dict | None = None,
+                   cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """run_cli, in a child forked from the fork server instead of a fresh interpreter: for a test whose claim is the
+    command's output and exit status, not the interpreter's start (imports, sys.path, sys.modules). `args` is a
+    script path (relative to `cwd`) or -m and a module, then its arguments."""
+    if args[0].startswith("-") and args[0] != "-m":
+        raise ValueError(f"run_cli_forked runs a script or -m MODULE, not {args[0]}: use run_cli")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env or {}) else None
+    answer = FORK_SERVER.run(list(args), full_env, Path(cwd).resolve(), timeout)
+    if answer["timed_out"]:
+        raise subprocess.TimeoutExpired([PYTHON, *args], timeout, answer["stdout"], answer["stderr"])
+    return subprocess.CompletedProcess([PYTHON, *args], answer["returncode"], answer["stdout"], answer["stderr"])
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -45,6 +45,8 @@ def import_shared() -> None:
     """The imports every command shares (torch, pyarrow, pydantic, Stride's config, driver and tasks), done once:
     torch is imported on the first config check (the task class), about 3 s of each case otherwise. Imports only, no
     torch op and no thread pool: the children are forked from this process and must be as safe as a fresh one."""
+    import torch._dynamo  # noqa: F401  (torch.optim's first optimizer imports it: 2 s of each config check)
+
     import stride.trainers.driver  # noqa: F401
     import stride.trainers.main  # noqa: F401
     import stride.trainers.task  # noqa: F401

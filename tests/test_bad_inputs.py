@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import free_port, run_cli
+from conftest import free_port, run_cli, run_cli_forked
 
 TABULAR = ["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml"]
 TINY = ["train.max_steps=6", "train.epochs=null", "train.log_every_steps=2", "train.eval_every_steps=6",
@@ -50,16 +50,17 @@ def _nan_data(tmp_path: Path) -> Path:
 # ---- refused before Ray starts (seconds) ----------------------------------------------------------------
 
 def test_missing_validation_path_names_the_key(tmp_path, tabular_data):
-    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tmp_path}/no-val",
-                 f"run.storage_path={tmp_path}/runs"], timeout=60)
+    r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tmp_path}/no-val",
+                        f"run.storage_path={tmp_path}/runs"], timeout=60)
     _one_line_usage_error(r, "data.val_path", str(tmp_path / "no-val"))
 
 
 @pytest.mark.parametrize("overrides, workers", [(["scaling.num_workers=2"], 2), (["scaling.num_workers=[1,3]"], 3)])
 def test_a_batch_larger_than_the_split_is_refused_before_ray_starts(tmp_path, tabular_data, overrides, workers):
     t0 = time.time()
-    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={tmp_path}/runs", "train.batch_size_per_worker=100000", *overrides], timeout=60)
+    r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                        f"run.storage_path={tmp_path}/runs", "train.batch_size_per_worker=100000", *overrides],
+                       timeout=60)
     line = _one_line_usage_error(r, "train.batch_size_per_worker (100000)", f"x {workers} worker(s)",
                                  "use train.batch_size_per_worker=")
     assert time.time() - t0 < 30 and not (tmp_path / "runs").exists(), line  # no Ray, no run folder
@@ -67,8 +68,8 @@ def test_a_batch_larger_than_the_split_is_refused_before_ray_starts(tmp_path, ta
 
 def test_nan_features_are_refused_by_default_naming_the_column_and_the_fix(tmp_path):
     data = _nan_data(tmp_path / "data")
-    r = run_cli([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val",
-                 f"run.storage_path={tmp_path}/runs"], timeout=60)
+    r = run_cli_forked([*TABULAR, f"data.train_path={data}/train", f"data.val_path={data}/val",
+                        f"run.storage_path={tmp_path}/runs"], timeout=60)
     line = _one_line_usage_error(r, "'c'", "58", "model.nan_policy=impute")
     assert "'a'" not in line
 
@@ -76,8 +77,8 @@ def test_nan_features_are_refused_by_default_naming_the_column_and_the_fix(tmp_p
 def test_unwritable_storage_path_names_the_key(tmp_path, tabular_data):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={blocker}/runs"], timeout=60)
+    r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                        f"run.storage_path={blocker}/runs"], timeout=60)
     _one_line_usage_error(r, "run.storage_path", str(blocker))
     assert blocker.read_text() == "not a folder"
 
@@ -94,8 +95,8 @@ def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabula
     ckpt = checkpointing.CheckpointWriter(0).save(storage / cfg.run.name / "checkpoint_000010", {
         "model": model.state_dict()}, {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0}).result()
     before = _digest(ckpt)
-    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={storage}", "model.hidden_sizes=[64]"], timeout=60)
+    r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                        f"run.storage_path={storage}", "model.hidden_sizes=[64]"], timeout=60)
     _one_line_usage_error(r, "run.name (tabular_mlp)", "checkpoint_000010", "net.0.weight", "(32, 16)", "(64, 16)")
     assert _digest(ckpt) == before
     assert not (storage / cfg.run.name / "summary.json").exists()
@@ -104,8 +105,8 @@ def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabula
 def test_unreachable_ray_address_fails_in_seconds(tmp_path, tabular_data):
     port = free_port()  # nothing listens there
     t0 = time.time()
-    r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={tmp_path}/runs"], env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120)
+    r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                        f"run.storage_path={tmp_path}/runs"], env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120)
     _one_line_usage_error(r, f"RAY_ADDRESS (127.0.0.1:{port}) is not reachable", "unset RAY_ADDRESS")
     assert time.time() - t0 < 60
 
@@ -276,15 +277,15 @@ def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_
         assert checkpointing.newest_complete(storage / "tabular_mlp", warnings.append) is None
         assert len(warnings) == 1 and says in warnings[0], warnings
     else:
-        r = run_cli([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                     f"run.storage_path={storage}", "model.hidden_sizes=[32]", *TINY], timeout=120)
+        r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                            f"run.storage_path={storage}", "model.hidden_sizes=[32]", *TINY], timeout=120)
         _one_line_usage_error(r, "run.name (tabular_mlp)", says, "it was not loaded")
         assert not marker.exists() and _digest(ckpt) == before
         # torchrun's launcher refuses it the same way.
-        r = run_cli(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
-                     f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                     f"run.storage_path={storage}", "model.hidden_sizes=[32]", "tracking.mlflow=false", *TINY],
-                    timeout=120)
+        r = run_cli_forked(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
+                            f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
+                            f"run.storage_path={storage}", "model.hidden_sizes=[32]", "tracking.mlflow=false", *TINY],
+                           timeout=120)
         _one_line_usage_error(r, says)
     # generate.py and export.py, named this checkpoint, refuse it in one line.
     (storage / "tabular_mlp" / "summary.json").write_text(
@@ -293,7 +294,7 @@ def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_
                                             "num_classes": 4}, "checkpoint": str(ckpt)}))
     for cli in (["trainers/generate.py", "--run", str(storage / "tabular_mlp")],
                 ["trainers/export.py", str(ckpt), str(tmp_path / "out.safetensors")]):
-        r = run_cli(cli, timeout=120)
+        r = run_cli_forked(cli, timeout=120)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert len(r.stderr.strip().splitlines()) == 1
     assert not marker.exists() and not (tmp_path / "out.safetensors").exists() and _digest(ckpt) == before

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli_forked
 from stride.trainers.config import ConfigError, global_batch_size, global_micro_batch, load_config, scaled_lr
 
 SHIPPED = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
@@ -83,7 +83,7 @@ def test_file_errors(tmp_path):
 
 
 def test_cli_usage_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
-    r = run_cli(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "optim.lr=-0.5"], timeout=60)
+    r = run_cli_forked(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "optim.lr=-0.5"], timeout=60)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -91,13 +91,13 @@ def test_cli_usage_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
 
 
 def test_cli_print_config_and_help():
-    r = run_cli(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "train.max_steps=7", "--print-config"],
-                timeout=60)
+    r = run_cli_forked(["trainers/main.py", "--config", "trainers/configs/char_gpt.yaml", "train.max_steps=7",
+                        "--print-config"], timeout=60)
     assert r.returncode == 0, r.stderr
     printed = yaml.safe_load(r.stdout)
     assert printed["train"]["max_steps"] == 7 and set(printed) == {
         "run", "data", "init", "model", "optim", "train", "scaling", "checkpoint", "tracking"}
-    h = run_cli(["trainers/main.py", "--help"], timeout=60)
+    h = run_cli_forked(["trainers/main.py", "--help"], timeout=60)
     assert h.returncode == 0
     for section in printed:
         assert section in h.stdout

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli_forked
 from stride.datasets.splits import DataError
 from stride.datasets.stream import concat_columns, eval_stream
 from stride.datasets.prepare import stdlib_files
@@ -44,7 +44,7 @@ def test_pystdlib_shape_split_and_ids(text_data):
 
 
 def test_pystdlib_is_deterministic(tmp_path, text_data):
-    r = run_cli(["datasets/prepare.py", "pystdlib", "--out", str(tmp_path / "again")], timeout=120)
+    r = run_cli_forked(["datasets/prepare.py", "pystdlib", "--out", str(tmp_path / "again")], timeout=120)
     assert r.returncode == 0, r.stderr
     a = pq.ParquetDataset(text_data / "val").read()
     b = pq.ParquetDataset(tmp_path / "again" / "val").read()
@@ -53,9 +53,9 @@ def test_pystdlib_is_deterministic(tmp_path, text_data):
 
 def test_prepare_never_overwrites(tmp_path):
     out = tmp_path / "t"
-    assert run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
+    assert run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
     before = sorted(p.stat().st_mtime_ns for p in out.rglob("*.parquet"))
-    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"])
+    r = run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"])
     assert r.returncode != 0 and "already exists" in r.stderr
     assert sorted(p.stat().st_mtime_ns for p in out.rglob("*.parquet")) == before
 
@@ -64,14 +64,14 @@ def test_prepare_force_replaces_only_a_prepared_set(tmp_path):
     """--force rebuilds a folder prepare.py wrote; a folder with anything else in it (a user's home, their own data)
     is refused, exit 2, with every file left as it was."""
     out = tmp_path / "t"
-    assert run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
-    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "300", "--force"])
+    assert run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200"]).returncode == 0
+    r = run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "300", "--force"])
     assert r.returncode == 0, r.stderr
     assert sum(pq.read_metadata(p).num_rows for p in out.rglob("*.parquet")) == 300
     for planted in (out / "notes.txt", out / "train" / "mine.csv"):
         planted.write_text("mine")
         before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-        r = run_cli(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200", "--force"])
+        r = run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(out), "--rows", "200", "--force"])
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("stride: error: --out"), r.stderr
         assert planted.name in r.stderr and "did not write" in r.stderr and "Traceback" not in r.stderr
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
@@ -79,7 +79,7 @@ def test_prepare_force_replaces_only_a_prepared_set(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("years of work")
-    r = run_cli(["datasets/prepare.py", "tabular", "--out", str(home), "--rows", "200", "--force"])
+    r = run_cli_forked(["datasets/prepare.py", "tabular", "--out", str(home), "--rows", "200", "--force"])
     assert r.returncode == 2 and (home / "thesis.tex").read_text() == "years of work"
 
 
@@ -163,8 +163,8 @@ def test_text_context_longer_than_rows_is_a_usage_error(text_data):
 
 
 def test_missing_data_path_exits_2_before_ray_starts(tmp_path):
-    r = run_cli(["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml",
-                 f"data.train_path={tmp_path}/nope", f"run.storage_path={tmp_path}/runs"], timeout=60)
+    r = run_cli_forked(["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml",
+                        f"data.train_path={tmp_path}/nope", f"run.storage_path={tmp_path}/runs"], timeout=60)
     assert r.returncode == 2 and "data.train_path" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs" / "tabular_mlp").exists()  # checked before anything is written
 

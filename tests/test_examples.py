@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_cli, run_cli_forked
 
 EXAMPLES = REPO / "examples"
 TORCHRUN = str(REPO / "trainers" / "torchrun.py")
@@ -46,8 +46,8 @@ def train(folder: Path, *overrides: str, ray_env: dict | None = None, timeout: f
 @pytest.mark.parametrize("name", ["audio_clips", "hf_causal_lm", "image_classifier", "regression"])
 def test_example_yaml_loads_and_states_its_commands(name):
     folder = EXAMPLES / name
-    proc = run_cli(["-m", "stride", "--config", f"{name}.yaml", "--print-config"], timeout=120, cwd=folder,
-                   env={"PYTHONDONTWRITEBYTECODE": "1"})  # runs in the repository: leave no __pycache__ there
+    proc = run_cli_forked(["-m", "stride", "--config", f"{name}.yaml", "--print-config"], timeout=120, cwd=folder,
+                          env={"PYTHONDONTWRITEBYTECODE": "1"})  # runs in the repository: leave no __pycache__ there
     check(proc, "--print-config")
     assert f"name: {name}" in proc.stdout
     head = (folder / f"{name}.yaml").read_text().split("\nrun:")[0]

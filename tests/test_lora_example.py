@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_cli_forked
 from test_examples import EXAMPLES, TORCHRUN, check, example, train
 
 pytest.importorskip("transformers")
@@ -171,7 +171,8 @@ def test_lora_yaml_loads_and_states_its_commands(tmp_path):
     for name in ("hf_causal_lm", "lora"):
         shutil.copytree(EXAMPLES / name, tmp_path / name, ignore=shutil.ignore_patterns("data", "runs", "pretrained",
                                                                                         "__pycache__"))
-    proc = run_cli(["-m", "stride", "--config", "lora.yaml", "--print-config"], timeout=120, cwd=tmp_path / "lora")
+    proc = run_cli_forked(["-m", "stride", "--config", "lora.yaml", "--print-config"], timeout=120,
+                          cwd=tmp_path / "lora")
     check(proc, "--print-config")
     assert "name: lora_task:LoRACausalLM" in proc.stdout and "trainable_only: true" in proc.stdout
     head = (EXAMPLES / "lora" / "lora.yaml").read_text().split("\nrun:")[0]

@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from cluster_fixtures import RAY, clean_env
-from conftest import PYTHON, REPO, descendants, kill_pids, torchrun_launcher, read_jsonl, run_cli, wait_for_step
+from conftest import (PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked, torchrun_launcher,
+                      wait_for_step)
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -58,6 +59,13 @@ def stride(project: Path, *overrides: str, env: dict | None = None, timeout: flo
     """`python -m stride --config signal.yaml ...` from the user's folder (on the Ray cluster env names; without
     RAY_ADDRESS, an embedded local Ray)."""
     return run_cli(["-m", "stride", "--config", "signal.yaml", *overrides], cwd=project, env=env, timeout=timeout)
+
+
+def print_config(project: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m stride --config signal.yaml --print-config ...` from the user's folder, in a forked child: it
+    resolves the config and exits, no Ray."""
+    return run_cli_forked(["-m", "stride", "--config", "signal.yaml", "--print-config", *overrides], cwd=project,
+                          timeout=120)
 
 
 def start_stride(project: Path, *overrides: str, env: dict) -> subprocess.Popen:
@@ -118,14 +126,14 @@ def test_make_data_writes_signal_rows_with_unique_ids(project):
 
 
 def test_config_takes_the_tasks_fields_and_refuses_unknown_ones(project):
-    r = stride(project, "--print-config", "model.channels=8", timeout=120)
+    r = print_config(project, "model.channels=8")
     assert r.returncode == 0, r.stderr[-2000:]
     model = yaml.safe_load(r.stdout)["model"]
     assert model == {"name": TASK, "channels": 8, "depth": 3, "dropout": 0.0, "max_shift": 8, "notes_path": None}
-    r = stride(project, "--print-config", "model.chanels=8", timeout=120)
+    r = print_config(project, "model.chanels=8")
     assert r.returncode == 2
     assert f"unknown key 'model.chanels' for model.name {TASK}" in r.stderr and "channels" in r.stderr, r.stderr
-    r = stride(project, "--print-config", "model.channels=1", timeout=120)  # the task's own pydantic bound
+    r = print_config(project, "model.channels=1")  # the task's own pydantic bound
     assert r.returncode == 2 and "model.channels" in r.stderr, r.stderr
 
 

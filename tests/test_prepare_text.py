@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_cli_forked
 from stride.datasets import prepare as P
 from stride.datasets.splits import DataError
 from stride.trainers.config import load_config
@@ -215,7 +215,7 @@ def test_bad_arguments_exit_2_with_one_line_before_ray_starts(tmp_path, args, me
     args = [a.format(tmp=tmp_path) for a in args]
     if "--out" not in args:
         args += ["--out", str(tmp_path / "out")]
-    r = run_cli(["datasets/prepare.py", "text", *args], timeout=60)
+    r = run_cli_forked(["datasets/prepare.py", "text", *args], timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("stride: error: ") and message in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and (tmp_path / "existing" / "keep").read_text() == "mine"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_forked
 from stride.trainers.config import ConfigError
 
 PLANTED = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
@@ -58,7 +58,7 @@ def test_generate_imports_no_module_a_run_folder_names_without_consent(tmp_path,
 
 def test_generate_needs_no_consent_for_a_built_in_task(tmp_path):
     run, marker = _tampered_run(tmp_path, "mlp")
-    line = _one_line(run_cli(["trainers/generate.py", "--run", str(run)], timeout=120))
+    line = _one_line(run_cli_forked(["trainers/generate.py", "--run", str(run)], timeout=120))
     assert "has no complete checkpoint" in line and not marker.exists()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_cli_forked
 from test_examples import check, example, train
 
 pytest.importorskip("transformers")
@@ -238,7 +238,7 @@ def test_refused_in_one_line_and_nothing_written(lm, mlp, torn, tmp_path, capsys
 
 
 def test_a_task_without_hf_model_is_refused_by_the_command_without_a_traceback(mlp, tmp_path):
-    r = run_cli([EXPORT, "--run", str(mlp), "--out", str(tmp_path / "hf"), "--format", "hf"], timeout=120)
+    r = run_cli_forked([EXPORT, "--run", str(mlp), "--out", str(tmp_path / "hf"), "--format", "hf"], timeout=120)
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.splitlines() == ["stride: error: --format hf: the task mlp has no Hugging Face form; implement "
                                      "Task.hf_model, or export --format safetensors"], r.stderr

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, run_cli_forked
+from conftest import REPO, run_cli, run_cli_forked
 from stride.datasets.splits import DataError
 from stride.datasets.stream import concat_columns, eval_stream
 from stride.datasets.prepare import stdlib_files
@@ -44,7 +44,7 @@ def test_pystdlib_shape_split_and_ids(text_data):
 
 
 def test_pystdlib_is_deterministic(tmp_path, text_data):
-    r = run_cli_forked(["datasets/prepare.py", "pystdlib", "--out", str(tmp_path / "again")], timeout=120)
+    r = run_cli(["datasets/prepare.py", "pystdlib", "--out", str(tmp_path / "again")], timeout=120)
     assert r.returncode == 0, r.stderr
     a = pq.ParquetDataset(text_data / "val").read()
     b = pq.ParquetDataset(tmp_path / "again" / "val").read()

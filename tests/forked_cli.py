@@ -45,12 +45,17 @@ def import_shared() -> None:
     """The imports every command shares (torch, pyarrow, pydantic, Stride's config, driver and tasks), done once:
     torch is imported on the first config check (the task class), about 3 s of each case otherwise. Imports only, no
     torch op and no thread pool: the children are forked from this process and must be as safe as a fresh one."""
-    import torch._dynamo  # noqa: F401  (torch.optim's first optimizer imports it: 2 s of each config check)
+    # torch.optim's first optimizer imports torch._dynamo (the driver's config check builds one): 2 s of each.
+    import torch._dynamo  # noqa: F401
 
     import stride.trainers.driver  # noqa: F401
     import stride.trainers.main  # noqa: F401
     import stride.trainers.task  # noqa: F401
     import stride.trainers.tasks  # noqa: F401
+
+    if threading.active_count() != 1:
+        raise SystemExit(f"forked_cli: the shared imports started threads ({threading.enumerate()}): a child forked "
+                         "now would hold their locks as they were")
 
 
 def _child(argv: list[str], out: str, err: str, enter: Callable[[], None] | None = None) -> None:

@@ -288,13 +288,16 @@ def elastic(cfg) -> tuple[int, int] | None:
 
 def worker_paths() -> dict[str, str]:
     """Environment for the workers of a cluster this process starts or joins (not a Ray job's: the job's working
-    directory is theirs already). A user's task module is found in the driver's working directory (STRIDE_TASK_PATH,
-    appended to sys.path). A checkout run without installing Stride (stride/_checkout.py) also gives the workers the
-    checkout on PYTHONPATH; an installed Stride leaves the user's PYTHONPATH as it is."""
+    directory is theirs already). A user's task module is found where the driver finds it: its working directory and
+    the folders on its PYTHONPATH (STRIDE_TASK_PATH, appended to the workers' sys.path; a running head's workers do
+    not inherit the driver's PYTHONPATH, an embedded Ray's do). A checkout run without installing Stride
+    (stride/_checkout.py) also gives the workers the checkout on PYTHONPATH; an installed Stride leaves the user's
+    PYTHONPATH as it is."""
     import stride
     from stride.user_code import TASK_PATH_ENV, task_search_path
 
-    env = {TASK_PATH_ENV: os.pathsep.join(dict.fromkeys(task_search_path()))}
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {TASK_PATH_ENV: os.pathsep.join(dict.fromkeys(task_search_path() + python_path))}
     checkout = getattr(stride, "_CHECKOUT_ROOT", None)
     if checkout:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)

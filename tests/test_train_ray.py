@@ -1,5 +1,5 @@
-"""Two CPU workers under Ray Train (gloo): loss falls, replicas agree, runs repeat exactly, resume continues
-at the right step, MLflow records one run per training run, and torchrun gives the same losses."""
+"""Two CPU workers under Ray Train (gloo): loss falls, replicas agree, resume continues at the right step, MLflow
+records one run per training run, and torchrun gives the same losses as Ray."""
 
 import json
 import os
@@ -33,9 +33,8 @@ def ray_runs(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     ray = shared_ray_head.env()
     a = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS, mlflow)],
                 env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")})
-    b = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "b", STEPS, "tracking.mlflow_uri=null")], env=ray)
     assert not shared_ray_head.wait_idle()
-    return {"storage": storage, "a": a, "b": b, "mlflow": mlflow_server, "ray": ray}
+    return {"storage": storage, "a": a, "mlflow": mlflow_server, "ray": ray}
 
 
 def test_two_workers_train_and_agree(ray_runs):
@@ -57,12 +56,6 @@ def test_two_workers_train_and_agree(ray_runs):
         assert key in s, key
     assert s["checkpoint"] and os.path.isdir(s["checkpoint"])
     assert "stride: summary" in a.stdout and "stride: mlflow" in a.stdout
-
-
-def test_same_seed_same_losses(ray_runs):
-    assert ray_runs["b"].returncode == 0, ray_runs["b"].stderr[-3000:]
-    la, lb = losses(ray_runs["storage"] / "a"), losses(ray_runs["storage"] / "b")
-    assert la == lb and len(la) == STEPS // 5
 
 
 def test_every_training_row_once_per_epoch(ray_runs, tabular_data):
@@ -113,11 +106,14 @@ def test_resume_continues_at_the_right_step_and_mlflow_run(ray_runs, tabular_dat
 
 
 def test_torchrun_gives_the_same_losses_as_ray(ray_runs, tabular_data, tmp_path):
+    """The same config and seed give the same losses under torchrun as on Ray, with MLflow and the sample log on in
+    the Ray run and off here: neither changes the run (a second Ray run for determinism alone was dropped; the loop's
+    determinism is tested in process: tests/test_loop.py, a stopped and resumed run equals one never stopped)."""
     r = subprocess.run([*torchrun_launcher(2), "trainers/torchrun.py",
                         *tiny_args(tabular_data, tmp_path, "t", STEPS, "tracking.mlflow=false")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert s["world_size"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
-    ray_losses = losses(ray_runs["storage"] / "b")
-    assert losses(tmp_path / "t") == pytest.approx(ray_losses, rel=1e-6)
+    ray_losses = losses(ray_runs["storage"] / "a")[:STEPS // 5]  # run a is resumed further by a test above
+    assert len(ray_losses) == STEPS // 5 and losses(tmp_path / "t") == pytest.approx(ray_losses, rel=1e-6)

@@ -74,3 +74,16 @@ def test_storage_path_allowed_when_absolute_or_not_in_an_uploaded_job(monkeypatc
     check_job_storage(build_config({"run": {"storage_path": "./runs"}}))
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
     check_job_storage(build_config({"run": {"storage_path": "./runs"}}))
+
+
+def test_the_workers_search_the_drivers_working_directory_and_pythonpath(monkeypatch, tmp_path):
+    """A running head's workers do not inherit the driver's PYTHONPATH (an embedded Ray's do): the folders the driver
+    finds a user's module in reach every worker in STRIDE_TASK_PATH, working directory first, each once."""
+    from stride.ray_cluster.connect import worker_paths
+    from stride.user_code import TASK_PATH_ENV
+
+    code, lib = tmp_path / "code", tmp_path / "lib"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(TASK_PATH_ENV, raising=False)
+    monkeypatch.setenv("PYTHONPATH", f"{code}:{lib}::{tmp_path}")
+    assert worker_paths()[TASK_PATH_ENV].split(":") == [str(tmp_path), str(code), str(lib)]

@@ -78,8 +78,8 @@ def torn(mlp, tmp_path_factory) -> Path:
 
 
 def export_cli(folder: Path, *args) -> dict:
-    """export.py in a subprocess with the example's folder on PYTHONPATH; its JSON line."""
-    r = run_cli([EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
+    """export.py with the example's folder on PYTHONPATH (a forked child); its JSON line."""
+    r = run_cli_forked([EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
     check(r, "export.py")
     return json.loads(r.stdout.strip().splitlines()[-1])
 

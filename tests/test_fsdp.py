@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
+from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
 from stride.trainers import checkpointing, fsdp
 
 STEPS = 20
@@ -481,8 +481,8 @@ def test_both_launchers_share_one_gpu_rule():
 
 def test_torchrun_refuses_use_gpu_on_a_machine_without_cuda(tmp_path, tabular_data):
     """Ray's driver refuses it (exit 2); without the same check the torchrun launcher would train on the CPU. One
-    process (no launcher needed): refused before anything is written."""
-    r = run_cli(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
+    process (no launcher needed; a forked child): refused before anything is written."""
+    r = run_cli_forked(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
                  f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
                  f"run.storage_path={tmp_path}/runs", "scaling.use_gpu=true", "train.epochs=null", "train.max_steps=5",
                  "tracking.mlflow=false"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)

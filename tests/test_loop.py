@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from conftest import REPO, read_jsonl
 from stride.trainers import checkpointing
 from stride.trainers.torchrun import complete_checkpoints, main as torchrun_main
@@ -310,3 +312,35 @@ def test_pruning_keeps_what_it_did_not_write_and_survives_an_unreadable_meta(tmp
     assert [p.name for p in complete_checkpoints(run)] == ["checkpoint_00000040", "checkpoint_00000050"]
     assert {p: p.read_bytes() for p in before} == before  # untouched
     assert not (run / "checkpoint_00000010").exists() and not (run / "checkpoint_00000030").exists()
+
+
+def test_a_run_that_fails_while_a_checkpoint_is_written_leaves_that_checkpoint_complete(tmp_path, tabular_data,
+                                                                                         monkeypatch):
+    """A failure a few steps after a checkpoint began (a callback, a bad batch) must not tear the checkpoint still
+    being written in the background: the process's exit would cut the write off and leave nothing newer to resume
+    from. The write is slowed here, as a loaded machine or slow storage slows it (a fresh-clone CI run once tore
+    test_callbacks' step-10 checkpoint this way)."""
+    import time
+
+    from stride.trainers import policies
+
+    write = checkpointing.CheckpointWriter._write
+
+    def slow_write(self, folder, staged, meta):
+        time.sleep(1.5)
+        return write(self, folder, staged, meta)
+
+    calls, requested = {"n": 0}, policies.StopRequest.requested
+
+    def boom_at_step_12(self):  # once per step, after the step's checkpoint (if due) began
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise RuntimeError("boom at step 12")
+        return requested(self)
+
+    monkeypatch.setattr(checkpointing.CheckpointWriter, "_write", slow_write)
+    monkeypatch.setattr(policies.StopRequest, "requested", boom_at_step_12)
+    with pytest.raises(RuntimeError, match="boom at step 12"):
+        torchrun_main(_args(tmp_path, tabular_data, 30))
+    assert checkpointing.verify(tmp_path / "r" / "checkpoint_00000010") is None
+    assert [c.name for c in complete_checkpoints(tmp_path / "r")] == ["checkpoint_00000010"]

@@ -156,6 +156,18 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
+    def settle(self) -> None:
+        """After the loop failed (a callback, a batch, a collective): let the write in flight complete instead of
+        being cut off when the process exits, so that the checkpoint it began is resumable. Its own failure is not
+        the run's (the loop's error is what the user reads); the write's collectives are bounded by the group's
+        timeout should another rank be gone."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - a failed write leaves its folder unmarked: never resumed from
+                pass
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 

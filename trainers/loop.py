@@ -637,6 +637,9 @@ class Trainer:
         try:
             with trainer_blocks.compile_errors(self.cfg.train.compile):
                 return self.train_loop(stream)
+        except Exception:
+            self.writer.settle()  # the checkpoint being written when the run failed is completed, not torn
+            raise
         finally:
             stream.close()
             self.writer.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, run_cli_forked
+from conftest import REPO, run_cli_forked
 from test_examples import check, example, train
 
 pytest.importorskip("transformers")

@@ -3,7 +3,6 @@ and a user's task end to end in one process (torchrun launcher, no Ray)."""
 
 import json
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_cli
 from stride.trainers.config import ConfigError, load_config
 from stride.trainers.task import Task, repeated_blocks
 from stride.trainers.tasks import task_class

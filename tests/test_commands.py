@@ -311,6 +311,37 @@ def test_the_same_bad_config_gives_the_same_line_and_exit_code_from_train_torchr
     assert not any((tmp_path / "sweeps" / "too_big").iterdir())
 
 
+def test_a_run_folder_is_opened_alike_by_train_and_torchrun(tmp_path, tabular_data, capsys):
+    """lifecycle.open_run is every launcher's start after the checks: a checkpoint of another model under run.name,
+    or storage that cannot be written, is the same one line and exit 2 from `stride train` and the torchrun launcher
+    (here one rank, in process), and the checkpoint is left as it was."""
+    from stride.commands import main
+    from stride.trainers import checkpointing, torchrun
+    from stride.trainers.models import MLP
+
+    storage = tmp_path / "runs"
+    ckpt = checkpointing.CheckpointWriter(0).save(storage / "other" / "checkpoint_00000010", {
+        "model": MLP(16, [64], 4).state_dict()}, {"step": 10, "epoch": 0, "epoch_offset_samples": 0,
+                                                  "samples_seen": 0}).result()
+    before = sorted((p.name, p.read_bytes()) for p in ckpt.iterdir())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cases = {"another model": (tabular(tabular_data, storage, "other"), "holds checkpoint checkpoint_00000010 of "
+                                                                        "another model"),
+             "unwritable": (tabular(tabular_data, blocker / "runs", "x"), f"run.storage_path ({blocker}/runs) is "
+                                                                          f"not writable")}
+    for case, (args, expected) in cases.items():
+        lines = {}
+        for name, call in [("train", lambda: main(["train", *args])), ("torchrun", lambda: torchrun.main(args))]:
+            code = call()
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and len(err) == 1 and expected in err[0], (case, name, code, err)
+            lines[name] = err[0]
+        assert lines["train"] == lines["torchrun"], (case, lines)
+    assert sorted((p.name, p.read_bytes()) for p in ckpt.iterdir()) == before
+    assert not (storage / "other" / "summary.json").exists()
+
+
 def test_predict_output_rules(tmp_path):
     """An empty or new --out is used; the same unfinished job resumes; --force starts over (the earlier
     prediction's files only); a finished prediction or another job's needs --force; other files are never removed."""

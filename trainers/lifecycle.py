@@ -1,7 +1,8 @@
-"""A run's finish, the same for every launcher (Ray, torchrun, a Tune trial): summary.json and the one error line.
+"""A run's start and finish, the same for every launcher (the Ray driver, torchrun's rank 0, a Tune trial).
 
-The start is trainers/driver.py's `prepare` (the config's, data's and model's checks, the batch-fit check) and the
-run folder's lock (trainers/runlock.py); the exit codes are stride/errors.py's.
+Start: trainers/driver.py's `prepare` (the config's, data's and model's checks, the batch-fit check: before
+anything is written), then `open_run` (the storage, the run folder's lock, the resume check). Finish: `finish`
+(summary.json) and `last_line` (the one error line). The exit codes are stride/errors.py's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,25 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+
+
+def open_run(cfg, task, instance: str):
+    """A checked run's folder, opened the same way by every launcher: the storage is writable, no link is planted
+    where the run writes, the run folder's lock is taken (`instance` names its holder: trainers/runlock.py), and a
+    checkpoint already there is of this task's model (it is resumed from). Each refusal is one UsageError line
+    (exit 2) that leaves the folder as it was. Returns the held lock: release it (or use it in `with`) at the end."""
+    from stride.trainers import runfolder, runlock
+    from stride.trainers.driver import check_resume, check_storage
+
+    run_dir = check_storage(cfg)
+    runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before its lock is written
+    lock = runlock.acquire(run_dir, cfg.run.lock_stale_s, instance)
+    try:
+        check_resume(cfg, run_dir, task)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:

@@ -31,11 +31,10 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
-from stride.trainers import lifecycle, runfolder, runlock  # noqa: E402
+from stride.trainers import lifecycle, runlock  # noqa: E402
 from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
                                     section_keys, to_yaml)
-from stride.trainers.driver import (EXIT_FAILED, EXIT_OK, check_resume, check_storage,  # noqa: E402
-                                    install_signal_handlers, prepare, train_on_ray)
+from stride.trainers.driver import EXIT_FAILED, EXIT_OK, install_signal_handlers, prepare, train_on_ray  # noqa: E402
 
 
 def parse_args(argv: list[str] | None):
@@ -70,11 +69,9 @@ def _resolve(config, overrides: list[str]) -> Config:
 def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
     t_start = time.time()
     task, specs = prepare(cfg)  # check the data before writing anything: a bad path leaves no run folder behind
-    run_dir = check_storage(cfg)
-    runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before anything is written
+    run_dir = cfg.run_dir
     # Held from before the resume check to after the summary: nothing of this run touches the folder without it.
-    with runlock.acquire(run_dir, cfg.run.lock_stale_s, runlock.launcher_instance()) as lock:
-        check_resume(cfg, run_dir, task)
+    with lifecycle.open_run(cfg, task, runlock.launcher_instance()) as lock:
         quiet_ray_env()
         embedded = init_ray()
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.

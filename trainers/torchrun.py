@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from stride.errors import StrideError, TrainingError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing, lifecycle, runfolder, runlock, sinks  # noqa: E402
+from stride.trainers import checkpointing, lifecycle, runlock, sinks  # noqa: E402
 from stride.trainers.config import load_config  # noqa: E402
 from stride.trainers.driver import prepare  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
@@ -54,15 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
-def take_run_lock(cfg, rank: int, world_size: int) -> tuple[runlock.RunLock | None, str]:
-    """Rank 0 takes the run folder's lock and beats it; every rank gets its token (the workers' fence), or rank 0's
-    one-line refusal, so that a refused run exits 2 on every rank instead of leaving the others in a collective."""
+def take_run_lock(cfg, task, rank: int, world_size: int) -> tuple[runlock.RunLock | None, str]:
+    """Rank 0 opens the run (lifecycle.open_run: storage, lock, resume check) and beats the lock; every rank gets its
+    token (the workers' fence), or rank 0's one-line refusal, so that a refused run exits 2 on every rank instead of
+    leaving the others in a collective."""
     lock, outcome, refusal = None, None, None
     if rank == 0:
         try:
-            # A link planted where the run writes is refused before the run writes anything, its lock included.
-            runfolder.check_run_folder(cfg.run_dir)
-            lock = runlock.acquire(cfg.run_dir, cfg.run.lock_stale_s, runlock.launcher_instance())
+            lock = lifecycle.open_run(cfg, task, runlock.launcher_instance())
             outcome = ("held", lock.token)
         except UsageError as e:
             refusal, outcome = e, ("refused", str(e))
@@ -119,7 +118,6 @@ def train(config: str, overrides: list[str]) -> int:
     use_cuda = device.type == "cuda"
 
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
 
     def wrap_model(m: torch.nn.Module) -> torch.nn.Module:
         if world_size == 1:
@@ -147,7 +145,7 @@ def train(config: str, overrides: list[str]) -> int:
 
         return tqdm(**kwargs)
 
-    lock, token = take_run_lock(cfg, rank, world_size)
+    lock, token = take_run_lock(cfg, task, rank, world_size)
     try:
         if rank == 0:
             clear_stop_request(run_dir)

@@ -18,7 +18,7 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from stride.trainers import lifecycle, runfolder, runlock
+from stride.trainers import lifecycle, runfolder
 from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
 from stride.trainers.config import Config, build_config, global_micro_batch
 
@@ -77,6 +77,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
     import ray.train
 
     from stride.trainers.driver import build_trainer
+    from stride.trainers.tasks import make_task
 
     trial_id = tune.get_context().get_trial_id()
     params = sweep.decode(config)
@@ -88,11 +89,9 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         # report the final result again instead of training it again.
         tune.report({"step": done.get("global_step"), metric: done.get(metric), "stride_restored": True})
         return
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    runfolder.check_run_folder(cfg.run_dir)  # a link planted where the trial writes: refused before it writes
     # The trial id is the instance: Tune's restart of this trial (a new actor, perhaps on another node while the old
     # one's workers still run) takes the folder over at once, and the old workers' fences stop them.
-    with runlock.acquire(cfg.run_dir, cfg.run.lock_stale_s, f"tune-trial:{trial_id}") as lock:
+    with lifecycle.open_run(cfg, make_task(cfg), f"tune-trial:{trial_id}") as lock:
         repaired = repair_snapshot(cfg.run_dir)
         if repaired:
             print(f"stride: trial {trial_id}: {repaired}", flush=True)

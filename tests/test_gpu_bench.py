@@ -168,8 +168,8 @@ def test_peak_table_and_slug():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_small_bf16(tmp_path):
     out = tmp_path / "gpu.json"
-    r = run_gpu_py(["--shapes", "S", "--modes", "bf16", "--compile", "off", "--steps", "5", "--warmup", "2",
-                    "--out", str(out)])
+    r = run_gpu_py(["--shapes", "S", "--modes", "bf16", "--compile", "off", "--ac", "off", "--steps", "5",
+                    "--warmup", "2", "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["device"]["type"] == "cuda"

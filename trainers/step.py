@@ -397,7 +397,7 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
     Gradients are unscaled before clipping so the clip threshold is in true units under fp16.
     """
     n = len(micro_batches)
-    total = torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor | None = None  # the micro-losses' fp32 sum, left on the device (read once, with the norm)
     sums: torch.Tensor | None = None  # this rank's [loss_sum, count], float64, for the (loss_sum, count) form
     weight = 1.0  # the sums' multiplier before backward: 1, or _fp16_weight
     for i, batch in enumerate(micro_batches):
@@ -420,12 +420,12 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
             # every rank.
             scaler.scale(loss / n if count is None else loss * weight).backward()
         if count is None:
-            total += loss.detach().float().cpu()
+            total = loss.detach().float() if total is None else total + loss.detach().float()
         else:
             own = torch.stack([loss.detach().double().cpu(), torch.as_tensor(count).detach().double().cpu()])
             sums = own if sums is None else sums + own
     if sums is None:
-        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, float(total) / n)
+        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total, loss_divisor=n)
     # Every rank joins the all-reduce, one without terms too; the result is the same everywhere, so is the decision.
     loss_sum, count = all_reduce_sum(sums, loss.device).tolist()
     if count == 0:  # no term on any rank: nothing to average, no step
@@ -448,9 +448,10 @@ def _fp16_weight(count: Any, device: torch.device) -> float:
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    grad_clip_norm: float | None, loss: float, grad_factor: float | None = None) -> StepResult:
-    """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss or the gradients are not
-    finite; the gradients are cleared either way."""
+                    grad_clip_norm: float | None, loss: float | torch.Tensor, grad_factor: float | None = None,
+                    loss_divisor: int = 1) -> StepResult:
+    """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss (`loss` / `loss_divisor`) or
+    the gradients are not finite; the gradients are cleared either way."""
     # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
     # Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the shards' norms across ranks, so
     # a NaN/inf in any rank's shard makes the norm non-finite on every rank.
@@ -459,7 +460,9 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, grad_factor)  # DTensors under FSDP take it as plain tensors do
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf")))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf"))
+    grad_norm, loss = _read_floats(norm, loss)
+    loss = loss / loss_divisor
     if scaler.is_enabled():
         # fp16: the scaler skips steps with inf/NaN gradients and lowers the scale; that counts as not finite.
         scale_before = scaler.get_scale()
@@ -472,6 +475,18 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, grad_norm, finite)
+
+
+def _read_floats(norm: torch.Tensor, loss: float | torch.Tensor) -> tuple[float, float]:
+    """The gradient norm and the loss as Python floats, in one device-to-host copy: each read waits for every
+    queued kernel, and a second wait per step (the loss after backward) left a GPU idle while the CPU queued the
+    clipping, then the optimizer (benchmarks/README.md, GPU)."""
+    if hasattr(norm, "full_tensor"):  # FSDP: a replicated DTensor, the same value on every rank
+        norm = norm.full_tensor()
+    if not torch.is_tensor(loss):
+        return float(norm), loss
+    grad_norm, value = torch.stack([norm.float(), loss.float().to(norm.device)]).tolist()
+    return grad_norm, value
 
 
 # ---- evaluation, reduced across ranks ----

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -66,10 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torchrun's per-launch folders (it makes a torchelastic_* folder in /tmp per launch and never removes it): one
+# private folder for the session's launches, removed at its end.
+TORCHRUN_LOGS = Path(tempfile.mkdtemp(prefix="stride-tests-torchrun-"))
+
+
 def torchrun_launcher(nproc: int) -> list[str]:
     """`torch.distributed.run` on this host. `--standalone` lets the rendezvous bind port 0 itself: a port picked
     free beforehand can be taken by another process before torchrun binds it (EADDRINUSE)."""
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--log-dir", str(TORCHRUN_LOGS)]
 
 
 def run_torchrun_cases(cases: list[dict], results: Path, cwd: Path, env: dict | None = None,
@@ -198,6 +205,7 @@ FORK_SERVER = ForkServer()
 
 def pytest_sessionfinish(session, exitstatus):
     FORK_SERVER.stop()
+    shutil.rmtree(TORCHRUN_LOGS, ignore_errors=True)
 
 
 def run_cli_forked(args: list[str], timeout: float = 120, env: dict | None = None,

@@ -91,7 +91,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         return
     # The trial id is the instance: Tune's restart of this trial (a new actor, perhaps on another node while the old
     # one's workers still run) takes the folder over at once, and the old workers' fences stop them.
-    with lifecycle.open_run(cfg, make_task(cfg), f"tune-trial:{trial_id}") as lock:
+    with lifecycle.open_run(cfg, make_task(cfg, facts), f"tune-trial:{trial_id}") as lock:
         repaired = repair_snapshot(cfg.run_dir)
         if repaired:
             print(f"stride: trial {trial_id}: {repaired}", flush=True)

@@ -68,15 +68,18 @@ def free_port() -> int:
 
 
 # torchrun's per-launch folders (it makes a torchelastic_* folder in /tmp per launch and never removes it): one
-# private folder for the session's launches, removed at its end.
-TORCHRUN_LOGS = Path(tempfile.mkdtemp(prefix="stride-tests-torchrun-"))
+# private folder for the session's launches, made at the first launch (not at import: Ray workers that unpickle a
+# test's function import this module too) and removed at the session's end.
+_TORCHRUN_LOGS: list[Path] = []
 
 
 def torchrun_launcher(nproc: int) -> list[str]:
     """`torch.distributed.run` on this host. `--standalone` lets the rendezvous bind port 0 itself: a port picked
     free beforehand can be taken by another process before torchrun binds it (EADDRINUSE)."""
+    if not _TORCHRUN_LOGS:
+        _TORCHRUN_LOGS.append(Path(tempfile.mkdtemp(prefix="stride-tests-torchrun-")))
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--log-dir", str(TORCHRUN_LOGS)]
+            "--log-dir", str(_TORCHRUN_LOGS[0])]
 
 
 def run_torchrun_cases(cases: list[dict], results: Path, cwd: Path, env: dict | None = None,
@@ -205,7 +208,8 @@ FORK_SERVER = ForkServer()
 
 def pytest_sessionfinish(session, exitstatus):
     FORK_SERVER.stop()
-    shutil.rmtree(TORCHRUN_LOGS, ignore_errors=True)
+    for folder in _TORCHRUN_LOGS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_cli_forked(args: list[str], timeout: float = 120, env: dict | None = None,

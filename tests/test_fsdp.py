@@ -424,7 +424,7 @@ def test_optimizer_state_converts_between_positions_and_names():
 def test_a_torchrun_fsdp_checkpoint_resumes_on_ray_and_ends_where_torchrun_did(runs, small_text, tmp_path,
                                                                                 ray_cluster):
     """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 FSDP steps under torchrun, then the
-    same run on 2 Ray workers resumes from that checkpoint (through the driver's check_resume) to 20 and ends where
+    same run on 2 Ray workers resumes from that checkpoint (through lifecycle.check_resume) to 20 and ends where
     torchrun's uninterrupted run did."""
     torchrun(2, tiny_args(small_text, tmp_path, "ray", 10, "train.strategy=fsdp"))
     r = run_cli(["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", STEPS, "train.strategy=fsdp",

@@ -1,10 +1,9 @@
 """The driver's work between a resolved config and a finished run, shared by `python -m stride` (trainers/main.py)
-and sweeps (tune/): the task and its data checks, the TorchTrainer, resume checks, signals.
+and sweeps (tune/): the task and its data checks, the TorchTrainer, signals (the run folder's opening: lifecycle.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -116,46 +115,6 @@ def check_batch_fits(cfg: Config, specs: dict[str, DataSpec], num_workers: int) 
     from stride.trainers.config import check_batch_fits as check
 
     check(cfg, specs["train"].num_rows, num_workers)
-
-
-def ensure_writable(folder: Path, key: str, value) -> Path:
-    """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
-    try:
-        from stride.trainers import runfolder
-
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = runfolder.temp_name(folder / ".write-test")  # created new: never written through a planted link
-        os.close(runfolder.create_new(probe))
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"{key} ({value}) is not writable ({e.strerror}); set {key}=<a folder you can write>") from None
-    return folder
-
-
-def check_storage(cfg: Config) -> Path:
-    check_job_storage(cfg)
-    return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
-
-
-def _in_uploaded_working_dir() -> bool:
-    """Ray sets RAY_JOB_CONFIG_JSON_ENV_VAR for a job's driver; its runtime_env names the uploaded working_dir."""
-    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
-    if not text:
-        return False
-    try:
-        return bool(((json.loads(text) or {}).get("runtime_env") or {}).get("working_dir"))
-    except (ValueError, AttributeError):
-        return True  # unreadable: a job of unknown shape, so keep results safe
-
-
-def check_job_storage(cfg: Config) -> None:
-    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the uploaded folder: a
-    relative run.storage_path would put the results there, deleted with the session. Refuse it (exit 2)."""
-    if not _in_uploaded_working_dir() or Path(cfg.run.storage_path).expanduser().is_absolute():
-        return
-    raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would land "
-                     f"in the job's temporary copy of --working-dir and be lost with it; set run.storage_path=<an "
-                     f"absolute path on shared storage, e.g. /mnt/shared/runs>")
 
 
 def check_multinode_paths(cfg: Config, nodes: int) -> None:
@@ -274,31 +233,6 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     sinks.after_run(cfg, summary)  # the trackers' records name the final checkpoint
     return EXIT_OK, summary
-
-
-def check_resume(cfg: Config, run_dir: Path, task) -> None:
-    """A run folder that holds a complete checkpoint is resumed from the newest one (the workers pick the same):
-    refuse, before Ray starts and with the checkpoint left as it is, a model whose tensors do not match it
-    (another model.* setting under the same run.name)."""
-    import torch
-
-    from stride.trainers import checkpointing
-
-    newest = checkpointing.newest_complete(run_dir)
-    if newest is None:
-        return
-    with torch.device("meta"):  # shapes only: no memory for the weights
-        model = task.build_model()
-    try:
-        saved = checkpointing.saved_model_shapes(newest)
-    except checkpointing.UnsafeCheckpointError as e:
-        raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
-    partial = checkpointing.read_meta(newest).get("trainable_only")  # its frozen base comes from init.from
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not partial or k in saved}
-    if mismatch := checkpointing.shape_mismatch(shapes, saved):
-        raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
-                         f"use a new run.name, or the model.* settings it was trained with")
-    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)
 
 
 def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:

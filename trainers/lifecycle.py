@@ -8,10 +8,14 @@ anything is written), then `open_run` (the storage, the run folder's lock, the r
 from __future__ import annotations
 
 import errno
+import json
+import os
 import re
 import time
 from pathlib import Path
 from typing import Any
+
+from stride.errors import UsageError
 
 
 def open_run(cfg, task, instance: str):
@@ -20,7 +24,6 @@ def open_run(cfg, task, instance: str):
     checkpoint already there is of this task's model (it is resumed from). Each refusal is one UsageError line
     (exit 2) that leaves the folder as it was. Returns the held lock: release it (or use it in `with`) at the end."""
     from stride.trainers import runfolder, runlock
-    from stride.trainers.driver import check_resume, check_storage
 
     run_dir = check_storage(cfg)
     runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before its lock is written
@@ -31,6 +34,72 @@ def open_run(cfg, task, instance: str):
         lock.release()
         raise
     return lock
+
+
+def ensure_writable(folder: Path, key: str, value) -> Path:
+    """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
+    try:
+        from stride.trainers import runfolder
+
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = runfolder.temp_name(folder / ".write-test")  # created new: never written through a planted link
+        os.close(runfolder.create_new(probe))
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{key} ({value}) is not writable ({e.strerror}); set {key}=<a folder you can write>") from None
+    return folder
+
+
+def check_storage(cfg) -> Path:
+    """The run folder, created and proven writable (and, in a Ray job, not in its temporary working dir)."""
+    check_job_storage(cfg)
+    return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
+
+
+def _in_uploaded_working_dir() -> bool:
+    """Ray sets RAY_JOB_CONFIG_JSON_ENV_VAR for a job's driver; its runtime_env names the uploaded working_dir."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not text:
+        return False
+    try:
+        return bool(((json.loads(text) or {}).get("runtime_env") or {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        return True  # unreadable: a job of unknown shape, so keep results safe
+
+
+def check_job_storage(cfg) -> None:
+    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the uploaded folder: a
+    relative run.storage_path would put the results there, deleted with the session. Refuse it (exit 2)."""
+    if not _in_uploaded_working_dir() or Path(cfg.run.storage_path).expanduser().is_absolute():
+        return
+    raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would land "
+                     f"in the job's temporary copy of --working-dir and be lost with it; set run.storage_path=<an "
+                     f"absolute path on shared storage, e.g. /mnt/shared/runs>")
+
+
+def check_resume(cfg, run_dir: Path, task) -> None:
+    """A run folder that holds a complete checkpoint is resumed from the newest one (the workers pick the same):
+    refuse, before any worker starts and with the checkpoint left as it is, a model whose tensors do not match it
+    (another model.* setting under the same run.name)."""
+    import torch
+
+    from stride.trainers import checkpointing
+
+    newest = checkpointing.newest_complete(run_dir)
+    if newest is None:
+        return
+    with torch.device("meta"):  # shapes only: no memory for the weights
+        model = task.build_model()
+    try:
+        saved = checkpointing.saved_model_shapes(newest)
+    except checkpointing.UnsafeCheckpointError as e:
+        raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
+    partial = checkpointing.read_meta(newest).get("trainable_only")  # its frozen base comes from init.from
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not partial or k in saved}
+    if mismatch := checkpointing.shape_mismatch(shapes, saved):
+        raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
+                         f"use a new run.name, or the model.* settings it was trained with")
+    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:

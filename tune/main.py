@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None):
 # ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
 
 def check_storage(sweep: Sweep) -> Path:
-    from stride.trainers.driver import ensure_writable
+    from stride.trainers.lifecycle import ensure_writable
 
     return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
 

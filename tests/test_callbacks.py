@@ -342,7 +342,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     from test_sinks import scalars
 
     common = ["train.ema={decay: 0.9, eval: both}", "train.strategy=fsdp", "tracking.sinks=[tensorboard]",
-              "checkpoint.every_steps=20", "train.eval_every_steps=20"]
+              "checkpoint.every_steps=40", "train.eval_every_steps=20"]
     run = project / "runs" / "ema_kill"
     cmd = [*torchrun_launcher(2), str(REPO / "trainers" / "torchrun.py"), "--config",
            str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
@@ -352,8 +352,13 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     proc = subprocess.Popen(cmd, cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        # Killed mid-way between two checkpoints (every 40 steps), at least 10 steps past one and 20 before the next,
+        # so the attempt has logged past its last checkpoint whatever the machine's pace: a fixed sleep after a
+        # logged step once landed right after a checkpoint and before the next log.
         wait_for_step(run / "metrics.jsonl", 45, proc)
-        time.sleep(1.0)  # the trackers' thread flushes the steps it was handed
+        while not 10 <= wait_for_step(run / "metrics.jsonl", 45, proc) % 40 <= 20:
+            time.sleep(0.01)
+        time.sleep(0.05)  # TensorBoard's writer (the sinks' thread) takes the step metrics.jsonl already shows
     finally:
         kill_pids([*descendants(proc.pid), proc.pid])
         proc.wait()

@@ -384,6 +384,11 @@ for every in (None, 2):
     grads.append([p.grad.to_local().clone() for p in m.parameters()])
 assert len(grads[0]) == len(grads[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
 print(f"rank {rank} ok", flush=True)
+# As trainers/torchrun.py ends a rank: left to interpreter finalization, gloo's threads can abort a finished rank.
+from stride.trainers.torchrun import leave_gang
+import os
+leave_gang()
+os._exit(0)
 '''
 
 

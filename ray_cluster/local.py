@@ -134,16 +134,16 @@ def start_head(temp_dir: Path = DEFAULT_TEMP_DIR, port: int = 6379, dashboard_po
     _write_token(token_path)
 
     given = {port, dashboard_port, metrics_export_port} - {None}
-    argv, ports = _ray_start(temp_dir, metrics_export_port, given, num_cpus)
-    ports.update(gcs=port, dashboard=dashboard_port)
-    (client,) = _free_ports(1, set(ports.values()))
-    ports["ray_client_server"] = client
-    argv += ["--head", "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--port={port}",
-             f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={client}"]
-    try:
-        node.start(temp_dir, argv, env=_node_env(token_path), quiet=True)
-    except RuntimeError as e:
-        raise HeadError(f"ray start failed: {e}") from None
+
+    def head_argv() -> tuple[list[str], dict[str, int]]:
+        argv, ports = _ray_start(temp_dir, metrics_export_port, given, num_cpus)
+        ports.update(gcs=port, dashboard=dashboard_port)
+        (client,) = _free_ports(1, set(ports.values()))
+        ports["ray_client_server"] = client
+        return argv + ["--head", "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--port={port}",
+                       f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={client}"], ports
+
+    ports = _start_node(temp_dir, head_argv, _node_env(token_path), "ray start")
     address = (temp_dir / "ray" / "ray_current_cluster").read_text().strip()
     head = Head(temp_dir, address, f"http://127.0.0.1:{dashboard_port}", token_path, ports)
     (temp_dir / HEAD_FILE).write_text(json.dumps(asdict(head), indent=1, default=str) + "\n")
@@ -183,11 +183,30 @@ def add_node(head: Head, temp_dir: Path, num_cpus: int | None = None) -> None:
     """Join a worker node on this machine to `head` (with the head's token); stop it with stop_node(temp_dir).
     A second node on one host gives a test what a real cluster does when it grows (elastic training)."""
     temp_dir = node.private_dir(Path(os.path.abspath(temp_dir)))
-    argv, _ = _ray_start(temp_dir, None, set(head.ports.values()), num_cpus)
-    try:
-        node.start(temp_dir, argv + [f"--address={head.address}"], env=_node_env(head.token_path), quiet=True)
-    except RuntimeError as e:
-        raise HeadError(f"ray start (worker node) failed: {e}") from None
+
+    def node_argv() -> tuple[list[str], dict[str, int]]:
+        argv, ports = _ray_start(temp_dir, None, set(head.ports.values()), num_cpus)
+        return argv + [f"--address={head.address}"], ports
+
+    _start_node(temp_dir, node_argv, _node_env(head.token_path), "ray start (worker node)")
+
+
+def _start_node(temp_dir: Path, make_argv, env: dict[str, str], what: str, attempts: int = 2) -> dict[str, int]:
+    """`ray start` with the ports `make_argv` picks; a failed start is stopped and tried again once with ports
+    picked afresh. A port seen free is bound by Ray only seconds later, and an outgoing connection of any process
+    can take it in between (source ports come from the same range); a raylet that cannot bind never registers, and
+    `ray start` fails after its 30 s wait (seen once in the test suite, with two heads starting at once)."""
+    for attempt in range(1, attempts + 1):
+        argv, ports = make_argv()
+        try:
+            node.start(temp_dir, argv, env=env, quiet=True)
+            return ports
+        except RuntimeError as e:
+            if attempt == attempts:
+                raise HeadError(f"{what} failed: {e}") from None
+            print(f"stride: {what} failed ({str(e).splitlines()[-1][:200]}); trying again with other ports",
+                  file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def stop_node(temp_dir: Path) -> list[int]:

@@ -190,8 +190,17 @@ def start(state_dir: Path, argv: list[str], env: dict | None = None, quiet: bool
     if proc.returncode != 0:
         stop(state_dir)
         tail = "\n".join((state_dir / "ray-start.log").read_text().splitlines()[-15:]) if quiet else ""
-        raise RuntimeError(f"`{' '.join(argv[:3])} ...` exited with {proc.returncode}\n{tail}")
+        raise RuntimeError(f"`{' '.join(argv[:3])} ...` exited with {proc.returncode}\n{tail}{_raylet_tail(argv)}")
     return state
+
+
+def _raylet_tail(argv: list[str], lines: int = 5) -> str:
+    """The end of the node's raylet log: `ray start` says only that the raylet never registered, not why."""
+    temp_dir = _flag(argv, "--temp-dir")
+    log = Path(temp_dir) / "session_latest" / "logs" / "raylet.out" if temp_dir else None
+    if log is None or not log.exists():
+        return ""
+    return "\nraylet.out ends:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def stop(state_dir: Path, grace_s: float = 5.0) -> list[int]:

@@ -79,10 +79,11 @@ def head_factory():
         folders.extend(dirs)
         ports = free_ports(2 * n)
         with ThreadPoolExecutor(n) as pool:
-            heads = list(pool.map(lambda i: local.start_head(dirs[i], port=ports[2 * i], dashboard_port=ports[2 * i + 1],
-                                                             num_cpus=2), range(n)))
-        started.extend(heads)
-        return heads
+            futures = [pool.submit(local.start_head, dirs[i], port=ports[2 * i], dashboard_port=ports[2 * i + 1],
+                                   num_cpus=2) for i in range(n)]
+        # Every head that started is stopped at the end, also when another one failed to start.
+        started.extend(f.result() for f in futures if f.exception() is None)
+        return [f.result() for f in futures]
 
     yield start
     for head in started:

@@ -66,6 +66,24 @@ def test_node_refuses_to_start_twice_from_one_state_dir(tmp_path):
         node.stop(tmp_path)
 
 
+def test_a_failed_ray_start_is_stopped_and_tried_once_more_with_ports_picked_again(tmp_path):
+    picked = []
+
+    def argv(*codes):
+        def make():
+            picked.append(len(picked))
+            return [PYTHON, "-c", codes[min(len(picked), len(codes)) - 1]], {"node_manager": picked[-1]}
+        return make
+
+    # The first start fails (as a raylet that lost its port to another process does), the second, with new ports, runs.
+    assert local._start_node(tmp_path, argv("import sys; sys.exit(1)", "pass"), clean_env(), "ray start") == \
+        {"node_manager": 1}
+    picked.clear()
+    with pytest.raises(local.HeadError, match="ray start failed: .* exited with 3"):
+        local._start_node(tmp_path, argv("import sys; sys.exit(3)"), clean_env(), "ray start")
+    assert picked == [0, 1]  # twice, not more
+
+
 # ---- local heads: errors a user can act on (no Ray started) ---------------------------------------------
 
 def test_start_refuses_a_port_in_use_and_names_the_flag():

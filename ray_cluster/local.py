@@ -196,17 +196,17 @@ def _start_node(temp_dir: Path, make_argv, env: dict[str, str], what: str, attem
     picked afresh. A port seen free is bound by Ray only seconds later, and an outgoing connection of any process
     can take it in between (source ports come from the same range); a raylet that cannot bind never registers, and
     `ray start` fails after its 30 s wait (seen once in the test suite, with two heads starting at once)."""
-    for attempt in range(1, attempts + 1):
+    for attempt in range(attempts):
         argv, ports = make_argv()
         try:
             node.start(temp_dir, argv, env=env, quiet=True)
             return ports
         except RuntimeError as e:
-            if attempt == attempts:
-                raise HeadError(f"{what} failed: {e}") from None
-            print(f"stride: {what} failed ({str(e).splitlines()[-1][:200]}); trying again with other ports",
-                  file=sys.stderr)
-    raise AssertionError("unreachable")
+            error = e
+            if attempt + 1 < attempts:
+                print(f"stride: {what} failed ({str(e).splitlines()[-1][:200]}); trying again with other ports",
+                      file=sys.stderr)
+    raise HeadError(f"{what} failed: {error}") from None
 
 
 def stop_node(temp_dir: Path) -> list[int]:

@@ -355,7 +355,6 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
         # Killed mid-way between two checkpoints (every 40 steps), at least 10 steps past one and 20 before the next,
         # so the attempt has logged past its last checkpoint whatever the machine's pace: a fixed sleep after a
         # logged step once landed right after a checkpoint and before the next log.
-        wait_for_step(run / "metrics.jsonl", 45, proc)
         while not 10 <= wait_for_step(run / "metrics.jsonl", 45, proc) % 40 <= 20:
             time.sleep(0.01)
         time.sleep(0.05)  # TensorBoard's writer (the sinks' thread) takes the step metrics.jsonl already shows

@@ -260,6 +260,32 @@ def test_rerunning_a_finished_run_keeps_its_results_and_a_failed_rerun_never_rep
     assert write_summary(tmp_path / "r", dict(again, global_step=40)) == summary  # a completed one replaces it
 
 
+def test_a_resume_with_nothing_left_to_train_reports_the_runs_last_figures(tmp_path, tabular_data, monkeypatch):
+    """What Ray Train and Tune read is the last report: a sweep killed after a trial's final checkpoint resumes it with
+    nothing left to train, and that attempt must still report the final step and metric (CI once saw a completed
+    trial recorded at step 950 of 1000)."""
+    import dataclasses
+
+    from stride.trainers import torchrun
+
+    reports, real_run = [], torchrun.run
+
+    def spying(cfg, env, plan):
+        def report(metrics, written):
+            reports.append(metrics)
+            env.report(metrics, written)
+        return real_run(cfg, dataclasses.replace(env, report=report), plan)
+
+    monkeypatch.setattr(torchrun, "run", spying)
+    args = _args(tmp_path, tabular_data, 30, "train.eval_every_steps=30")
+    assert torchrun_main(args) == 0
+    last = reports[-1]
+    assert last["step"] == 30 and "val_accuracy" in last
+    reports.clear()
+    assert torchrun_main(args) == 0  # resumes at step 30: nothing to train
+    assert reports == [last]
+
+
 def test_a_resume_at_90_percent_of_an_epoch_reads_about_10_percent_and_ends_bitwise_equal(tmp_path):
     import shutil
 

@@ -493,10 +493,10 @@ def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", **ray_cluster))
         try:
             def second_trial_checkpointed():
-                evs = events(sweep_dir)
-                ended = {e["trial_id"] for e in evs if e["event"] == "end"}
-                training = {e["trial_id"] for e in evs if e["event"] == "result"} - ended
-                saved = {t for t in training if (sweep_dir / t / SNAPSHOT_COPY).exists()}
+                # Read from the trial's folder, where its controller writes at once, not from the driver's events:
+                # a driver slow to process results let the trial finish before the kill (seen in CI).
+                ended = {e["trial_id"] for e in events(sweep_dir) if e["event"] == "end"}
+                saved = {d.name for d in sweep_dir.glob("*/") if (d / SNAPSHOT_COPY).exists()} - ended
                 return (ended, saved) if ended and saved else None
 
             ended, killed = wait_for(second_trial_checkpointed, timeout=480, proc=proc,
@@ -511,6 +511,7 @@ def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(
     assert len(ended) == 1 and len(killed) == 1, first[-3000:]
     (killed_id,) = killed
     assert not (sweep_dir / killed_id / "summary.json").exists(), "the second trial ended before the kill"
+    assert not (sweep_dir / killed_id / f"checkpoint_{SIGNAL_STEPS:08d}").exists(), "killed after its last checkpoint"
     assert not (sweep_dir / "sweep_summary.json").exists()
     left = shared_ray_head.wait_idle()  # the head removes a dead driver's actors, groups and CPUs by itself
     assert not left, f"the killed sweep's job left on the head: {left}"

@@ -724,8 +724,8 @@ class Trainer:
             staged = self.checkpoint(metrics) if due.checkpoint else None
             # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
             # where someone reads it (checkpoints, evaluations; a Tune trial's every log step), not every log step.
-            if due.checkpoint or due.eval or self.plan.report_log_steps:  # (Tune reads "/" as nesting: no lr/<group>)
-                env.report({k: v for k, v in metrics.items() if v is not None and "/" not in k}, staged)
+            if due.checkpoint or due.eval or self.plan.report_log_steps:
+                env.report(_reportable(metrics), staged)
             if due.checkpoint:  # what training waited for: the previous write (if still going) and staging
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
@@ -740,6 +740,10 @@ class Trainer:
             if stopping:
                 break
 
+        if s.step == start_step and self.checkpoint_metrics:
+            # Resumed from its last checkpoint with nothing left to train (a sweep killed after that checkpoint, a
+            # finished run rerun): report its figures once more, so that Ray's and Tune's last result is the run's.
+            env.report(_reportable(self.checkpoint_metrics), None)
         self.writer.wait()  # a run never ends before its last checkpoint is complete
         profiler.close(sinks)
         stop.uninstall()
@@ -780,6 +784,11 @@ class Trainer:
             **({"init": self.init_record} if self.init_record else {}),
             **({"best_checkpoints": self.best.summary()} if self.best is not None else {}),
         }
+
+
+def _reportable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What goes to the runtime's report: Tune reads "/" as nesting, so no lr/<group>."""
+    return {k: v for k, v in metrics.items() if v is not None and "/" not in k}
 
 
 def _open_sample_log(folder: str | None, rank: int):

@@ -48,6 +48,16 @@ def _own_cpu_s() -> float:
 
 
 _START = (time.monotonic(), _own_cpu_s(), _machine_cpu_s())
+_TEST_CPU: dict[str, float] = {}  # nodeid: the machine's CPU-seconds from its setup to its teardown
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Per test, the whole machine's CPU-seconds (a Ray worker, a raylet or slurmd it made busy counts): where the
+    suite's CPU goes, which its wall-time table does not show (a test waiting on a drain costs time, not CPU)."""
+    before = _machine_cpu_s()
+    yield
+    _TEST_CPU[item.nodeid] = _machine_cpu_s() - before
 
 
 @pytest.hookimpl(trylast=True)
@@ -56,6 +66,10 @@ def pytest_terminal_summary(terminalreporter):
     pytest's children once they detach, so the machine's total is given too: on a machine that runs nothing
     else (CI), that is the suite's CPU-seconds, pytest and everything it started."""
     wall, own, machine = (now - then for now, then in zip((time.monotonic(), _own_cpu_s(), _machine_cpu_s()), _START))
+    if _TEST_CPU:
+        terminalreporter.write_sep("=", "costliest 25 tests in CPU-seconds (the machine's, setup to teardown)")
+        for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{cpu:7.1f} s  {nodeid}")
     terminalreporter.write_sep("=", "suite cost")
     terminalreporter.write_line(f"wall {wall:.0f} s ({wall / 60:.1f} min); CPU {machine:.0f} s on this machine "
                                 f"({os.cpu_count()} cores), of which {own:.0f} s in pytest and the processes it waited for")

@@ -448,7 +448,7 @@ def test_changed_sweep_refuses_to_resume(asha_sweep, tmp_path):
 # 5. a killed sweep over a user's own task resumes
 # ---------------------------------------------------------------------------------------------------------------
 
-SIGNAL_STEPS, SIGNAL_EVERY = 1000, 50  # about 10 s of training after the first checkpoint: the kill lands there
+SIGNAL_STEPS, SIGNAL_EVERY = 500, 50  # about 5 s of training after the first checkpoint: the kill lands there
 USER_SWEEP = f"""\
 # Sweep the task's own field model.channels: 2 trials of 1 worker each, one after the other.
 # Launch:   python -m stride.tune.main --config sweep.yaml      (from this folder)

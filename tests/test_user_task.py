@@ -40,7 +40,7 @@ PARAM_BYTES = (16 * 7 + 16 + 3 * (16 * 16 * 3 + 16) + 16 * 4 + 4) * 4
 # The shared 2-worker Ray run, also the uninterrupted reference of the run stopped four ways: about twenty seconds
 # of training (10 ms steps), so that each stop lands, and each periodic checkpoint's background write completes,
 # long before the end even on a loaded machine (300 steps once ended 1.5 s after step 110).
-RAY_STEPS = 2000
+RAY_STEPS = 1000
 RAY_ARGS = [f"train.max_steps={RAY_STEPS}", "train.batch_size_per_worker=128", "checkpoint.every_steps=100",
             "train.log_every_steps=10", "train.eval_every_steps=100"]
 

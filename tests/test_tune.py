@@ -481,6 +481,7 @@ def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(
     relative storage_path. SIGKILL the driver while the second trial trains (the first finished) and run the same
     command again: the finished trial is not run again, the killed one resumes from its checkpoint (through a
     truncated Ray Train snapshot) into the same MLflow child run, and the sweep completes both trials of the task."""
+    from stride.trainers.checkpointing import checkpoint_folder
     from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY
 
     project = copy_user_project(tmp_path / "signal_project")
@@ -511,7 +512,7 @@ def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(
     assert len(ended) == 1 and len(killed) == 1, first[-3000:]
     (killed_id,) = killed
     assert not (sweep_dir / killed_id / "summary.json").exists(), "the second trial ended before the kill"
-    assert not (sweep_dir / killed_id / f"checkpoint_{SIGNAL_STEPS:08d}").exists(), "killed after its last checkpoint"
+    assert not checkpoint_folder(sweep_dir / killed_id, SIGNAL_STEPS).exists(), "killed after its last checkpoint"
     assert not (sweep_dir / "sweep_summary.json").exists()
     left = shared_ray_head.wait_idle()  # the head removes a dead driver's actors, groups and CPUs by itself
     assert not left, f"the killed sweep's job left on the head: {left}"

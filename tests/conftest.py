@@ -49,15 +49,36 @@ def _own_cpu_s() -> float:
 
 _START = (time.monotonic(), _own_cpu_s(), _machine_cpu_s())
 _TEST_CPU: dict[str, float] = {}  # nodeid: the machine's CPU-seconds from its setup to its teardown
+_PARALLEL = "PYTEST_XDIST_WORKER" in os.environ  # a pytest-xdist worker: another test runs beside this one
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Per test, the whole machine's CPU-seconds (a Ray worker, a raylet or slurmd it made busy counts): where the
-    suite's CPU goes, which its wall-time table does not show (a test waiting on a drain costs time, not CPU)."""
+    suite's CPU goes, which its wall-time table does not show (a test waiting on a drain costs time, not CPU).
+    Only in a run of one stream (`-n 0`): beside another test the machine's CPU is not this test's."""
     before = _machine_cpu_s()
     yield
-    _TEST_CPU[item.nodeid] = _machine_cpu_s() - before
+    if not _PARALLEL:
+        _TEST_CPU[item.nodeid] = _machine_cpu_s() - before
+
+
+# ---- make test runs two streams (pytest-xdist, -n 2 --dist loadgroup) -----------------------------------------
+# On 2 cores one stream leaves a core idle about half the time: a Ray run waits on its gang, a drain, a checkpoint.
+# The tests on the session's shared Ray head (or the SLURM cluster) are one stream, run one after another on one
+# worker, in the order they had; every other slow test (its own Ray, torchrun, servers) is the other stream, on the
+# other worker, also one after another; the fast tier goes to whichever worker is free. So no two tests of one kind
+# ever share a cluster, a head's CPUs or the host's embedded-Ray state, and a module's fixtures are built once.
+SHARED_CLUSTER_FIXTURES = {"shared_ray_head", "slurm_cluster"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SHARED_CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("shared_cluster"))
+        elif item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("own_processes"))
 
 
 @pytest.hookimpl(trylast=True)
@@ -70,6 +91,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "costliest 25 tests in CPU-seconds (the machine's, setup to teardown)")
         for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
             terminalreporter.write_line(f"{cpu:7.1f} s  {nodeid}")
+    elif getattr(terminalreporter.config.option, "numprocesses", None):
+        terminalreporter.write_line("(per-test CPU-seconds: run one stream, make test PYTEST_ARGS=\"-n 0\")")
     terminalreporter.write_sep("=", "suite cost")
     terminalreporter.write_line(f"wall {wall:.0f} s ({wall / 60:.1f} min); CPU {machine:.0f} s on this machine "
                                 f"({os.cpu_count()} cores), of which {own:.0f} s in pytest and the processes it waited for")
@@ -239,6 +262,23 @@ def run_cli_forked(args: list[str], timeout: float = 120, env: dict | None = Non
     if answer["timed_out"]:
         raise subprocess.TimeoutExpired([PYTHON, *args], timeout, answer["stdout"], answer["stderr"])
     return subprocess.CompletedProcess([PYTHON, *args], answer["returncode"], answer["stdout"], answer["stderr"])
+
+
+def auth_folders(owner_alive: bool | None = None) -> dict[Path, int]:
+    """The embedded Rays' private token folders in this host's temp folder (ray_cluster/connect.py), with the pid
+    of the driver that made each; only those whose driver is alive (True) or gone (False) when asked. Another
+    stream's embedded run may have one at the same moment (make test runs two)."""
+    from stride.ray_cluster import connect
+
+    found = {}
+    for folder in Path(tempfile.gettempdir()).glob(f"{connect.AUTH_PREFIX}*"):
+        try:
+            pid, start = (folder / connect.AUTH_OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if owner_alive is None or (connect.process_start(int(pid)) == start) == owner_alive:
+            found[folder] = int(pid)
+    return found
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, descendants, kill_pids
+from conftest import PYTHON, REPO, auth_folders, descendants, kill_pids
 from stride.ray_cluster import connect
 from stride.trainers import runlock
 
@@ -28,10 +28,6 @@ def _alive(pid: int) -> bool:
 
 def _files(run: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
-
-
-def _auth_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob(f"{connect.AUTH_PREFIX}*"))
 
 
 def _start(storage: Path, data: Path, name: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
@@ -58,7 +54,6 @@ def _wait_for_training(proc: subprocess.Popen, run: Path, timeout: float = 240) 
 
 @pytest.mark.slow
 def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it_and_a_rerun_takes_over(tmp_path, tabular_data):
-    before = _auth_folders()
     driver = _start(tmp_path, tabular_data, "k")
     run = tmp_path / "k"
     second = None
@@ -66,7 +61,7 @@ def test_a_sigkilled_embedded_driver_takes_its_ray_and_token_folder_with_it_and_
         _wait_for_training(driver, run)
         ray_pids = descendants(driver.pid)  # GCS, raylet, dashboard, agents, workers: the driver's tree
         assert len(ray_pids) >= 5
-        (token_dir,) = _auth_folders() - before
+        (token_dir,) = [folder for folder, pid in auth_folders().items() if pid == driver.pid]
         assert token_dir.stat().st_mode & 0o777 == 0o700 and (token_dir / "token").stat().st_mode & 0o777 == 0o600
 
         os.kill(driver.pid, signal.SIGKILL)

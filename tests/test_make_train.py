@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, auth_folders
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,11 @@ def generate(tmp_path, tokens: int) -> str:
 
 
 def test_make_train_prepares_its_data_trains_and_prints_where_the_results_are(tmp_path):
-    import tempfile
-
-    auth_dirs = set(Path(tempfile.gettempdir()).glob("stride-auth-*"))
+    before = auth_folders()
     r, s = make_train(tmp_path, "train.max_steps=40", "train.eval_every_steps=40", "checkpoint.every_steps=40")
-    # The embedded Ray's private token folder goes with the run (it was left behind, one per run).
-    assert set(Path(tempfile.gettempdir()).glob("stride-auth-*")) <= auth_dirs
+    # The embedded Ray's private token folder goes with the run (it was left behind, one per run); a folder whose
+    # driver still runs is another test's.
+    assert not set(auth_folders(owner_alive=False)) - set(before)
     assert (tmp_path / "data" / "pystdlib" / "train").is_dir() and (tmp_path / "data" / "pystdlib" / "val").is_dir()
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == 40
     assert s["val_loss"] < s["initial_val_loss"]

@@ -68,7 +68,8 @@ def pytest_runtest_protocol(item, nextitem):
 # The tests on the session's shared Ray head (or the SLURM cluster) are one stream, run one after another on one
 # worker, in the order they had; every other slow test (its own Ray, torchrun, servers) is the other stream, on the
 # other worker, also one after another; the fast tier goes to whichever worker is free. So no two tests of one kind
-# ever share a cluster, a head's CPUs or the host's embedded-Ray state, and a module's fixtures are built once.
+# ever share a cluster, a head's CPUs or the host's embedded-Ray state. A module fixture that tests of both streams
+# use is built once in each (test_fsdp's torchrun batch, which its torchrun-to-Ray resume also reads).
 SHARED_CLUSTER_FIXTURES = {"shared_ray_head", "slurm_cluster"}
 
 

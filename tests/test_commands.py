@@ -22,19 +22,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, run_torchrun_cases, torchrun_launcher
+from conftest import REPO, descendants, kill_pids, run_torchrun_cases, torchrun_launcher
 
 SLOW_TASK = '''
+import os
 import time
 
 from stride.trainers.tasks.mlp import MLPTask
 
 
 class SlowMLP(MLPTask):
-    """The built-in MLP whose predict takes a while: a SIGKILL lands in the middle of a prediction."""
+    """The built-in MLP whose predict, after a rank's first block (2 batches of 10 rows), waits while the file
+    $SLOW_TASK_HOLD exists: the test's SIGKILL lands mid-prediction however busy the machine is."""
+
+    calls = 0
 
     def predict(self, model, batch):
-        time.sleep(0.4)
+        SlowMLP.calls += 1
+        while SlowMLP.calls > 2 and os.path.exists(os.environ.get("SLOW_TASK_HOLD", "")):
+            time.sleep(0.05)
         return super().predict(model, batch)
 '''
 
@@ -191,7 +197,9 @@ def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang,
     out = project / "killed"
     cmd = [*torchrun_launcher(2), "-m", "stride", "predict", "--run-dir", str(gang["runs"] / "slow"), "--data",
            str(unlabeled), "--out", str(out), "--batch-size", "10", "--task", "slow_task:SlowMLP"]
-    env = dict(os.environ, PYTHONPATH=str(project))
+    hold = project / "hold"  # the killed prediction writes a part per rank, then waits on this file
+    hold.touch()
+    env = dict(os.environ, PYTHONPATH=str(project), SLOW_TASK_HOLD=str(hold))
     proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -199,17 +207,37 @@ def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang,
         while not list(out.glob("part-*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         written = len(list(out.glob("part-*.parquet")))
-        os.killpg(proc.pid, signal.SIGKILL)
     finally:
+        # The launcher and its ranks, as a lost node takes them: torchrun starts each rank in a session of its own,
+        # so killing the launcher's group alone would leave the ranks running (and finishing the prediction).
+        ranks = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        kill_pids(ranks)
         proc.wait(30)
+        gone(ranks)
     assert 1 <= written < pq.ParquetFile(unlabeled).metadata.num_row_groups, proc.stdout.read().decode()[-3000:]
     assert not (out / "_predict.json").exists()
+    hold.unlink()
     r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "already written" in r.stdout
     ids = read_predictions(out).column("sample_id").to_pylist()
     assert ids == list(range(pq.read_metadata(unlabeled).num_rows))  # none missing, none twice
     assert not list(out.glob(".part-*"))  # a part the kill cut short was never renamed into place, nor left
+
+
+def gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"still running after SIGKILL: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # ---- refused before any worker: exit 2, one line ----

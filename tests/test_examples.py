@@ -1,8 +1,8 @@
 """The user-facing examples (examples/*): each one's data step, training to a stated quality bar, run from a copy
 of its folder the way a user runs it (the task module imported from the working directory).
 
-torchrun.py (one process, no Ray) for the fast tier; the regression example also trains on Ray with
-`python -m stride` (2 workers), marked slow.
+torchrun.py (one process, no Ray). An example's folder on Ray workers (`python -m stride`, 2 workers) is
+tests/test_data_pipeline.py's image classifier, trained there with both data pipelines.
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ def check(proc, what: str) -> None:
     assert proc.returncode == 0, f"{what} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
 
-def train(folder: Path, *overrides: str, ray_env: dict | None = None, timeout: float = 300) -> dict:
-    """Train the example's YAML in its folder (on the Ray cluster ray_env names, else in one process); returns
-    summary.json."""
-    entry = ["-m", "stride"] if ray_env else [TORCHRUN]
-    proc = run_cli([*entry, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
-                   timeout=timeout, cwd=folder, env=ray_env)
-    check(proc, " ".join(entry))
+def train(folder: Path, *overrides: str, timeout: float = 300) -> dict:
+    """Train the example's YAML in its folder in one process; returns summary.json."""
+    proc = run_cli([TORCHRUN, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
+                   timeout=timeout, cwd=folder)
+    check(proc, TORCHRUN)
     run_dir = folder / "runs" / folder.name
     assert read_jsonl(run_dir / "metrics.jsonl"), "no metrics were written"
     return json.loads((run_dir / "summary.json").read_text())
@@ -98,11 +96,3 @@ def test_hf_causal_lm_example_learns_and_generates(tmp_path):
                    env={"PYTHONPATH": str(folder)})
     check(proc, "generate.py")
     assert proc.stdout.startswith("def ") and len(proc.stdout.strip()) > len("def ") + 10, proc.stdout
-
-
-@pytest.mark.slow
-def test_regression_example_trains_on_ray_with_two_workers(tmp_path, ray_cluster):
-    s = train(example("regression", tmp_path), ray_env=ray_cluster, timeout=600)
-    assert s["status"] == "completed" and s["world_size"] == 2
-    assert s["val_loss"] <= 0.1 * s["initial_val_loss"], s
-    assert s["val_abs_error"] <= 0.3, s

@@ -1,10 +1,13 @@
 """Stride's per-rank gauges on Ray's Prometheus endpoint, the Grafana dashboard's queries, and a real Prometheus.
 
-A head from ray_cluster.local with a known --metrics-export-port; Stride jobs (2 workers) join it through
-RAY_ADDRESS and the head's token. The test scrapes http://127.0.0.1:<metrics port>/metrics every second while
-the job trains, then stops the job with SIGTERM (checkpoint, exit 143) once every expected series was seen, so
+The session's shared head (tests/shared_ray.py: ray_cluster.local, token auth, a --metrics-export-port of its own);
+one Stride job of 2 workers (the text model with train.peak_flops, so every CPU gauge including tokens and MFU) joins
+it through RAY_ADDRESS and the head's token. The test scrapes http://127.0.0.1:<metrics port>/metrics every second
+while the job trains, then stops the job with SIGTERM (checkpoint, exit 143) once every expected series was seen, so
 it does not depend on how fast this machine trains. (Not SIGINT: Ray Train's fit() replaces the driver's SIGINT
-handler with its own, which aborts the run without Stride's checkpoint and exits 1.)
+handler with its own, which aborts the run without Stride's checkpoint and exits 1.) That a tabular job on CPU has no
+tokens or MFU figure is the loop's doing, proven in one process (tests/test_loop.py); the gauges record only the
+figures a log step has (trainers/telemetry.Gauges).
 
 How Ray 2.60 exports a `ray.util.metrics.Gauge("stride_x", tag_keys=("run", "rank"))`: as `ray_stride_x` with
 the labels run and rank plus Component, NodeAddress, SessionName, Version, WorkerId and otel_scope_*. A worker
@@ -94,30 +97,16 @@ def http_get(url: str, timeout: float = 5) -> str:
 
 
 @pytest.fixture(scope="module")
-def head():
-    # Ray gives a new node 30 s to register (hard-coded in ray/_private/node.py); on a loaded machine it may not
-    # make it, so try up to 3 times (a failed `ray start` has had its processes stopped by node.start).
-    for attempt in range(3):
-        folder = short_tmp("stm-head-")
-        gcs, dashboard, metrics = free_ports(3)
-        try:
-            head = local.start_head(folder, port=gcs, dashboard_port=dashboard, num_cpus=2, metrics_export_port=metrics)
-            break
-        except local.HeadError:
-            shutil.rmtree(folder, ignore_errors=True)
-            if attempt == 2:
-                raise
-            time.sleep(10)
-    yield head
-    local.stop_head(head)  # by pid; raises if anything of it survives
-    shutil.rmtree(folder, ignore_errors=True)
+def head(shared_ray_head) -> local.Head:
+    """The session's shared head (tests/shared_ray.py): it exports on a --metrics-export-port of its own."""
+    return shared_ray_head.head
 
 
 @pytest.fixture(scope="module")
 def data():
     out = short_tmp("stm-data-")
-    for args in (["tabular", "--out", str(out / "tabular"), "--rows", "4000"], ["pystdlib", "--out", str(out / "text")]):
-        subprocess.run([PYTHON, "datasets/prepare.py", *args], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([PYTHON, "datasets/prepare.py", "pystdlib", "--out", str(out / "text")], cwd=REPO, check=True,
+                   capture_output=True)
     yield out
     shutil.rmtree(out, ignore_errors=True)
 
@@ -244,12 +233,6 @@ def train_and_scrape(head: local.Head, run: str, storage: Path, args: list[str],
     return out
 
 
-def tabular_args(data: Path) -> list[str]:
-    return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data / 'tabular' / 'train'}",
-            f"data.val_path={data / 'tabular' / 'val'}", "train.log_every_steps=2", "train.eval_every_steps=null",
-            "checkpoint.every_steps=20", "checkpoint.keep_last=1"]
-
-
 def text_args(data: Path) -> list[str]:
     return ["--config", "trainers/configs/char_gpt.yaml", f"data.train_path={data / 'text' / 'train'}",
             f"data.val_path={data / 'text' / 'val'}", "model.n_layers=1", "model.width=32", "model.n_heads=2",
@@ -266,13 +249,10 @@ def storage():
 
 
 @pytest.fixture(scope="module")
-def tabular_run(head, data, storage, prometheus) -> Scraped:
-    return train_and_scrape(head, "metrics-cpu", storage, tabular_args(data), want=ON_EVERY_RUN)
-
-
-@pytest.fixture(scope="module")
-def text_run(head, data, storage, prometheus) -> Scraped:
-    return train_and_scrape(head, "metrics-gpt", storage, text_args(data), want=ON_EVERY_RUN | {TOKENS, MFU})
+def text_run(head, data, storage, prometheus, shared_ray_head) -> Scraped:
+    run = train_and_scrape(head, "metrics-gpt", storage, text_args(data), want=ON_EVERY_RUN | {TOKENS, MFU})
+    assert not shared_ray_head.wait_idle()
+    return run
 
 
 def check_run(run: Scraped, want: set[str]) -> None:
@@ -296,12 +276,6 @@ def check_run(run: Scraped, want: set[str]) -> None:
     assert all(v > 0 for v in run.all_values(CKPT_BLOCKED))
     assert all(v > 0 for v in run.all_values(LOSS))
     assert all(v > 0 for v in run.all_values(LR))
-
-
-def test_tabular_job_exports_every_cpu_metric_per_rank(tabular_run):
-    check_run(tabular_run, ON_EVERY_RUN)
-    # CPU without train.peak_flops: no MFU; no GPU memory; no tokens for a tabular model.
-    assert not tabular_run.names & {MFU, GPU_MEMORY, TOKENS}, sorted(tabular_run.names)
 
 
 def test_text_job_with_peak_flops_exports_tokens_and_mfu(text_run):
@@ -373,12 +347,12 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
     assert result.returncode == 0 and f"{len(exprs)} rules found" in result.stdout, result.stdout + result.stderr
 
 
-def test_dashboard_uses_only_exported_names(tabular_run, text_run):
+def test_dashboard_uses_only_exported_names(text_run):
     """Every name in the dashboard's queries is one the scrapes found (GPU memory only exists on GPU runs:
     it follows the same naming rule as the rest, checked against trainers/telemetry.py)."""
     from stride.trainers import telemetry
 
-    found = tabular_run.names | text_run.names
+    found = text_run.names
     used = {n for q in dashboard_queries() for n in re.findall(r"\bray_stride_[a-z_]+\b", q)}
     assert used - {GPU_MEMORY} <= found, sorted(used - found)
     recorded = {"ray_" + name for name, _ in telemetry.GAUGES.values()}
@@ -401,21 +375,21 @@ def prom_query_range(url: str, expr: str, start: float, end: float) -> list[dict
 def test_prometheus_stores_stride_metrics_and_runs_every_dashboard_query(prometheus, head, request):
     if prometheus.url is None:
         unavailable(prometheus.why_not, required=shutil.which("prometheus") is not None)  # installed: must start
-    tabular_run, text_run = request.getfixturevalue("tabular_run"), request.getfixturevalue("text_run")
+    text_run = request.getfixturevalue("text_run")
     targets = json.loads(http_get(f"{prometheus.url}/api/v1/targets"))["data"]["activeTargets"]
     assert [t["scrapeUrl"] for t in targets] == [f"http://127.0.0.1:{head.ports['metrics_export']}/metrics"], targets
 
-    start, end = min(tabular_run.started, text_run.started), max(tabular_run.ended, text_run.ended) + 5
-    loss = prom_query_range(prometheus.url, f'{LOSS}{{run="metrics-cpu"}}', start, end)
+    start, end = text_run.started, text_run.ended + 5
+    loss = prom_query_range(prometheus.url, f'{LOSS}{{run="metrics-gpt"}}', start, end)
     assert {s["metric"]["rank"] for s in loss} == RANKS
     assert all(0 < float(v) < math.inf for s in loss for _, v in s["values"])
 
-    runs = "metrics-cpu|metrics-gpt"
+    runs = "metrics-gpt"
     for expr in dashboard_queries():
         if expr.startswith("label_values("):  # Grafana's variable query: the label's values over the range
             metric = re.match(r"label_values\((\w+), run\)", expr).group(1)
             found = {s["metric"]["run"] for s in prom_query_range(prometheus.url, metric, start, end)}
-            assert found >= {"metrics-cpu", "metrics-gpt"}, found
+            assert "metrics-gpt" in found, found
             continue
         result = prom_query_range(prometheus.url, expr.replace("$run", runs), start, end)
         if GPU_MEMORY in expr:

@@ -1,9 +1,9 @@
 """Failures cost nothing but the steps since the last checkpoint: a checkpoint Ray never registered, storage
 errors, and resuming with a different number of workers. The Ray case joins the session's shared head
 (tests/shared_ray.py); storage retries and 1 -> 2 workers are the loop's and run under torchrun. SIGTERM, Ctrl-C,
-the driver's SIGKILL, a killed worker and a Ray resume from 2 workers to 1 are tested once, on a user's own task
-(tests/test_user_task.py), which asserts more (MLflow run, evaluations, final weights); the mechanism is the same
-for the built-in tasks."""
+the driver's SIGKILL and a killed worker are tested once on Ray, and a resume from 2 workers to 1 under torchrun, on
+a user's own task (tests/test_user_task.py), which asserts more (MLflow run, evaluations, final weights); the
+mechanism is the same for the built-in tasks."""
 
 import json
 import os

@@ -2,7 +2,7 @@
 over a fixed-length float signal; make_data.py; signal.yaml), through every way Stride runs it: 2 Ray workers
 (`python -m stride`, MLflow) on the session's shared head, torchrun DDP and FSDP, bf16/fp16 on CPU, gradient
 accumulation, one run stopped four ways (SIGTERM, Ctrl-C, a SIGKILLed driver, a killed worker) that each time resumes
-exactly, a 2-worker checkpoint resumed by 1 worker, and `ray job submit` of the folder to a token-auth head. A Tune
+exactly, a 2-rank checkpoint resumed by 1 process (torchrun), and `ray job submit` of the folder to a token-auth head. A Tune
 sweep over the task's own field is tests/test_tune.py's killed-and-resumed sweep; SLURM's stride.sbatch from the
 project folder is in tests/test_slurm.py.
 

@@ -49,11 +49,11 @@ train: $(STAMP) $(DATA)/pystdlib/train
 # nothing into the checkout: no bytecode caches (every process they start inherits the setting), no .pytest_cache.
 TEST_ENV := PYTHONDONTWRITEBYTECODE=1
 PYTEST := $(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider
-# PYTEST_ARGS="-n 2 --dist loadgroup" runs two streams (tests/conftest.py): the tests on the shared Ray head beside
-# every other slow test. Not the default yet: one of its five fresh-clone runs failed a test (docs/testing.md).
+# Two streams (tests/conftest.py): the tests on the shared Ray head beside every other slow test; the fast tier fills
+# in. PYTEST_ARGS="-n 0" runs one stream (fewer CPU-seconds, longer) and adds the table of the 25 costliest tests.
 test: $(STAMP)
 	bash tests/setup_services.sh
-	$(PYTEST) -m "not system" $(PYTEST_ARGS)
+	$(PYTEST) -n 2 --dist loadgroup -m "not system" $(PYTEST_ARGS)
 
 # The tier to run while you work: no Ray, no torchrun, no servers, no SLURM.
 test-fast: $(STAMP)

@@ -68,15 +68,18 @@ def pytest_runtest_protocol(item, nextitem):
 # The tests on the session's shared Ray head (or the SLURM cluster) are one stream, run one after another on one
 # worker, in the order they had; every other slow test (its own Ray, torchrun, servers) is the other stream, on the
 # other worker, also one after another; the fast tier goes to whichever worker is free. So no two tests of one kind
-# ever share a cluster, a head's CPUs or the host's embedded-Ray state. A module fixture that tests of both streams
-# use is built once in each (test_fsdp's torchrun batch, which its torchrun-to-Ray resume also reads).
+# ever share a cluster, a head's CPUs or the host's embedded-Ray state. A module fixture is built once per worker
+# that runs a test of it: a module names in CLUSTER_STREAM_FIXTURES the costly ones that a test on the shared cluster
+# also reads (test_fsdp's torchrun batch, which its torchrun-to-Ray resume continues), and every test of them joins
+# the cluster's stream, so that the batch is built once.
 SHARED_CLUSTER_FIXTURES = {"shared_ray_head", "slurm_cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if SHARED_CLUSTER_FIXTURES & set(item.fixturenames):
+        with_cluster = SHARED_CLUSTER_FIXTURES | getattr(item.module, "CLUSTER_STREAM_FIXTURES", set())
+        if with_cluster & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group("shared_cluster"))
         elif item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.xdist_group("own_processes"))

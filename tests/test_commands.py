@@ -24,6 +24,9 @@ import pytest
 
 from conftest import REPO, descendants, kill_pids, run_torchrun_cases, torchrun_launcher
 
+# Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
+CLUSTER_STREAM_FIXTURES = {"gang"}
+
 SLOW_TASK = '''
 import os
 import time

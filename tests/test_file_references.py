@@ -19,10 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
+
 from stride.datasets import files
 from stride.datasets.order import Order
 from stride.datasets.splits import DataError, DataSpec, open_split
 from stride.datasets.stream import TrainStream
+
+# Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
+CLUSTER_STREAM_FIXTURES = {"torchrun_runs"}
 
 EXAMPLE = REPO / "examples" / "audio_clips"
 STEPS = 12

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
+
 from stride.trainers import checkpointing, fsdp
+
+# Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
+CLUSTER_STREAM_FIXTURES = {"runs"}
 
 STEPS = 20
 

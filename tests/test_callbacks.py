@@ -8,6 +8,7 @@ Ray driver's stderr alone is proven once for every error by tests/test_disk_full
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import textwrap
@@ -316,6 +317,17 @@ def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_th
     assert not torch.equal(exported[name], params[40][name])  # an average, not the weights
 
 
+def complete_step(run: Path) -> float:
+    """The step of the run's newest complete checkpoint; -inf while there is none (or it is being pruned)."""
+    from stride.trainers import checkpointing
+
+    try:
+        done = checkpointing.newest_complete(run)
+        return checkpointing.read_meta(done)["step"] if done is not None else -math.inf
+    except OSError:
+        return -math.inf
+
+
 def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_run_from_its_checkpoint(project,
                                                                                                         tabular_data):
     """Killed (SIGKILL) on 2 FSDP ranks after a checkpoint and a few more logged steps, resumed on 1 rank: its EMA and
@@ -341,10 +353,11 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     proc = subprocess.Popen(cmd, cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # Killed mid-way between two checkpoints (every 40 steps), at least 10 steps past one and 20 before the next,
-        # so the attempt has logged past its last checkpoint whatever the machine's pace: a fixed sleep after a
-        # logged step once landed right after a checkpoint and before the next log.
-        while not 10 <= wait_for_step(run / "metrics.jsonl", 45, proc) % 40 <= 20:
+        # Killed 10 to 20 logged steps past its newest complete checkpoint (every 40 steps), so the attempt has
+        # logged past it and the next has not begun, whatever the machine's pace: a fixed sleep after a logged step
+        # once landed right after a checkpoint and before the next log, and on a busy machine the background write
+        # of step 40 was still running at step 50.
+        while not 10 <= wait_for_step(run / "metrics.jsonl", 45, proc) - complete_step(run) <= 20:
             time.sleep(0.01)
         time.sleep(0.05)  # TensorBoard's writer (the sinks' thread) takes the step metrics.jsonl already shows
     finally:

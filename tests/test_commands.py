@@ -221,12 +221,13 @@ def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang,
     assert 1 <= written < pq.ParquetFile(unlabeled).metadata.num_row_groups, proc.stdout.read().decode()[-3000:]
     assert not (out / "_predict.json").exists()
     hold.unlink()
+    (out / ".part-000003.parquet.99999.tmp").write_bytes(b"torn")  # what a kill mid-write leaves, whatever this one did
     r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "already written" in r.stdout
     ids = read_predictions(out).column("sample_id").to_pylist()
     assert ids == list(range(pq.read_metadata(unlabeled).num_rows))  # none missing, none twice
-    assert not list(out.glob(".part-*"))  # a part the kill cut short was never renamed into place, nor left
+    assert not list(out.glob(".part-*"))  # a part a kill cut short was never renamed into place, and is gone
 
 
 def gone(pids: list[int], timeout: float = 30) -> None:

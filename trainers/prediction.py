@@ -8,7 +8,8 @@ another) and takes the data's blocks (Parquet row groups, line ranges) r, r + N,
 `<out>/part-<b>.parquet` with `sample_id` (the data's column, or the row's position in file order when it has none)
 and the columns `Task.predict(model, batch)` returns, in the data's order. A part is written under a temporary name
 and renamed: it is there whole or not at all. A rerun of the same command (after a crash, a SIGKILL, a lost node)
-skips the parts that are there, so every row is written exactly once. `<out>/_predict.json` marks the end.
+skips the parts that are there and removes the temporary file of any part the failure cut short, so every row is
+written exactly once. `<out>/_predict.json` marks the end.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
         raise UsageError(f"--out ({out}) exists and holds files that stride predict did not write; pass a new folder")
     earlier = json.loads((out / JOB).read_text()) if ours else None
     if ours and earlier == identity and not (out / MANIFEST).exists() and not force:
+        for f in out.glob(".part-*"):  # a part a killed attempt was writing: never renamed into place
+            f.unlink()
         return True
     if not force and ours:
         what = "a finished prediction" if (out / MANIFEST).exists() else "an unfinished prediction of other inputs"

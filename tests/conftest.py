@@ -56,14 +56,14 @@ _PARALLEL = "PYTEST_XDIST_WORKER" in os.environ  # a pytest-xdist worker: anothe
 def pytest_runtest_protocol(item, nextitem):
     """Per test, the whole machine's CPU-seconds (a Ray worker, a raylet or slurmd it made busy counts): where the
     suite's CPU goes, which its wall-time table does not show (a test waiting on a drain costs time, not CPU).
-    Only in a run of one stream (no -n): beside another test the machine's CPU is not this test's."""
+    Only in a run of one stream (`-n 0`): beside another test the machine's CPU is not this test's."""
     before = _machine_cpu_s()
     yield
     if not _PARALLEL:
         _TEST_CPU[item.nodeid] = _machine_cpu_s() - before
 
 
-# ---- two streams (pytest-xdist: make test PYTEST_ARGS="-n 2 --dist loadgroup") ---------------------------------
+# ---- make test runs two streams (pytest-xdist, -n 2 --dist loadgroup) -----------------------------------------
 # On 2 cores one stream leaves a core idle about half the time: a Ray run waits on its gang, a drain, a checkpoint.
 # The tests on the session's shared Ray head (or the SLURM cluster) are one stream, run one after another on one
 # worker, in the order they had; every other slow test (its own Ray, torchrun, servers) is the other stream, on the
@@ -96,7 +96,7 @@ def pytest_terminal_summary(terminalreporter):
         for nodeid, cpu in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:25]:
             terminalreporter.write_line(f"{cpu:7.1f} s  {nodeid}")
     elif getattr(terminalreporter.config.option, "numprocesses", None):
-        terminalreporter.write_line("(per-test CPU-seconds: run one stream, without -n)")
+        terminalreporter.write_line("(per-test CPU-seconds: run one stream, make test PYTEST_ARGS=\"-n 0\")")
     terminalreporter.write_sep("=", "suite cost")
     terminalreporter.write_line(f"wall {wall:.0f} s ({wall / 60:.1f} min); CPU {machine:.0f} s on this machine "
                                 f"({os.cpu_count()} cores), of which {own:.0f} s in pytest and the processes it waited for")

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl
 from stride.trainers.config import ConfigError, load_config
 from stride.trainers.task import Task, repeated_blocks
 from stride.trainers.tasks import task_class
@@ -135,26 +135,3 @@ def test_a_user_task_trains_in_one_process_and_reports_its_metric(project):
     assert s["val_loss"] < 0.05 * s["initial_val_loss"] and s["val_abs_err"] < 0.1
     evals = [x for x in read_jsonl(project / "runs/line/metrics.jsonl") if "val_loss" in x]
     assert [e["step"] for e in evals] == [60, 120] and all("val_abs_err" in e for e in evals)
-
-
-@pytest.mark.slow
-def test_a_task_in_a_folder_outside_the_repo_trains_on_two_ray_workers_through_pythonpath(project, ray_cluster):
-    """The issue's promise, literally: PYTHONPATH=<its folder> python trainers/main.py --config <its yaml>, here on
-    the session's running head (the workers, started by that head, find the module through the driver's path; an
-    embedded Ray's own start and token folder are test_make_train's and test_embedded_ray_cleanup's)."""
-    yaml = project / "line.yaml"
-    yaml.write_text(textwrap.dedent(f"""\
-        run: {{name: line, storage_path: {project}/runs}}
-        data: {{train_path: {project}/train, val_path: {project}/val}}
-        model: {{name: "line_task:Line", hidden: 16}}
-        train: {{batch_size_per_worker: 32, max_steps: 120, log_every_steps: 40, eval_every_steps: 60}}
-        optim: {{lr: 0.02, warmup_steps: 5}}
-        scaling: {{num_workers: 2}}
-        """))
-    r = run_cli(["trainers/main.py", "--config", str(yaml)], cwd=REPO, env={**ray_cluster, "PYTHONPATH": str(project)},
-                timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((project / "runs/line/summary.json").read_text())
-    assert s["status"] == "completed" and s["world_size"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
-    assert s["val_loss"] < 0.05 * s["initial_val_loss"] and s["val_abs_err"] < 0.1
-    assert "val_abs_err" in r.stdout  # the driver's last line names the task's own metric

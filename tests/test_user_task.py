@@ -488,6 +488,11 @@ def test_ray_job_submit_of_the_project_folder(head, tmp_path, ray_cluster):
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "Job 'user-signal' succeeded" in out, out[-4000:]
     assert "[stride rank 0]" in out and "val_accuracy" in out, out[-3000:]
+    logs = subprocess.run([RAY, "job", "logs", "user-signal", "--address", head.dashboard_url], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    assert "[stride rank 0]" in logs.stdout and "step 20/20" in logs.stdout, logs.stdout[-3000:]
+    assert "Found multiple active Ray instances" not in logs.stdout  # the head's processes know their cluster
     s = summary(storage / "signal")
     assert s["status"] == "completed" and s["global_step"] == 20 and s["world_size"] == 2 and s["task"] == TASK
     assert_reports_accuracy(storage / "signal", s)

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from cluster_fixtures import RAY, clean_env
-from conftest import (PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked, torchrun_launcher,
-                      wait_for_step)
+from conftest import (PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases,
+                      torchrun_launcher, wait_for_step)
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -185,17 +185,31 @@ def test_mlflow_run_records_the_tasks_fields_and_metric(ray_run, project):
 
 @pytest.fixture(scope="module")
 def torchrun_runs(project, tmp_path_factory):
+    """The user's task under ONE torchrun launch of 2 ranks (tests/torchrun_cases.py), each case a run of its own:
+    DDP, FSDP, DDP with activation checkpointing, compiled with activation checkpointing, bf16 and fp16. A test
+    reads its run with case_run(), which fails that test alone if its case failed."""
     storage = tmp_path_factory.mktemp("torchrun")
-    common = [f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
-    torchrun(project, 2, "run.name=ddp", *common)
-    torchrun(project, 2, "run.name=fsdp", "train.strategy=fsdp", *common)
-    torchrun(project, 2, "run.name=ddp_ac", "train.activation_checkpointing=true", *common)
-    return storage
+    common = ["--config", "signal.yaml", f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
+    short = ["train.max_steps=10", "train.eval_every_steps=10"]
+    cases = {"ddp": [], "fsdp": ["train.strategy=fsdp"], "ddp_ac": ["train.activation_checkpointing=true"],
+             "compiled": ["train.compile=true", "train.activation_checkpointing=true"],
+             "bf16": ["train.precision=bf16", *short], "fp16": ["train.precision=fp16", *short]}
+    r, ranks = run_torchrun_cases([{"label": name, "args": [*common, f"run.name={name}", *extra]}
+                                   for name, extra in cases.items()], tmp_path_factory.mktemp("torchrun_cases"), project)
+    return {"dir": storage, "launch": r, "ranks": ranks}
+
+
+def case_run(torchrun_runs: dict, label: str) -> tuple[Path, str]:
+    """The run folder of one case of the batch, once both ranks ran it to exit 0; and rank 0's output of it."""
+    cases = [{c["label"]: c for c in rank}.get(label) for rank in torchrun_runs["ranks"]]
+    launch = torchrun_runs["launch"].stderr[-3000:]
+    assert all(c is not None and c["code"] == 0 for c in cases), ([c and (c["code"], c["stderr"][-2000:]) for c in cases], launch)
+    return torchrun_runs["dir"] / label, cases[0]["stdout"] + cases[0]["stderr"]
 
 
 @pytest.mark.slow
 def test_torchrun_ddp_reports_the_tasks_metric(torchrun_runs):
-    run = torchrun_runs / "ddp"
+    run, _ = case_run(torchrun_runs, "ddp")
     s = summary(run)
     assert s["status"] == "completed" and s["global_step"] == 40 and s["world_size"] == 2
     assert s["strategy"] == "ddp" and s["runtime"] == "torchrun" and s["task"] == TASK and s["facts"] == FACTS
@@ -204,13 +218,13 @@ def test_torchrun_ddp_reports_the_tasks_metric(torchrun_runs):
     assert s["val_loss"] < s["initial_val_loss"] - 0.3 and s["val_accuracy"] > 0.5
     assert s["param_checksums"][0] == s["param_checksums"][1]
     # tracking.mlflow=false: no MLflow run, no store created
-    assert s["mlflow_run_id"] is None and not (torchrun_runs / "mlflow.db").exists()
+    assert s["mlflow_run_id"] is None and not (torchrun_runs["dir"] / "mlflow.db").exists()
 
 
 @pytest.mark.slow
 def test_fsdp_shards_the_users_blocks(torchrun_runs):
-    run = torchrun_runs / "fsdp"
-    s, ddp = summary(run), summary(torchrun_runs / "ddp")
+    (run, _), (ddp_run, _) = case_run(torchrun_runs, "fsdp"), case_run(torchrun_runs, "ddp")
+    s, ddp = summary(run), summary(ddp_run)
     assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["world_size"] == 2 and s["global_step"] == 40
     assert s["val_loss"] < s["initial_val_loss"] - 0.3
     assert_reports_accuracy(run, s)
@@ -219,7 +233,7 @@ def test_fsdp_shards_the_users_blocks(torchrun_runs):
     assert sum(sharded) == PARAM_BYTES and all(abs(b - PARAM_BYTES / 2) <= 0.02 * PARAM_BYTES for b in sharded), sharded
     assert s["param_checksums"][0] == s["param_checksums"][1]  # both ranks sum the same full parameters
     # Same data, seed and init: the strategies differ only by the order of float reductions.
-    a, b = train_losses(torchrun_runs / "ddp"), train_losses(run)
+    a, b = train_losses(ddp_run), train_losses(run)
     assert sorted(a) == sorted(b) == list(range(1, 41))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), step
@@ -229,7 +243,7 @@ def test_fsdp_shards_the_users_blocks(torchrun_runs):
 def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun_runs, project, tmp_path):
     """trainers/export.py on the user's 2-rank FSDP run: one safetensors file that the user's own model (built by
     their task) loads with load_state_dict, equal to the run's final weights."""
-    run, out = torchrun_runs / "fsdp", tmp_path / "signal.safetensors"
+    (run, _), out = case_run(torchrun_runs, "fsdp"), tmp_path / "signal.safetensors"
     r = subprocess.run([PYTHON, str(REPO / "trainers" / "export.py"), str(run), str(out)], cwd=project,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -250,21 +264,22 @@ def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun
 def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutral(torchrun_runs, project):
     """The user's task names no blocks: Stride finds its repeated conv blocks (Task.blocks' default) and recomputes
     their activations; DDP's losses are bitwise the run's that kept them."""
-    s = summary(torchrun_runs / "ddp_ac")
+    (ac_run, _), (ddp_run, _) = case_run(torchrun_runs, "ddp_ac"), case_run(torchrun_runs, "ddp")
+    s = summary(ac_run)
     assert s["status"] == "completed" and s["strategy"] == "ddp"
     # The switch reached the model: the run checkpointed all 3 blocks, the one it is compared with none (else the
     # equality below would compare one way of computing the gradients with itself).
     assert s["activation_checkpointed_blocks"] == 3
-    assert summary(torchrun_runs / "ddp")["activation_checkpointed_blocks"] == 0
-    assert train_losses(torchrun_runs / "ddp_ac") == train_losses(torchrun_runs / "ddp")
-    assert s["param_checksums"] == summary(torchrun_runs / "ddp")["param_checksums"]
+    assert summary(ddp_run)["activation_checkpointed_blocks"] == 0
+    assert train_losses(ac_run) == train_losses(ddp_run)
+    assert s["param_checksums"] == summary(ddp_run)["param_checksums"]
     # And checkpointing those blocks recomputes them: the user's model, built by their task from the run's config
     # (in their folder, as the run did), with the loop's checkpoint_activations on Task.blocks: in one training step
     # the backward pass enters every block's modules again (pre-hooks count the calls: the recomputation stops once
     # it has what the backward needs, so a module may be entered without returning).
     probe = subprocess.run([PYTHON, "-c", "import json, torch; from stride.trainers import blocks; "
                             "from stride.trainers.config import from_dict; from stride.trainers.tasks import make_task; "
-                            f"s = json.load(open({str(torchrun_runs / 'ddp_ac' / 'summary.json')!r})); "
+                            f"s = json.load(open({str(ac_run / 'summary.json')!r})); "
                             "cfg = from_dict(s['config']); task = make_task(cfg, s['facts']); "
                             "model = task.build_model(); units = task.blocks(model); "
                             "blocks.checkpoint_activations(units, cfg.train.activation_checkpointing_every); "
@@ -280,17 +295,15 @@ def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutr
 
 
 @pytest.mark.slow
-def test_compile_and_activation_checkpointing_of_the_users_blocks_train_like_eager(project, torchrun_runs, tmp_path):
+def test_compile_and_activation_checkpointing_of_the_users_blocks_train_like_eager(torchrun_runs):
     """2 DDP processes with train.compile=true and activation checkpointing on the user's task: both are applied to
     its 3 blocks, and the training is torchrun's eager DDP run, up to the rounding of inductor's fused kernels. (The
     loop's guarantee: the Ray launcher runs the same loop.)"""
-    r = torchrun(project, 2, f"run.storage_path={tmp_path}", "run.name=compiled", "tracking.mlflow=false",
-                 "train.log_every_steps=1", "train.compile=true", "train.activation_checkpointing=true")
-    out = r.stdout + r.stderr
+    (run, out), (ddp_run, _) = case_run(torchrun_runs, "compiled"), case_run(torchrun_runs, "ddp")
     assert "torch.compile (mode default)" in out and "activation checkpointing: 3 of 3 blocks" in out, out[-3000:]
-    s = summary(tmp_path / "compiled")
+    s = summary(run)
     assert s["compiled_modules"] == 3 and s["activation_checkpointed_blocks"] == 3, s
-    got, eager = train_losses(tmp_path / "compiled"), train_losses(torchrun_runs / "ddp")
+    got, eager = train_losses(run), train_losses(ddp_run)
     assert sorted(got) == sorted(eager) == list(range(1, 41))
     for step in eager:
         assert got[step] == pytest.approx(eager[step], rel=1e-4, abs=1e-6), step
@@ -300,15 +313,14 @@ def test_compile_and_activation_checkpointing_of_the_users_blocks_train_like_eag
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_on_cpu_gives_finite_losses(project, tmp_path, precision):
-    torchrun(project, 2, f"run.storage_path={tmp_path}", "run.name=p", f"train.precision={precision}",
-             "train.max_steps=10", "train.log_every_steps=1", "train.eval_every_steps=10", "tracking.mlflow=false")
-    s = summary(tmp_path / "p")
+def test_mixed_precision_on_cpu_gives_finite_losses(torchrun_runs, precision):
+    run, _ = case_run(torchrun_runs, precision)
+    s = summary(run)
     assert s["status"] == "completed" and s["precision"] == precision and s["global_step"] == 10
-    losses = train_losses(tmp_path / "p")
+    losses = train_losses(run)
     assert sorted(losses) == list(range(1, 11)) and all(math.isfinite(v) for v in losses.values()), losses
     assert math.isfinite(s["val_loss"]) and s["val_loss"] < s["initial_val_loss"]
-    assert_reports_accuracy(tmp_path / "p", s)
+    assert_reports_accuracy(run, s)
 
 
 # ---- 4. gradient accumulation -----------------------------------------------------------------------------------

@@ -48,9 +48,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def process_start(pid: int) -> str | None:
     """A process's start time (clock ticks since boot, /proc/<pid>/stat): with the pid, it names one process even
-    after the pid is reused. None when no such process is alive."""
+    after the pid is reused. None when no such process is alive: a zombie (exited, not yet reaped by its parent,
+    which a killed process may stay for a while) is not."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
     except (OSError, IndexError):
         return None
 

@@ -379,6 +379,16 @@ def kill_pids(pids: list[int]) -> None:
             pass
 
 
+def gone(pids: list[int], timeout: float = 30) -> None:
+    """Wait until every one of `pids` has exited (zombies count as exited); fail naming those that have not."""
+    from stride.ray_cluster import node
+
+    deadline = time.monotonic() + timeout
+    while (alive := set(pids) & node.processes().keys()) and time.monotonic() < deadline:  # live, not zombies
+        time.sleep(0.1)
+    assert not alive, f"still running after SIGKILL: {sorted(alive)}"
+
+
 def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> int:
     """Block until metrics.jsonl shows a logged step >= `step`; returns the newest logged step."""
     deadline = time.time() + timeout

@@ -7,6 +7,8 @@ Ray driver's stderr alone is proven once for every error by tests/test_disk_full
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, read_jsonl, torchrun_launcher
+from conftest import REPO, read_jsonl, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -122,14 +124,32 @@ def project(tmp_path_factory) -> Path:
 
 
 def train(project: Path, data: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    launcher = torchrun_launcher(nproc) if nproc > 1 else [PYTHON]
-    return subprocess.run(
-        [*launcher, str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
-         f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={project}/runs",
-         "train.epochs=null", "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
-         "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra],
-        cwd=project, env=dict(os.environ, PYTHONPATH=str(project), PYTHONUNBUFFERED="1"), capture_output=True,
-        text=True, timeout=300)
+    """trainers/torchrun.py from the user's folder (their callbacks module is found there): 2 ranks under torchrun,
+    or 1 rank in this process (its main(), what `python trainers/torchrun.py` runs, without an interpreter's and
+    torch's start-up per run), its output captured the same way."""
+    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={project}/runs", "train.epochs=null",
+            "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
+            "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra]
+    if nproc > 1:
+        return subprocess.run([*torchrun_launcher(nproc), str(REPO / "trainers" / "torchrun.py"), *args], cwd=project,
+                              env=dict(os.environ, PYTHONPATH=str(project), PYTHONUNBUFFERED="1"),
+                              capture_output=True, text=True, timeout=300)
+    from stride.trainers.torchrun import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(project), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def export(run: Path, out: Path, *flags: str) -> None:
+    """trainers/export.py RUN OUT [flags], in this process."""
+    from stride.trainers.export import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([str(run), str(out), *flags]) == 0, err.getvalue()
 
 
 def counters(run: Path) -> list[dict]:
@@ -276,9 +296,7 @@ def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_expor
     assert sorted(p.name for p in (run / "best").iterdir()) == sorted(f"checkpoint_{s:08d}" for s in want)
     assert [p.name for p in run.glob("checkpoint_*")] == ["checkpoint_00000040"]  # keep_last as before
     out = project / f"best_{mode}.safetensors"
-    r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(run), str(out), "--best"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    export(run, out, "--best")
     with safe_open(str(out), "pt") as f:
         assert f.metadata()["step"] == str(want[0])
 
@@ -308,9 +326,7 @@ def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_th
     for step in range(1, 41):
         reference = {n: torch.lerp(reference[n], params[step][n], 1.0 - 0.9) for n in reference}
     out = project / "ema.safetensors"
-    r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(run), str(out), "--ema"], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    export(run, out, "--ema")
     exported = load_file(str(out))
     for name, value in reference.items():
         assert torch.equal(exported[name], value), name  # bitwise: elementwise lerp, whatever the sharding
@@ -338,7 +354,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     import torch
     from safetensors.torch import load_file
 
-    from conftest import descendants, kill_pids, wait_for_step
+    from conftest import descendants, gone, kill_pids, wait_for_step
     from stride.trainers import checkpointing
     from test_sinks import scalars
 
@@ -361,8 +377,10 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
             time.sleep(0.01)
         time.sleep(0.05)  # TensorBoard's writer (the sinks' thread) takes the step metrics.jsonl already shows
     finally:
-        kill_pids([*descendants(proc.pid), proc.pid])
+        tree = [*descendants(proc.pid), proc.pid]
+        kill_pids(tree)
         proc.wait()
+        gone(tree)  # the ranks too (torchrun starts each in a session of its own): none holds the run's lock
     k = checkpointing.read_meta(checkpointing.newest_complete(run))["step"]
     assert max(s for s, _ in scalars(run / "tensorboard", "train_loss")) > k  # logged past its last checkpoint
     twin = project / "runs" / "ema_twin"
@@ -378,9 +396,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     for name in ("ema_kill", "ema_twin"):
         for part in ("", "--ema"):
             out = project / f"{name}{part}.safetensors"
-            r = subprocess.run([PYTHON, str(REPO / "trainers/export.py"), str(project / "runs" / name), str(out),
-                                *([part] if part else [])], capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0, r.stderr
+            export(project / "runs" / name, out, *([part] if part else []))
             outs[name, part] = load_file(str(out))
     for part in ("", "--ema"):
         a, b = outs["ema_kill", part], outs["ema_twin", part]

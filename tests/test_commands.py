@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, descendants, kill_pids, run_torchrun_cases, torchrun_launcher
+from conftest import REPO, descendants, gone, kill_pids, run_torchrun_cases, torchrun_launcher
 
 # Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
 CLUSTER_STREAM_FIXTURES = {"gang"}
@@ -228,15 +228,6 @@ def test_predict_after_a_sigkill_resumes_and_writes_every_row_exactly_once(gang,
     ids = read_predictions(out).column("sample_id").to_pylist()
     assert ids == list(range(pq.read_metadata(unlabeled).num_rows))  # none missing, none twice
     assert not list(out.glob(".part-*"))  # a part a kill cut short was never renamed into place, and is gone
-
-
-def gone(pids: list[int], timeout: float = 30) -> None:
-    from stride.ray_cluster import node
-
-    deadline = time.monotonic() + timeout
-    while (alive := set(pids) & node.processes().keys()) and time.monotonic() < deadline:  # live, not zombies
-        time.sleep(0.1)
-    assert not alive, f"still running after SIGKILL: {sorted(alive)}"
 
 
 # ---- refused before any worker: exit 2, one line ----

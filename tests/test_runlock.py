@@ -91,6 +91,24 @@ def test_a_live_holder_on_this_host_is_not_taken_for_dead(tmp_path):
         runlock.acquire(tmp_path, 60)
 
 
+def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path, capsys):
+    """A SIGKILLed holder that its parent has not reaped yet (a zombie: its /proc entry and start time are still
+    there) holds nothing: the rerun takes the lock over at once, not after the heartbeat goes stale."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        plant(tmp_path, host=socket.gethostname(), pid=holder.pid, pid_start=runlock.process_start(holder.pid))
+        holder.kill()  # not waited for: a zombie until holder.wait() below
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed holder never became a zombie"
+            time.sleep(0.01)
+        with runlock.acquire(tmp_path, 60):
+            assert "(dead)" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_holder_elsewhere_is_judged_by_its_heartbeat_age_on_the_filesystem_clock(tmp_path, capsys):
     plant(tmp_path, age_s=30)
     with pytest.raises(runlock.RunLockedError, match="host elsewhere, pid 1, .*heartbeat 30s ago"):

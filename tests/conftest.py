@@ -254,13 +254,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def run_cli_forked(args: list[str], timeout: float = 120, env: dict | None = None,
-                   cwd: Path = REPO) -> subprocess.CompletedProcess:
+                   cwd: Path = REPO, inherit_env: bool = True) -> subprocess.CompletedProcess:
     """run_cli, in a child forked from the fork server instead of a fresh interpreter: for a test whose claim is the
     command's output and exit status, not the interpreter's start (imports, sys.path, sys.modules). `args` is a
-    script path (relative to `cwd`) or -m and a module, then its arguments."""
+    script path (relative to `cwd`) or -m and a module, then its arguments. `env` is added to this process's
+    environment, or with inherit_env=False is the child's whole environment."""
     if args[0].startswith("-") and args[0] != "-m":
         raise ValueError(f"run_cli_forked runs a script or -m MODULE, not {args[0]}: use run_cli")
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env or {}) else None
     answer = FORK_SERVER.run(list(args), full_env, Path(cwd).resolve(), timeout)
     if answer["timed_out"]:

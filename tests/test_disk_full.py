@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_jsonl, run_cli
+from conftest import REPO, read_jsonl, run_cli, run_cli_forked
 from stride.trainers import checkpointing
 
 STEPS, EVERY = 30, 10
@@ -66,7 +66,7 @@ def test_a_full_disk_mid_checkpoint_ends_in_one_line_and_the_rerun_resumes_bitwi
     """torchrun, one process: checkpoints 10 and 20 fit, 30 does not. Exit 1, one line on stderr naming 30 and 20,
     no retries (a full disk stays full), 10 and 20 intact; after the filler is deleted the same command resumes
     from 20 and ends with the uninterrupted run's weights, bit for bit."""
-    reference = run_cli(["trainers/torchrun.py", *_args(tmp_path / "ref", tabular_data, "r")])
+    reference = run_cli_forked(["trainers/torchrun.py", *_args(tmp_path / "ref", tabular_data, "r")])
     assert reference.returncode == 0, reference.stderr[-3000:]
     ref_run = tmp_path / "ref" / "r"
     checkpoint = _used(ref_run / "checkpoint_00000030")
@@ -75,7 +75,7 @@ def test_a_full_disk_mid_checkpoint_ends_in_one_line_and_the_rerun_resumes_bitwi
         # Room for two checkpoints and a half: the third write (30; 10 is pruned only after it) runs out of space.
         filler = _fill_leaving(fs, int(2.5 * checkpoint) + (64 << 10))
         command = ["trainers/torchrun.py", *_args(fs, tabular_data, "r")]
-        full = run_cli(command)
+        full = run_cli_forked(command)
         run = fs / "r"
         assert full.returncode == 1, full.stdout[-2000:] + full.stderr[-3000:]
         assert full.stderr.splitlines() == [
@@ -86,7 +86,7 @@ def test_a_full_disk_mid_checkpoint_ends_in_one_line_and_the_rerun_resumes_bitwi
         assert not (run / "checkpoint_00000030" / checkpointing.META).exists()
 
         filler.unlink()
-        rerun = run_cli(command)
+        rerun = run_cli_forked(command)
         assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
         assert "resumed from" in rerun.stdout and "checkpoint_00000020" in rerun.stdout
         summary = json.loads((run / "summary.json").read_text())

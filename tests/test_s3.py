@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, read_jsonl
+from conftest import PYTHON, REPO, read_jsonl, run_cli_forked
 from s3_server import s3_server_fixture
 
 pytestmark = pytest.mark.slow  # starts a server (make test-fast leaves it out)
@@ -32,12 +32,17 @@ QUICK = [f"train.max_steps={STEPS}", "train.epochs=null", "train.log_every_steps
 
 def run_job(s3, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """trainers/torchrun.py as a user runs it, with the environment that points s3:// at the local server."""
-    env = s3.child_env()
+    return run_cli_forked(["trainers/torchrun.py", "--config", CONFIG, *overrides], env=s3_env(s3), timeout=timeout,
+                          inherit_env=False)
+
+
+def s3_env(s3, **extra: str) -> dict[str, str]:
+    """The server's client environment for a child of this process, as a user's shell would have it: no torchrun
+    or Ray variables."""
+    env = dict(s3.child_env(), **extra)
     for k in ("RAY_ADDRESS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.run([PYTHON, "trainers/torchrun.py", "--config", CONFIG, *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +122,7 @@ def test_init_from_an_s3_uri_loads_what_the_local_file_loads(s3_server, tab_on_s
     assert r.returncode == 0, r.stderr[-3000:]
     weights = tmp_path / "weights"
     weights.mkdir()
-    e = subprocess.run([PYTHON, "trainers/export.py", str(tmp_path / "runs" / "src"), str(weights / "mlp.safetensors")],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    e = run_cli_forked(["trainers/export.py", str(tmp_path / "runs" / "src"), str(weights / "mlp.safetensors")])
     assert e.returncode == 0, e.stderr[-3000:]
     uri = s3_server.upload(weights, BUCKET, "init")
     summaries = []
@@ -145,12 +149,9 @@ def test_a_manifest_and_its_files_on_s3_train_as_the_local_copy(s3_server, tmp_p
              "train.eval_every_steps=6", "checkpoint.every_steps=6", "train.batch_size_per_worker=8"]
     outcomes = []
     for name, root in (("s3", uri), ("local", str(project / "data"))):
-        env = dict(s3_server.child_env(), PYTHONPATH=str(project))
-        for k in ("RAY_ADDRESS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        r = subprocess.run([PYTHON, str(REPO / "trainers" / "torchrun.py"), *quick, f"run.storage_path={tmp_path}/{name}",
+        r = run_cli_forked([str(REPO / "trainers" / "torchrun.py"), *quick, f"run.storage_path={tmp_path}/{name}",
                             f"data.train_path={root}/train.jsonl", f"data.val_path={root}/val.jsonl"], cwd=project,
-                           env=env, capture_output=True, text=True, timeout=300)
+                           env=s3_env(s3_server, PYTHONPATH=str(project)), timeout=300, inherit_env=False)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         s = _summary(tmp_path / name / "audio_clips")
         outcomes.append((s["param_checksums"], s["val_loss"], s["val_accuracy"], s["samples_seen"]))

@@ -205,7 +205,7 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     import shutil
     import subprocess
 
-    from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
+    from conftest import PYTHON, REPO, read_jsonl, run_cli_forked, run_torchrun_cases
 
     project = tmp_path / "audio_clips"
     shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
@@ -219,10 +219,10 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     r, _ = run_torchrun_cases(cases, tmp_path / "results", project, env, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     single = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([PYTHON, str(REPO / "trainers" / "torchrun.py"), *common, "run.name=cut", "train.max_steps=16",
+    r = run_cli_forked([str(REPO / "trainers" / "torchrun.py"), *common, "run.name=cut", "train.max_steps=16",
                         "train.tokens_per_micro_batch=8", "scaling.num_workers=1"], cwd=project,
-                       env=dict(single, STRIDE_SAMPLE_LOG=str(tmp_path / "log_resumed")), capture_output=True,
-                       text=True, timeout=300)
+                       env=dict(single, STRIDE_SAMPLE_LOG=str(tmp_path / "log_resumed")), timeout=300,
+                       inherit_env=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     def batches(folder, name_filter):

@@ -227,7 +227,7 @@ def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp
     from stride.trainers.models import CharGPT
 
     run, out = runs["storage"] / "fsdp", tmp_path / "model.safetensors"
-    r = run_cli(["trainers/export.py", str(run), str(out)], timeout=120)  # a run folder: its newest checkpoint
+    r = run_cli_forked(["trainers/export.py", str(run), str(out)], timeout=120)  # a run folder: its newest checkpoint
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info["step"] == str(STEPS) and info["checkpoint"].endswith(f"checkpoint_{STEPS:08d}")
@@ -242,7 +242,7 @@ def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     assert checksum == pytest.approx(summary(run)["param_checksums"][0], rel=1e-12)
     # An existing file is never overwritten without --force; the refusal is one line.
-    again = run_cli(["trainers/export.py", str(run), str(out)], timeout=120)
+    again = run_cli_forked(["trainers/export.py", str(run), str(out)], timeout=120)
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
+from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
 from stride.ray_cluster.connect import UsageError
 from stride.trainers import checkpointing, runlock
 from stride.trainers.config import ConfigError, build_config
@@ -286,7 +286,7 @@ def test_a_second_run_of_the_same_name_exits_2_while_the_first_completes_every_s
             assert first.poll() is None, first.communicate()
             time.sleep(0.2)
         assert (run_dir / runlock.LOCK).exists()
-        second = run_cli(_args(tmp_path, tabular_data, steps), timeout=120, env={"SLURM_JOB_ID": ""})
+        second = run_cli_forked(_args(tmp_path, tabular_data, steps), timeout=120, env={"SLURM_JOB_ID": ""})
         assert first.poll() is None, "the first run ended before the second was refused: raise its steps"
         out, err = first.communicate(timeout=300)
     finally:

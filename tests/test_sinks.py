@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, read_jsonl
+from conftest import REPO, read_jsonl, run_cli_forked
 
 # An API key as W&B's would look: it must never reach a file of the run folder.
 SECRET = "stride-test-secret-" + "0123456789abcdef" * 2
@@ -198,15 +198,13 @@ def test_the_loop_and_the_launchers_name_no_sink():
 # ---- one process: a run with TensorBoard and W&B offline, resumed ---------------------------------------------
 
 def _train(tmp_path: Path, data: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_API_KEY=SECRET, WANDB_DIR=str(tmp_path / "wandb-home"),
-               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
-               PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [PYTHON, "trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
+    env = dict(WANDB_MODE="offline", WANDB_API_KEY=SECRET, WANDB_DIR=str(tmp_path / "wandb-home"),
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"))
+    return run_cli_forked(
+        ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
          f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={tmp_path}/runs",
          "train.epochs=null", f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=10",
-         "checkpoint.every_steps=10", "model.hidden_sizes=[32]", *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+         "checkpoint.every_steps=10", "model.hidden_sizes=[32]", *extra], env=env, timeout=300)
 
 
 @pytest.mark.slow

@@ -75,12 +75,14 @@ def start_stride(project: Path, *overrides: str, env: dict) -> subprocess.Popen:
 
 
 def torchrun(project: Path, nproc: int, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """trainers/torchrun.py from the user's folder: under torch.distributed.run with nproc > 1, else one plain
-    process (no launcher, no process group)."""
-    launcher = (torchrun_launcher(nproc) if nproc > 1 else [PYTHON])
-    r = subprocess.run([*launcher, TORCHRUN_PY, "--config", "signal.yaml", *overrides], cwd=project,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), capture_output=True, text=True,
-                       timeout=400)
+    """trainers/torchrun.py from the user's folder: under torch.distributed.run with nproc > 1, else one process
+    (no launcher, no process group) forked from the fork server."""
+    if nproc > 1:
+        r = subprocess.run([*torchrun_launcher(nproc), TORCHRUN_PY, "--config", "signal.yaml", *overrides],
+                           cwd=project, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), capture_output=True,
+                           text=True, timeout=400)
+    else:
+        r = run_cli_forked([TORCHRUN_PY, "--config", "signal.yaml", *overrides], cwd=project, env=env, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -244,8 +246,7 @@ def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun
     """trainers/export.py on the user's 2-rank FSDP run: one safetensors file that the user's own model (built by
     their task) loads with load_state_dict, equal to the run's final weights."""
     (run, _), out = case_run(torchrun_runs, "fsdp"), tmp_path / "signal.safetensors"
-    r = subprocess.run([PYTHON, str(REPO / "trainers" / "export.py"), str(run), str(out)], cwd=project,
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli_forked([str(REPO / "trainers" / "export.py"), str(run), str(out)], cwd=project)
     assert r.returncode == 0, r.stderr[-3000:]
     s = summary(run)
     # In the user's folder, as their own code would: the task builds the model, which loads the file.

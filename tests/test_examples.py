@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli, run_cli_forked
+from conftest import REPO, read_jsonl, run_cli_forked
 
 EXAMPLES = REPO / "examples"
 TORCHRUN = str(REPO / "trainers" / "torchrun.py")
@@ -23,7 +23,7 @@ def example(name: str, tmp_path: Path, *prepare_args: str) -> Path:
     """A copy of examples/<name> (without any data/ or runs/ of a local try) with its data step run in it."""
     folder = tmp_path / name
     shutil.copytree(EXAMPLES / name, folder, ignore=shutil.ignore_patterns("data", "runs", "__pycache__"))
-    check(run_cli(["prepare.py", *prepare_args], timeout=300, cwd=folder), "prepare.py")
+    check(run_cli_forked(["prepare.py", *prepare_args], timeout=300, cwd=folder), "prepare.py")
     return folder
 
 
@@ -33,7 +33,7 @@ def check(proc, what: str) -> None:
 
 def train(folder: Path, *overrides: str, timeout: float = 300) -> dict:
     """Train the example's YAML in its folder in one process; returns summary.json."""
-    proc = run_cli([TORCHRUN, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
+    proc = run_cli_forked([TORCHRUN, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
                    timeout=timeout, cwd=folder)
     check(proc, TORCHRUN)
     run_dir = folder / "runs" / folder.name
@@ -91,7 +91,7 @@ def test_hf_causal_lm_example_learns_and_generates(tmp_path):
     # ln(1024) = 6.95 untrained; about 4.7 (0.68 of it) after 150 steps.
     assert s["val_loss"] <= 0.75 * s["initial_val_loss"], s
     # A task of the user's own: generate.py imports it only when named (--task), from PYTHONPATH (issue 27).
-    proc = run_cli([str(REPO / "trainers" / "generate.py"), "--run", "runs/hf_causal_lm", "--prompt", "def ",
+    proc = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/hf_causal_lm", "--prompt", "def ",
                     "--tokens", "30", "--temperature", "0.8", "--task", "hf_lm_task:HFCausalLM"], timeout=120, cwd=folder,
                    env={"PYTHONPATH": str(folder)})
     check(proc, "generate.py")

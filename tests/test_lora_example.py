@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, run_cli_forked
+from conftest import REPO, run_cli_forked
 from test_examples import EXAMPLES, TORCHRUN, check, example, train
 
 pytest.importorskip("transformers")
@@ -153,7 +153,7 @@ def lora_run(tmp_path_factory) -> tuple[Path, dict]:
 def full_checkpoint(lora_run) -> Path:
     """The same config with checkpoint.trainable_only=false (2 steps): a full checkpoint to compare sizes with."""
     folder, _ = lora_run
-    check(run_cli([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", "run.name=full",
+    check(run_cli_forked([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", "run.name=full",
                    "checkpoint.trainable_only=false", "train.max_steps=2", "train.eval_every_steps=2"],
                   timeout=300, cwd=folder), "torchrun.py (full checkpoint)")
     (ckpt,) = checkpoints(folder / "runs" / "full")
@@ -221,7 +221,7 @@ def test_lora_exported_adapters_on_the_pretrained_base_are_the_trained_model(lor
 
     folder, s = lora_run
     out = tmp_path / "adapters.safetensors"
-    check(run_cli([EXPORT, str(folder / "runs" / "lora"), str(out), "--trainable-only"], timeout=120), "export.py")
+    check(run_cli_forked([EXPORT, str(folder / "runs" / "lora"), str(out), "--trainable-only"], timeout=120), "export.py")
     adapters = load_file(str(out))
     assert len(adapters) == 4 and all("lora_" in k for k in adapters), sorted(adapters)
     base_file = folder / "pretrained" / "model.safetensors"
@@ -263,7 +263,7 @@ def test_lora_resume_on_a_changed_base_exits_2_naming_init_from(lora_run, tmp_pa
     tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] += 1.0
     save_file(tensors, str(base_file), metadata={"format": "pt"})
     longer = [o for o in LORA_STEPS if not o.startswith("train.max_steps=")] + ["train.max_steps=30"]
-    proc = run_cli([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", *longer], timeout=300, cwd=work)
+    proc = run_cli_forked([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", *longer], timeout=300, cwd=work)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("stride: error:")]
@@ -276,12 +276,12 @@ def test_an_adapter_checkpoint_generates_on_its_base_and_refuses_a_full_export(l
     """generate.py rebuilds the frozen base from init.from, as training does, then the adapters; export.py without
     --trainable-only exits 2 in one line instead of writing a 'full' file that lacks the base."""
     folder, _ = lora_run
-    gen = run_cli([str(REPO / "trainers" / "generate.py"), "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",
+    gen = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",
                    "--prompt", "def ", "--tokens", "8", "--temperature", "0"], timeout=120, cwd=folder,
                   env={"PYTHONPATH": str(folder)})
     check(gen, "generate.py")
     assert gen.stdout.startswith("def ") and len(gen.stdout) > len("def \n")
     out = tmp_path / "full.safetensors"
-    proc = run_cli([EXPORT, str(folder / "runs" / "lora"), str(out)], timeout=120)
+    proc = run_cli_forked([EXPORT, str(folder / "runs" / "lora"), str(out)], timeout=120)
     assert proc.returncode == 2 and not out.exists(), proc.stderr[-2000:]
     assert "--trainable-only" in proc.stderr and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -315,7 +315,7 @@ def test_char_gpt_trains_on_bpe_data_and_generates_text(tmp_path, bpe_data):
     assert vocab == 300
     data = tmp_path / "data"
     shutil.copytree(bpe_data, data)
-    r = run_cli([str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/char_gpt.yaml"),
+    r = run_cli_forked([str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/char_gpt.yaml"),
                  f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={tmp_path}/runs",
                  "run.name=bpe", "tracking.mlflow=false", f"model.vocab_size={vocab}", "model.context=32",
                  "model.n_layers=1", "model.width=32", "model.n_heads=2", "train.max_steps=30",
@@ -327,7 +327,7 @@ def test_char_gpt_trains_on_bpe_data_and_generates_text(tmp_path, bpe_data):
     assert s["status"] == "completed" and s["facts"]["tokenizer_vocab_size"] == 300
     assert s["val_loss"] < s["initial_val_loss"], s
     shutil.rmtree(data)  # generation needs only the run folder: the tokenizer travels in the facts
-    g = run_cli([str(REPO / "trainers" / "generate.py"), "--run", str(run), "--prompt", "the model ", "--tokens", "40"],
+    g = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", str(run), "--prompt", "the model ", "--tokens", "40"],
                 timeout=120)
     assert g.returncode == 0, g.stderr[-3000:]
     assert g.stdout.startswith("the model ") and len(g.stdout) > len("the model ") + 20, g.stdout

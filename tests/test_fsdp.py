@@ -66,11 +66,13 @@ def small_text(tmp_path_factory, text_data):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_text):
-    """DDP and FSDP, 20 steps each; FSDP stopped at step 10 and resumed to 20; FSDP bf16 with accumulation; dropout
-    with and without activation checkpointing; torch.compile. All under ONE torchrun launch (tests/torchrun_cases.py):
-    the cases run one after another in the same two processes, so torchrun's, Python's and torch's start-up is paid
-    once, not once per case. In order: "resumed" to 20 resumes the checkpoint "resumed" to 10 wrote."""
+def runs(tmp_path_factory, small_text, tabular_data):
+    """DDP and FSDP, 20 steps each; FSDP stopped at step 10 and resumed to 20; DDP's step 10 resumed under FSDP;
+    FSDP bf16 with accumulation; dropout with and without activation checkpointing; the tabular MLP under DDP and
+    FSDP; the first 10 steps of the run that Ray resumes; torch.compile. All under ONE torchrun launch
+    (tests/torchrun_cases.py): the cases run one after another in the same two processes, so torchrun's, Python's
+    and torch's start-up is paid once, not once per case. In order: a case "<name>@20" resumes the checkpoint that
+    "<name>@10" wrote."""
     storage = tmp_path_factory.mktemp("fsdp_runs")
 
     def case(label, name, steps, *extra, env=None):
@@ -84,6 +86,10 @@ def runs(tmp_path_factory, small_text):
     # (without: inductor draws its own random numbers, so a compiled run's dropout masks are not eager's).
     for name, extra in (("drop", []), ("drop_ac", ["train.activation_checkpointing=true"])):
         cases.append(case(name, name, 10, "train.strategy=fsdp", "model.dropout=0.1", *extra))
+    cases += [case("switched@10", "switched", 10), case("switched@20", "switched", STEPS, "train.strategy=fsdp"),
+              case("ray@10", "ray", 10, "train.strategy=fsdp")]
+    cases += [{"label": f"mlp_{strategy}", "args": mlp_args(tabular_data, storage, f"mlp_{strategy}",
+                                                           f"train.strategy={strategy}")} for strategy in ("ddp", "fsdp")]
     # An empty inductor cache of its own: what inductor generates for this run shows that it compiled (a shared,
     # warm cache could hold kernels from another run). Inductor reads TORCHINDUCTOR_CACHE_DIR whenever it resolves
     # its cache folder, so set for this case alone it takes effect; the case is last, after no other compiled one.
@@ -94,10 +100,18 @@ def runs(tmp_path_factory, small_text):
     results = tmp_path_factory.mktemp("torchrun_cases")
     (results / "cases.json").write_text(json.dumps(cases))
     torchrun(2, [str(results / "cases.json"), str(results)], script="tests/torchrun_cases.py")
-    # What the resumed run printed (every rank's, as its own launch's stdout held).
-    resumed = [next(r for r in json.loads((results / f"rank{rank}.json").read_text()) if r["label"] == "resumed@20")
-               for rank in (0, 1)]
-    return {"storage": storage, "resumed_stdout": "".join(r["stdout"] for r in resumed), "inductor": inductor}
+    ranks = [json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # What a case printed (every rank's, as its own launch's stdout held).
+    printed = {c["label"]: "".join(next(r for r in rank if r["label"] == c["label"])["stdout"] for rank in ranks)
+               for c in cases}
+    return {"storage": storage, "resumed_stdout": printed["resumed@20"], "printed": printed, "inductor": inductor}
+
+
+def mlp_args(data, storage, name, *extra):
+    return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
+            f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null", "train.max_steps=30",
+            "train.log_every_steps=10", "train.eval_every_steps=30", "checkpoint.every_steps=30",
+            "train.deterministic=true", "tracking.mlflow=false", "scaling.use_gpu=false", *extra]
 
 
 @pytest.mark.slow
@@ -179,7 +193,9 @@ def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_pat
     assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "fsdp"
     (tmp_path / "one").mkdir()
     shutil.copytree(src, tmp_path / "one" / src.name)
-    r = torchrun(1, tiny_args(small_text, tmp_path, "one", STEPS, "train.batch_size_per_worker=16"))
+    r = run_cli_forked(["trainers/torchrun.py", *tiny_args(small_text, tmp_path, "one", STEPS,
+                                                          "train.batch_size_per_worker=16")], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 10" in r.stdout
     s = summary(tmp_path / "one")
     assert s["status"] == "completed" and s["global_step"] == STEPS and s["world_size"] == 1 and s["strategy"] == "none"
@@ -195,9 +211,10 @@ def test_fsdp_checkpoint_continues_in_a_one_worker_run(runs, small_text, tmp_pat
 
 
 @pytest.mark.slow
-def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
+def test_ddp_checkpoint_resumes_under_fsdp(runs):
     """The other direction: DDP's checkpoint (each replicated tensor written once, by one of the ranks) read into
-    FSDP's shards: each rank reads its slice."""
+    FSDP's shards: each rank reads its slice (the batch's "switched": 10 DDP steps, then the same run to 20 under
+    FSDP)."""
     src = min(runs["storage"].glob("ddp/checkpoint_*"), key=lambda p: checkpointing.read_meta(p)["step"])
     assert checkpointing.read_meta(src)["step"] == 10 and checkpointing.read_meta(src)["strategy"] == "ddp"
     # Both DDP replicas hold every tensor; DCP writes each once, split between the ranks: together the two files
@@ -206,14 +223,13 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs, small_text, tmp_path):
     fsdp_ckpt = runs["storage"] / "resumed" / "checkpoint_00000010"
     ddp_sizes, fsdp_total = [shard(src, r) for r in (0, 1)], shard(fsdp_ckpt, 0) + shard(fsdp_ckpt, 1)
     assert sum(ddp_sizes) < 1.2 * fsdp_total and min(ddp_sizes) > 0.2 * max(ddp_sizes), (ddp_sizes, fsdp_total)
-    (tmp_path / "switched").mkdir()
-    shutil.copytree(src, tmp_path / "switched" / src.name)
-    r = torchrun(2, tiny_args(small_text, tmp_path, "switched", STEPS, "train.strategy=fsdp"))
-    assert "at step 10" in r.stdout
-    s = summary(tmp_path / "switched")
+    switched = runs["storage"] / "switched"
+    assert checkpointing.read_meta(switched / "checkpoint_00000010")["strategy"] == "ddp"
+    assert "at step 10" in runs["printed"]["switched@20"]
+    s = summary(switched)
     assert s["strategy"] == "fsdp" and s["global_step"] == STEPS and s["restarts"] == 1
-    got, ddp = losses(tmp_path / "switched"), losses(runs["storage"] / "ddp")
-    assert sorted(got) == list(range(11, STEPS + 1))
+    got, ddp = losses(switched), losses(runs["storage"] / "ddp")
+    assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(ddp[step], rel=1e-5), step
 
@@ -430,46 +446,36 @@ def test_optimizer_state_converts_between_positions_and_names():
 
 
 @pytest.mark.slow
-def test_a_torchrun_fsdp_checkpoint_resumes_on_ray_and_ends_where_torchrun_did(runs, small_text, tmp_path,
-                                                                                ray_cluster):
-    """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 FSDP steps under torchrun, then the
-    same run on 2 Ray workers resumes from that checkpoint (through lifecycle.check_resume) to 20 and ends where
-    torchrun's uninterrupted run did."""
-    torchrun(2, tiny_args(small_text, tmp_path, "ray", 10, "train.strategy=fsdp"))
-    r = run_cli(["trainers/main.py", *tiny_args(small_text, tmp_path, "ray", STEPS, "train.strategy=fsdp",
+def test_a_torchrun_fsdp_checkpoint_resumes_on_ray_and_ends_where_torchrun_did(runs, small_text, ray_cluster):
+    """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 FSDP steps under torchrun (the
+    batch's "ray@10"), then the same run on 2 Ray workers resumes from that checkpoint (through
+    lifecycle.check_resume) to 20 and ends where torchrun's uninterrupted run did."""
+    storage = runs["storage"]
+    r = run_cli(["trainers/main.py", *tiny_args(small_text, storage, "ray", STEPS, "train.strategy=fsdp",
                                                 "scaling.num_workers=2")], env=ray_cluster)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "at step 10" in r.stdout
-    s, ref = summary(tmp_path / "ray"), summary(runs["storage"] / "fsdp")
+    s, ref = summary(storage / "ray"), summary(storage / "fsdp")
     assert s["status"] == "completed" and s["strategy"] == "fsdp" and s["global_step"] == STEPS and s["restarts"] == 1
     assert s["param_bytes_per_worker"] == ref["param_bytes_per_worker"]
     assert s["param_checksums"][0] == s["param_checksums"][1] == pytest.approx(ref["param_checksums"][0], rel=1e-6)
-    got, expected = losses(tmp_path / "ray"), losses(runs["storage"] / "fsdp")
+    got, expected = losses(storage / "ray"), losses(storage / "fsdp")
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
 @pytest.mark.slow
-def test_mlp_under_fsdp_matches_ddp(tabular_data, tmp_path):
+def test_mlp_under_fsdp_matches_ddp(runs):
     """The tabular MLP: hidden Linears sharded one group each, the output layer with the root."""
-    def args(name, *extra):
-        return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
-                f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", f"run.name={name}",
-                "train.epochs=null", "train.max_steps=30", "train.log_every_steps=10", "train.eval_every_steps=30",
-                "checkpoint.every_steps=30", "train.deterministic=true", "tracking.mlflow=false",
-                "scaling.use_gpu=false", *extra]
-
-    torchrun(2, args("ddp"))
-    torchrun(2, args("fsdp", "train.strategy=fsdp"))
-    a, b = summary(tmp_path / "ddp"), summary(tmp_path / "fsdp")
-    assert b["strategy"] == "fsdp" and b["val_accuracy"] > 0.5
+    a, b = summary(runs["storage"] / "mlp_ddp"), summary(runs["storage"] / "mlp_fsdp")
+    assert a["strategy"] == "ddp" and b["strategy"] == "fsdp" and b["val_accuracy"] > 0.5
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
     assert b["param_checksums"][0] == pytest.approx(a["param_checksums"][0], rel=1e-6)
     assert sum(b["param_bytes_per_worker"]) == a["param_bytes_per_worker"][0]
     assert max(b["param_bytes_per_worker"]) <= 0.51 * a["param_bytes_per_worker"][0]
-    for step, loss in losses(tmp_path / "ddp").items():
-        assert losses(tmp_path / "fsdp")[step] == pytest.approx(loss, rel=1e-5)
+    for step, loss in losses(runs["storage"] / "mlp_ddp").items():
+        assert losses(runs["storage"] / "mlp_fsdp")[step] == pytest.approx(loss, rel=1e-5)
 
 
 # ---- scaling.use_gpu: the torchrun launcher refuses what Ray's driver refuses -------------------------------------

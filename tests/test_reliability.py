@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,10 @@ if os.environ.get("FLAKY_LOG"):
 
 
 def torchrun(args: list[str], env: dict, nproc: int = 2) -> subprocess.CompletedProcess:
-    """trainers/torchrun.py with `nproc` processes instead of trainers/main.py on Ray (args as job_args gives them)."""
+    """trainers/torchrun.py with `nproc` processes instead of trainers/main.py on Ray (args as job_args gives them);
+    one process is forked from the fork server, without a launcher."""
+    if nproc == 1:
+        return run_cli_forked(["trainers/torchrun.py", *args[1:]], env=env, timeout=600)
     cmd = [*torchrun_launcher(nproc), "trainers/torchrun.py", *args[1:]]
     return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), capture_output=True,
                           text=True, timeout=600)

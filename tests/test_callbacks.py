@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_jsonl, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli_forked, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -125,22 +125,17 @@ def project(tmp_path_factory) -> Path:
 
 def train(project: Path, data: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     """trainers/torchrun.py from the user's folder (their callbacks module is found there): 2 ranks under torchrun,
-    or 1 rank in this process (its main(), what `python trainers/torchrun.py` runs, without an interpreter's and
-    torch's start-up per run), its output captured the same way."""
-    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={project}/runs", "train.epochs=null",
-            "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
+    or 1 process forked from the fork server (its own output and exit status, without an interpreter's and torch's
+    start-up per run)."""
+    args = [str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
+            f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={project}/runs",
+            "train.epochs=null", "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
             "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra]
     if nproc > 1:
-        return subprocess.run([*torchrun_launcher(nproc), str(REPO / "trainers" / "torchrun.py"), *args], cwd=project,
+        return subprocess.run([*torchrun_launcher(nproc), *args], cwd=project,
                               env=dict(os.environ, PYTHONPATH=str(project), PYTHONUNBUFFERED="1"),
                               capture_output=True, text=True, timeout=300)
-    from stride.trainers.torchrun import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(project), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run_cli_forked(args, cwd=project, env={"PYTHONPATH": str(project)}, timeout=300)
 
 
 def export(run: Path, out: Path, *flags: str) -> None:

@@ -31,12 +31,15 @@ def job_args(data, storage, name, *extra):
 def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_data, ray_cluster):
     """A driver killed between a checkpoint's write and Ray's registration of it leaves a complete checkpoint that
     Ray's own pointer misses. Here every checkpoint of the run folder is one Ray never saw (written by the torchrun
-    launcher): the Ray run resumes from the newest, at the same global batch on 2 workers instead of 1."""
+    launcher), and Ray Train's own record of them is the empty file a full disk leaves (tests/test_disk_full.py):
+    the Ray run starts anyway and resumes from the newest, at the same global batch on 2 workers instead of 1."""
+    from stride.trainers.checkpointing import SNAPSHOT
     from stride.trainers.torchrun import main as torchrun_main
 
     small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10"]
     assert torchrun_main(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=20",
                                   "train.batch_size_per_worker=128")[1:]) == 0
+    (tmp_path / "unregistered" / SNAPSHOT).write_text("")  # Ray Train refuses such a folder unless it is moved aside
     r = run_cli(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=30",
                          "train.batch_size_per_worker=64"), env=ray_cluster)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -45,6 +48,7 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     assert s["status"] == "completed" and s["global_step"] == 30 and s["restarts"] == 1 and s["world_size"] == 2
     assert [r["step"] for r in read_jsonl(tmp_path / "unregistered" / "metrics.jsonl")
             if "train_loss" in r] == [10, 20, 30]
+    assert list((tmp_path / "unregistered").glob(f"{SNAPSHOT}.unreadable-*"))  # moved aside, not deleted
 
 
 # Loaded by every Python process of the job (PYTHONPATH), Ray's workers included: rank 0's write of its checkpoint

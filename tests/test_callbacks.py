@@ -1,9 +1,11 @@
 """stride.Callback: a user's callbacks from the user's own folder run on every rank, keep their state across a resume
 (at another world size), stop the run at a step they pick for good, and fail in one line naming themselves.
 
-Under torchrun and in one process, but for one run on Ray workers (callbacks on every rank, the stop, TensorBoard).
-A failing callback's line is the loop's, the same under both launchers; that a worker's one-line error reaches the
-Ray driver's stderr alone is proven once for every error by tests/test_disk_full.py's run on Ray."""
+Under torchrun and in one process. On Ray, this file's Counter runs on every worker of tests/test_train_ray.py's run
+(started from a folder holding this module, with TensorBoard beside MLflow); a stop is rank 0's summary status, which
+the Ray driver passes on as it passes "completed". A failing callback's line is the loop's, the same under both
+launchers; that a worker's one-line error reaches the Ray driver's stderr alone is proven once for every error by
+tests/test_disk_full.py's run on Ray."""
 
 from __future__ import annotations
 
@@ -248,27 +250,6 @@ def test_a_tasks_training_metrics_are_averaged_over_the_interval_and_the_ranks(p
         assert len(seen) == 4 * 2 * 2 * 16  # steps x micro-batches x ranks x rows
         assert line["train_label"] == pytest.approx(sum(label[i] for i in seen) / len(seen), rel=1e-12)
         assert 0.0 <= line["train_accuracy"] <= 1.0
-
-
-def test_on_ray_workers_callbacks_stop_the_run_and_tensorboard_records_it(project, tabular_data, ray_cluster):
-    from conftest import run_cli
-    from test_sinks import scalars
-
-    r = run_cli([str(REPO / "trainers/main.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
-                 f"data.train_path={tabular_data}/train",
-                 f"data.val_path={tabular_data}/val", f"run.storage_path={project}/runs", "run.name=ray_cb",
-                 "train.epochs=null", "train.max_steps=40", "train.log_every_steps=5", "train.eval_every_steps=10",
-                 "checkpoint.every_steps=10", "model.hidden_sizes=[32]", "scaling.num_workers=2",
-                 "tracking.sinks=[tensorboard]", "train.callbacks=[my_callbacks:Counter, {my_callbacks:StopAt: {step: 15}}]"],
-                env=ray_cluster, cwd=project, timeout=600)  # the user's modules: in the folder they run from
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run = project / "runs" / "ray_cb"
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "stopped" and summary["global_step"] == 15 and summary["world_size"] == 2
-    assert summary["mlflow_run_id"] is None  # tracking.sinks without mlflow
-    assert counters(run) == [{"steps": 15, "starts": 1, "step": 15, "world_size": 2}] * 2  # every rank's callback
-    assert [s for s, _ in scalars(run / "tensorboard", "train_loss")] == [5, 10, 15]
-    assert f"stride: tensorboard {run / 'tensorboard'}" in r.stdout
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])  # val_loss falls as the MLP learns: max keeps the first ones

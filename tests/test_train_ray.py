@@ -1,15 +1,20 @@
 """Two CPU workers under Ray Train (gloo) on the built-in task: loss falls, replicas agree, every row once, an MLflow
-server records the run, and torchrun gives the same losses as Ray. Resume on Ray (the step, the same MLflow run, no
-second one) is the run stopped four ways in tests/test_user_task.py."""
+server records the run, and torchrun gives the same losses as Ray. The run is started from a user's folder that holds
+their callbacks module (tests/test_callbacks.py's), with TensorBoard beside MLflow: the callbacks run on every Ray
+worker and TensorBoard records the run. Resume on Ray (the step, the same MLflow run, no second one) is the run
+stopped four ways in tests/test_user_task.py."""
 
 import json
 import os
 import subprocess
+import textwrap
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO, read_jsonl, run_cli, torchrun_launcher
+from test_callbacks import CALLBACKS, counters
+from test_sinks import scalars
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +22,7 @@ STEPS = 40
 
 
 def tiny_args(data, storage, name, steps=STEPS, *extra):
-    return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
+    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train", f"data.val_path={data}/val",
             f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null", f"train.max_steps={steps}",
             "train.log_every_steps=5", "train.eval_every_steps=20", "checkpoint.every_steps=20",
             "scaling.num_workers=2", "model.hidden_sizes=[64, 64]", *extra]
@@ -30,10 +35,13 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     storage = tmp_path_factory.mktemp("ray_runs")
+    project = tmp_path_factory.mktemp("user_folder")  # the user's callbacks module, found where they run from
+    (project / "my_callbacks.py").write_text(textwrap.dedent(CALLBACKS))
     mlflow = f"tracking.mlflow_uri={mlflow_server}"
     ray = shared_ray_head.env()
-    a = run_cli(["trainers/main.py", *tiny_args(tabular_data, storage, "a", STEPS, mlflow)],
-                env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")})
+    a = run_cli([str(REPO / "trainers/main.py"), *tiny_args(tabular_data, storage, "a", STEPS, mlflow),
+                 "tracking.sinks=[mlflow, tensorboard]", "train.callbacks=[my_callbacks:Counter]"],
+                env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")}, cwd=project)
     assert not shared_ray_head.wait_idle()
     return {"storage": storage, "a": a, "mlflow": mlflow_server, "ray": ray}
 
@@ -57,6 +65,13 @@ def test_two_workers_train_and_agree(ray_runs):
         assert key in s, key
     assert s["checkpoint"] and os.path.isdir(s["checkpoint"])
     assert "stride: summary" in a.stdout and "stride: mlflow" in a.stdout
+
+
+def test_the_users_callbacks_run_on_every_ray_worker_and_tensorboard_records_the_run(ray_runs):
+    run = ray_runs["storage"] / "a"
+    assert counters(run) == [{"steps": STEPS, "starts": 1, "step": STEPS, "world_size": 2}] * 2  # one per rank
+    assert [step for step, _ in scalars(run / "tensorboard", "train_loss")] == list(range(5, STEPS + 1, 5))
+    assert f"stride: tensorboard {run / 'tensorboard'}" in ray_runs["a"].stdout
 
 
 def test_every_training_row_once_per_epoch(ray_runs, tabular_data):

@@ -1,6 +1,7 @@
-"""ray_cluster.doctor: usage errors (exit 2, one line, fast), gang planning, and on the session's shared 2-CPU
-head (tests/shared_ray.py): a healthy gang passes, a failed threshold and an unwritable storage path fail by name (exit 1), and the
-preflight API reports hung workers and unplaceable gangs instead of waiting."""
+"""ray_cluster.doctor: usage errors (exit 2, one line, fast), gang planning, the command's report of a failure (one
+stderr line each, exit 1), and on the session's shared 2-CPU head (tests/shared_ray.py): the command's healthy gang
+passes, and the preflight API fails a threshold and an unwritable storage path by name and reports hung workers and
+unplaceable gangs instead of waiting."""
 
 from __future__ import annotations
 
@@ -111,6 +112,20 @@ def test_gang_auto_and_preflight_names():
         plan_gang(3, False, 1.0, [node(2)], Names("config"))
 
 
+def test_the_command_prints_each_failure_on_stderr_counts_it_in_the_table_and_exits_1(capsys):
+    from stride.ray_cluster.doctor import EXIT_FAILED, CheckResult, _report, parse_args
+
+    rows = [CheckResult("gemm", "10.0.0.1", "pass", 12.0, "GFLOP/s", 1.0, "fp32"),
+            CheckResult("allreduce", "all", "fail", 0.25, "GB/s", 1e9, "gloo, 2 workers"),
+            CheckResult("storage", "10.0.0.1", "fail", "not writable", detail="create folder failed: /x is not a folder")]
+    assert _report(parse_args(["--quick"]), rows, {}, 3.0) == EXIT_FAILED
+    out, err = capsys.readouterr()
+    table = out.splitlines()
+    assert table[0].startswith("CHECK") and any(ln.startswith("gemm") and " pass " in ln for ln in table)
+    assert "1 passed, 2 failed" in table[-1]
+    assert err.splitlines() == [f"doctor: FAIL {rows[1].failure_line()}", f"doctor: FAIL {rows[2].failure_line()}"]
+
+
 def test_failure_line_names_check_node_value_and_threshold():
     from stride.ray_cluster.doctor import CheckResult, format_table
 
@@ -151,25 +166,6 @@ def test_healthy_two_worker_cpu_gang_passes_with_json(tmp_path, ray_cluster):
     print(f"doctor wall {report['wall_s']} s, stages {report['elapsed_s']}")
 
 
-@pytest.mark.slow
-def test_failed_threshold_and_unwritable_storage_fail_by_name(tmp_path, ray_cluster):
-    blocker = tmp_path / "not-a-folder"
-    blocker.write_text("a file where the storage folder should be\n")  # root ignores chmod; this stops root too
-    p = run_cli([*DOCTOR, "--num-workers", "2", "--storage-path", str(blocker), "--min-allreduce-gbps", "1e9",
-                 "--quick"], env=ray_cluster, timeout=400)
-    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "Traceback" not in p.stderr
-    fails = [ln for ln in p.stderr.splitlines() if ln.startswith("doctor: FAIL ")]
-    assert len(fails) == 2, p.stderr[-3000:]
-    allreduce = next(ln for ln in fails if "allreduce failed on node all" in ln)
-    assert "GB/s, threshold >= 1e+09 GB/s" in allreduce
-    storage = next(ln for ln in fails if "storage failed on node " in ln)
-    assert str(blocker) in storage and "create folder failed" in storage and "not a folder" in storage
-    table = p.stdout.splitlines()
-    assert table[0].startswith("CHECK") and any(ln.startswith("gemm") and " pass " in ln for ln in table)
-    assert "2 failed" in table[-1]
-
-
 PREFLIGHT = r"""
 import json, sys, time
 import ray
@@ -177,14 +173,14 @@ from stride.trainers.config import load_config
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 from stride.ray_cluster import doctor
 
-storage = sys.argv[1]
+storage, blocker = sys.argv[1:3]
 quiet_ray_env()
 init_ray()
 out = {}
 
 t0 = time.monotonic()
-rows = doctor.run_preflight(2, "auto", storage, 1.0)
-out["healthy"] = {"s": time.monotonic() - t0, "rows": [r.__dict__ for r in rows], "bad": [r.failure_line() for r in rows if not r.ok]}
+rows = doctor.run_preflight(2, "auto", blocker, 1.0, min_allreduce_gbps=1e9)
+out["failed"] = {"s": time.monotonic() - t0, "rows": [r.__dict__ for r in rows], "bad": [r.failure_line() for r in rows if not r.ok]}
 
 try:
     doctor.run_preflight(3, False, storage, 1.0)
@@ -218,16 +214,26 @@ print("PREFLIGHT " + json.dumps(out))
 
 
 @pytest.mark.slow
-def test_preflight_passes_then_reports_hangs_and_busy_clusters_within_timeouts(tmp_path, ray_cluster):
-    p = run_cli(["-c", PREFLIGHT, str(tmp_path / "runs")], env=ray_cluster, timeout=400)
+def test_preflight_fails_by_name_then_reports_hangs_and_busy_clusters_within_timeouts(tmp_path, ray_cluster):
+    """The preflight API on the shared head: a failed threshold and an unwritable storage path fail by name (the
+    other checks still run and pass), a hung worker and an unplaceable gang are reported instead of waited for. A
+    healthy gang passes: the doctor command above, and tests/test_bad_inputs.py's run with scaling.preflight=true."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the storage folder should be\n")  # root ignores chmod; this stops root too
+    p = run_cli(["-c", PREFLIGHT, str(tmp_path / "runs"), str(blocker)], env=ray_cluster, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("PREFLIGHT "))[len("PREFLIGHT "):])
 
-    healthy = out["healthy"]
-    assert healthy["bad"] == [], healthy["bad"]
-    assert {r["check"] for r in healthy["rows"]} >= {"gang", "versions", "gemm", "storage", "disk", "allreduce"}
-    print(f"quick preflight took {healthy['s']:.1f} s")  # about 10 s on an idle 2-core machine
-    assert healthy["s"] < 120
+    failed = out["failed"]
+    assert len(failed["bad"]) == 2, failed["bad"]
+    allreduce = next(ln for ln in failed["bad"] if "allreduce failed on node all" in ln)
+    assert "GB/s, threshold >= 1e+09 GB/s" in allreduce
+    storage = next(ln for ln in failed["bad"] if "storage failed on node " in ln)
+    assert str(blocker) in storage and "create folder failed" in storage and "not a folder" in storage
+    status = {r["check"]: r["status"] for r in failed["rows"]}
+    assert all(status[c] == "pass" for c in ("gang", "versions", "gemm")), status  # (disk: of a storage that is not)
+    print(f"quick preflight took {failed['s']:.1f} s")  # about 10 s on an idle 2-core machine
+    assert failed["s"] < 120
 
     assert "scaling.num_workers (3)" in out["impossible"] and "2 CPUs" in out["impossible"]
 

@@ -285,13 +285,9 @@ def test_ray_prepare_matches_the_local_functions(tmp_path, corpus, bpe_data):
 
 
 @pytest.mark.slow
-def test_ray_prepare_bytes_and_a_bad_jsonl_line(tmp_path, corpus, ray_cluster):
-    out = tmp_path / "bytes"
-    r = run_cli(["datasets/prepare.py", "text", "--input", str(corpus), "--out", str(out), "--seq-len", "33",
-                 "--val-fraction", "0.2", "--shards", "3"], timeout=300, env=ray_cluster)
-    assert r.returncode == 0, r.stderr[-3000:]
-    local, _ = build(tmp_path, corpus, "local")
-    assert same_data(out, local)
+def test_ray_prepare_of_a_bad_jsonl_line_ends_in_one_line_and_writes_nothing(tmp_path, corpus, ray_cluster):
+    """The line is found by a Ray Data task: its error reaches the command as one line, exit 2. (The bytes tokenizer
+    on Ray is the BPE run's encode step without a tokenizer: its output is the local path's, tested above.)"""
     bad = tmp_path / "bad"
     shutil.copytree(corpus, bad)
     with open(bad / "notes.jsonl", "a") as f:

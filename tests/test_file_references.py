@@ -1,10 +1,12 @@
 """Files by reference (datasets/files.py): a JSON Lines manifest naming WAV files by relative path, read as the
 examples/audio_clips task declares (`file_columns = ("path",)`), trains bitwise like the same rows as Parquet with the
-bytes inline, under torchrun and on 2 Ray workers; a missing file is one line naming it and its manifest row, before
-training where it is checked and at the step that reaches it otherwise.
+bytes inline, under torchrun; a missing file is one line naming it and its manifest row, before training where it
+is checked and at the step that reaches it otherwise.
 
 The function-level tests cover resolution and the fetch; the torchrun cases run in one launch
-(tests/torchrun_cases.py); the Ray run joins the session's shared head.
+(tests/torchrun_cases.py). The files are fetched by each worker's data stream, the same code under either launcher
+(that Ray's workers train as torchrun's is tests/test_train_ray.py's and tests/test_data_pipeline.py's), and the
+example runs from its own folder with its relative manifests in tests/test_examples.py and tests/test_bucketing.py.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from stride.datasets.order import Order
 from stride.datasets.splits import DataError, DataSpec, open_split
 from stride.datasets.stream import TrainStream
 
-# Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
-CLUSTER_STREAM_FIXTURES = {"torchrun_runs"}
 
 EXAMPLE = REPO / "examples" / "audio_clips"
 STEPS = 12
@@ -158,14 +158,6 @@ def _row_of(manifest: Path, name: str) -> int:
 
 
 @pytest.mark.slow
-def test_on_two_ray_workers_the_manifest_trains_as_under_torchrun(clips, torchrun_runs, shared_ray_head):
-    from conftest import run_cli
-
-    storage = clips / "ray_runs"
-    r = run_cli(["-m", "stride", "--config", "audio_clips.yaml", f"run.storage_path={storage}", *QUICK, "run.name=jsonl",
-                 "scaling.num_workers=2"], cwd=clips, env=shared_ray_head.env(), timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert not shared_ray_head.wait_idle()
-    assert outcome(storage / "jsonl") == outcome(torchrun_runs["storage"] / "jsonl")
-    assert not any(p.name.endswith(".json") for p in (clips / "data").iterdir())  # no index beside the data
-    assert (storage / ".stride-cache" / "index").is_dir()
+def test_the_manifests_index_is_cached_under_the_run_storage_never_beside_the_data(clips, torchrun_runs):
+    assert not any(p.name.endswith(".json") for p in (clips / "data").iterdir())  # the user's folder: untouched
+    assert any((torchrun_runs["storage"] / ".stride-cache" / "index").iterdir())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli_forked, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli_forked, run_torchrun_cases, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -125,19 +125,55 @@ def project(tmp_path_factory) -> Path:
     return folder
 
 
-def train(project: Path, data: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    """trainers/torchrun.py from the user's folder (their callbacks module is found there): 2 ranks under torchrun,
-    or 1 process forked from the fork server (its own output and exit status, without an interpreter's and torch's
-    start-up per run)."""
-    args = [str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/tabular_mlp.yaml"),
-            f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={project}/runs",
-            "train.epochs=null", "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
+def run_args(project: Path, data: Path, *extra: str) -> list[str]:
+    """trainers/torchrun.py's arguments for a small tabular run in the user's folder."""
+    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
+            f"data.val_path={data}/val", f"run.storage_path={project}/runs", "train.epochs=null",
+            "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
             "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra]
-    if nproc > 1:
-        return subprocess.run([*torchrun_launcher(nproc), *args], cwd=project,
-                              env=dict(os.environ, PYTHONPATH=str(project), PYTHONUNBUFFERED="1"),
-                              capture_output=True, text=True, timeout=300)
-    return run_cli_forked(args, cwd=project, env={"PYTHONPATH": str(project)}, timeout=300)
+
+
+def train(project: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    """trainers/torchrun.py from the user's folder (their callbacks module is found there), one process forked from
+    the fork server (its own output and exit status, without an interpreter's and torch's start-up per run)."""
+    return run_cli_forked([str(REPO / "trainers" / "torchrun.py"), *run_args(project, data, *extra)], cwd=project,
+                          env={"PYTHONPATH": str(project)}, timeout=300)
+
+
+COUNTER = "train.callbacks=[my_callbacks:Counter]"
+STOP_AT_30 = "train.callbacks=[my_callbacks:Counter, {my_callbacks:StopAt: {step: 30}}]"
+EMA = ["run.name=ema", "train.ema={decay: 0.9, eval: both}", "train.callbacks=[my_callbacks:ParamLog]",
+       "train.strategy=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(project, tabular_data, tmp_path_factory) -> dict:
+    """This file's 2-rank runs under ONE torchrun launch (tests/torchrun_cases.py), each a run of its own: the
+    Counter run resumed from a 1-process run (made first, its counters kept for the test), the EMA run under FSDP,
+    and a task's training metrics with the sample log. A test reads its case with `case()`."""
+    first = train(project, tabular_data, "run.name=cb", "train.max_steps=20", COUNTER)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cb_after_first = counters(project / "runs" / "cb")
+    log = project / "samples_metric"
+    cases = [
+        {"label": "cb", "args": run_args(project, tabular_data, "run.name=cb", "train.max_steps=40", STOP_AT_30)},
+        {"label": "ema", "args": run_args(project, tabular_data, "train.max_steps=25", "train.batch_size_per_worker=64",
+                                          *EMA)},
+        {"label": "metric", "env": {"STRIDE_SAMPLE_LOG": str(log)},
+         "args": run_args(project, tabular_data, "run.name=metric", "model.name=my_callbacks:MetricMLP",
+                          "train.max_steps=12", "train.log_every_steps=4", "train.grad_accum_steps=2",
+                          "train.batch_size_per_worker=16")},
+    ]
+    r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("callbacks_cases"), project,
+                                  {"PYTHONPATH": str(project)}, timeout=400)
+    return {"launch": r, "ranks": ranks, "cb_after_first": cb_after_first, "sample_log": log}
+
+
+def case(two_ranks: dict, label: str) -> None:
+    """Fails the calling test alone if its case failed on either rank."""
+    cases = [{c["label"]: c for c in rank}.get(label) for rank in two_ranks["ranks"]]
+    assert all(c is not None and c["code"] == 0 for c in cases), \
+        ([c and (c["code"], c["stderr"][-2000:]) for c in cases], two_ranks["launch"].stderr[-3000:])
 
 
 def export(run: Path, out: Path, *flags: str) -> None:
@@ -153,16 +189,13 @@ def counters(run: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(run.glob("counter_rank*.json"))]
 
 
-def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_run_for_good(project, tabular_data):
+def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_run_for_good(project, tabular_data,
+                                                                                            two_ranks):
     run = project / "runs" / "cb"
-    first = train(project, tabular_data, 1, "run.name=cb", "train.max_steps=20", "train.callbacks=[my_callbacks:Counter]")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert counters(run) == [{"steps": 20, "starts": 1, "step": 20, "world_size": 1}]
+    assert two_ranks["cb_after_first"] == [{"steps": 20, "starts": 1, "step": 20, "world_size": 1}]
 
     # Resumed on 2 ranks: each rank's Counter starts from the checkpoint's state; StopAt ends the run at step 30.
-    cbs = "train.callbacks=[my_callbacks:Counter, {my_callbacks:StopAt: {step: 30}}]"
-    second = train(project, tabular_data, 2, "run.name=cb", "train.max_steps=40", cbs)
-    assert second.returncode == 0, second.stderr[-3000:]
+    case(two_ranks, "cb")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["global_step"] == 30 and summary["world_size"] == 2
     assert counters(run) == [{"steps": 30, "starts": 2, "step": 30, "world_size": 2}] * 2
@@ -170,7 +203,7 @@ def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_r
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r] == [5, 10, 15, 20, 25, 30]
 
     # The same command again trains nothing: the callback ended the run.
-    third = train(project, tabular_data, 1, "run.name=cb", "train.max_steps=40", cbs)
+    third = train(project, tabular_data, "run.name=cb", "train.max_steps=40", STOP_AT_30)
     assert third.returncode == 0, third.stderr[-3000:]
     again = json.loads((run / "summary.json").read_text())
     assert again["status"] == "stopped" and again["global_step"] == 30 and again["restarts"] == summary["restarts"]
@@ -178,7 +211,7 @@ def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_r
 
 
 def test_a_tasks_own_callbacks_run_after_the_configs(project, tabular_data):
-    r = train(project, tabular_data, 1, "run.name=task_cb", "train.max_steps=10",
+    r = train(project, tabular_data, "run.name=task_cb", "train.max_steps=10",
               "model.name=my_callbacks:CountingMLP")
     assert r.returncode == 0, r.stderr[-3000:]
     assert counters(project / "runs" / "task_cb") == [{"steps": 10, "starts": 1, "step": 10, "world_size": 1}]
@@ -187,7 +220,7 @@ def test_a_tasks_own_callbacks_run_after_the_configs(project, tabular_data):
 def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_checkpoint(project, tabular_data):
     from stride.trainers import checkpointing
 
-    r = train(project, tabular_data, 1, "run.name=boom", "train.max_steps=40", "train.callbacks=[my_callbacks:Boom]")
+    r = train(project, tabular_data, "run.name=boom", "train.max_steps=40", "train.callbacks=[my_callbacks:Boom]")
     assert r.returncode == 1
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("stride: error:")]
     assert errors == ["stride: error: callback my_callbacks:Boom failed in on_step_end: RuntimeError: boom at step 15"]
@@ -200,7 +233,7 @@ def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_che
 def test_early_stopping_ends_the_run_where_its_rule_says_and_a_rerun_trains_no_further(project, tabular_data):
     # mode max on val_loss, which falls as the model learns: from the second evaluation on, nothing improves
     es = "train.early_stopping={metric: val_loss, mode: max, patience: 2}"
-    r = train(project, tabular_data, 1, "run.name=es", "train.max_steps=200", es)
+    r = train(project, tabular_data, "run.name=es", "train.max_steps=200", es)
     assert r.returncode == 0, r.stderr[-3000:]
     run = project / "runs" / "es"
     evals = [(x["step"], x["val_loss"]) for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x]
@@ -217,26 +250,18 @@ def test_early_stopping_ends_the_run_where_its_rule_says_and_a_rerun_trains_no_f
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped_early" and summary["global_step"] == expected and summary["final"]
     assert (run / f"checkpoint_{expected:08d}").is_dir()
-    again = train(project, tabular_data, 1, "run.name=es", "train.max_steps=200", es)
+    again = train(project, tabular_data, "run.name=es", "train.max_steps=200", es)
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads((run / "summary.json").read_text())
     assert rerun["status"] == "stopped_early" and rerun["global_step"] == expected
     assert [x["step"] for x in read_jsonl(run / "metrics.jsonl") if "val_loss" in x][-1] == expected
 
 
-def test_a_tasks_training_metrics_are_averaged_over_the_interval_and_the_ranks(project, tabular_data):
+def test_a_tasks_training_metrics_are_averaged_over_the_interval_and_the_ranks(project, tabular_data, two_ranks):
     import pyarrow.parquet as pq
 
-    log = project / "samples_metric"
-    r = subprocess.run(
-        [*torchrun_launcher(2), str(REPO / "trainers" / "torchrun.py"), "--config",
-         str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
-         f"data.val_path={tabular_data}/val", f"run.storage_path={project}/runs", "run.name=metric",
-         "model.name=my_callbacks:MetricMLP", "train.epochs=null", "train.max_steps=12", "train.log_every_steps=4",
-         "train.grad_accum_steps=2", "train.batch_size_per_worker=16", "tracking.mlflow=false"],
-        cwd=project, env=dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(log)), capture_output=True,
-        text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    case(two_ranks, "metric")
+    log = two_ranks["sample_log"]
     table = pq.read_table(tabular_data / "train", columns=["sample_id", "label"])
     label = dict(zip(table["sample_id"].to_pylist(), table["label"].to_pylist()))
     ids: dict[int, list[int]] = {}  # log interval -> every sample any rank trained on in it
@@ -260,7 +285,7 @@ def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_expor
     keep = [f"run.name=best_{mode}", "train.eval_every_steps=5", "checkpoint.every_steps=5", "checkpoint.keep_last=1",
             f"checkpoint.keep_best={{metric: val_loss, mode: {mode}, k: 2}}"]
     for steps in (20, 40):  # the second run resumes the first at step 20
-        r = train(project, tabular_data, 1, f"train.max_steps={steps}", *keep)
+        r = train(project, tabular_data, f"train.max_steps={steps}", *keep)
         assert r.returncode == 0, r.stderr[-3000:]
     run = project / "runs" / f"best_{mode}"
     evals = sorted(((x["val_loss"] if mode == "min" else -x["val_loss"], x["step"])
@@ -277,19 +302,17 @@ def test_keep_best_keeps_the_best_val_loss_checkpoints_across_a_resume_and_expor
         assert f.metadata()["step"] == str(want[0])
 
 
-def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_the_logged_weights(project, tabular_data):
+def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_the_logged_weights(project, tabular_data,
+                                                                                                 two_ranks):
     import shutil
 
     import torch
     from safetensors.torch import load_file
 
-    ema = ["run.name=ema", "train.ema={decay: 0.9, eval: both}", "train.callbacks=[my_callbacks:ParamLog]",
-           "train.strategy=fsdp"]
-    first = train(project, tabular_data, 2, "train.max_steps=25", "train.batch_size_per_worker=64", *ema)
-    assert first.returncode == 0, first.stderr[-3000:]
+    case(two_ranks, "ema")  # 25 steps on 2 FSDP ranks
     run = project / "runs" / "ema"
     shutil.rmtree(run / "checkpoint_00000025")  # killed after step 20's checkpoint: what follows is lost
-    second = train(project, tabular_data, 1, "train.max_steps=40", "train.batch_size_per_worker=128", *ema)
+    second = train(project, tabular_data, "train.max_steps=40", "train.batch_size_per_worker=128", *EMA)
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["world_size"] == 1 and summary["restarts"] == 1
@@ -365,7 +388,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
 
     end = k + 20
     for name in ("ema_kill", "ema_twin"):
-        r = train(project, tabular_data, 1, f"run.name={name}", f"train.max_steps={end}", "train.log_every_steps=5",
+        r = train(project, tabular_data, f"run.name={name}", f"train.max_steps={end}", "train.log_every_steps=5",
                   "train.batch_size_per_worker=128", *common)
         assert r.returncode == 0, r.stderr[-3000:]
     outs = {}

@@ -41,6 +41,8 @@ PARAM_BYTES = (16 * 7 + 16 + 3 * (16 * 16 * 3 + 16) + 16 * 4 + 4) * 4
 # of training (10 ms steps), so that each stop lands, and each periodic checkpoint's background write completes,
 # long before the end even on a loaded machine (300 steps once ended 1.5 s after step 110).
 RAY_STEPS = 1000
+# The run cut after 10 steps on 2 workers and resumed on 1 (test_two_worker_checkpoint_resumes_on_one_worker_...).
+ELASTIC = ["checkpoint.every_steps=10", "train.log_every_steps=2", "train.eval_every_steps=100"]
 RAY_ARGS = [f"train.max_steps={RAY_STEPS}", "train.batch_size_per_worker=128", "checkpoint.every_steps=100",
             "train.log_every_steps=10", "train.eval_every_steps=100"]
 
@@ -188,15 +190,18 @@ def test_mlflow_run_records_the_tasks_fields_and_metric(ray_run, project):
 @pytest.fixture(scope="module")
 def torchrun_runs(project, tmp_path_factory):
     """The user's task under ONE torchrun launch of 2 ranks (tests/torchrun_cases.py), each case a run of its own:
-    DDP, FSDP, DDP with activation checkpointing, compiled with activation checkpointing, bf16 and fp16. A test
+    DDP, FSDP, DDP with activation checkpointing, compiled with activation checkpointing, bf16, fp16, and the first
+    10 steps of the run that resumes on one worker (with the sample log). A test
     reads its run with case_run(), which fails that test alone if its case failed."""
     storage = tmp_path_factory.mktemp("torchrun")
     common = ["--config", "signal.yaml", f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
     short = ["train.max_steps=10", "train.eval_every_steps=10"]
     cases = {"ddp": [], "fsdp": ["train.strategy=fsdp"], "ddp_ac": ["train.activation_checkpointing=true"],
              "compiled": ["train.compile=true", "train.activation_checkpointing=true"],
-             "bf16": ["train.precision=bf16", *short], "fp16": ["train.precision=fp16", *short]}
-    r, ranks = run_torchrun_cases([{"label": name, "args": [*common, f"run.name={name}", *extra]}
+             "bf16": ["train.precision=bf16", *short], "fp16": ["train.precision=fp16", *short],
+             "elastic": [*ELASTIC, "train.batch_size_per_worker=64", "train.max_steps=10"]}
+    env = {"elastic": {"STRIDE_SAMPLE_LOG": str(storage / "samples")}}
+    r, ranks = run_torchrun_cases([{"label": name, "args": [*common, f"run.name={name}", *extra], "env": env.get(name, {})}
                                    for name, extra in cases.items()], tmp_path_factory.mktemp("torchrun_cases"), project)
     return {"dir": storage, "launch": r, "ranks": ranks}
 
@@ -453,22 +458,20 @@ def _cmdline(pid: int) -> str:
 # ---- 7. a 2-worker checkpoint resumed by 1 worker ---------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(project, tmp_path):
-    """torchrun, 2 ranks x 64 rows for 10 steps, then the same run in 1 process x 128 rows (the same global batch)
-    to the end of the epoch: every training row is seen exactly once in epoch 0 (STRIDE_SAMPLE_LOG). The resharding
-    is the loop's, the same under Ray (whose resume at another world size is the FSDP torchrun-to-Ray case and the
-    elastic job's)."""
-    log = tmp_path / "samples"
+def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(project, torchrun_runs):
+    """torchrun, 2 ranks x 64 rows for 10 steps (a case of the batch), then the same run in 1 process x 128 rows (the
+    same global batch) to the end of the epoch: every training row is seen exactly once in epoch 0
+    (STRIDE_SAMPLE_LOG). The resharding is the loop's, the same under Ray (whose resume at another world size is the
+    FSDP torchrun-to-Ray case and the elastic job's)."""
+    run, _ = case_run(torchrun_runs, "elastic")
+    storage, log = torchrun_runs["dir"], torchrun_runs["dir"] / "samples"
     rows = 2048
     per_epoch = rows // 128
-    common = [f"run.storage_path={tmp_path}", "run.name=elastic", "tracking.mlflow=false", "checkpoint.every_steps=10",
-              "train.log_every_steps=2", "train.eval_every_steps=100"]
-    env = {"STRIDE_SAMPLE_LOG": str(log)}
-    torchrun(project, 2, *common, "train.batch_size_per_worker=64", "train.max_steps=10", env=env)
-    first = train_losses(tmp_path / "elastic")
-    r = torchrun(project, 1, *common, "train.batch_size_per_worker=128", f"train.max_steps={per_epoch}", env=env)
+    first = train_losses(run)
+    r = torchrun(project, 1, f"run.storage_path={storage}", "run.name=elastic", "tracking.mlflow=false", *ELASTIC,
+                 "train.batch_size_per_worker=128", f"train.max_steps={per_epoch}", env={"STRIDE_SAMPLE_LOG": str(log)})
     assert "(step 10)" in r.stdout and "at step 10" in r.stdout
-    s = summary(tmp_path / "elastic")
+    s = summary(run)
     assert s["status"] == "completed" and s["restarts"] == 1 and s["world_size"] == 1
     assert s["global_step"] == per_epoch and s["samples_seen"] == per_epoch * 128
     seen = [(r["micro_step"], r["world_size"], i) for f in log.glob("rank*.jsonl") for r in read_jsonl(f)
@@ -476,7 +479,7 @@ def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(proj
     assert {w for m, w, _ in seen if m < 10} == {2} and {w for m, w, _ in seen if m >= 10} == {1}
     ids = [i for m, _, i in seen if m < per_epoch]
     assert len(ids) == len(set(ids)) == rows and set(ids) == set(range(rows))  # none twice, none skipped
-    losses = train_losses(tmp_path / "elastic")
+    losses = train_losses(run)
     assert {k: losses[k] for k in first} == first and max(losses) == per_epoch  # continued, not restarted
     assert losses[per_epoch] < first[2]
 

@@ -6,14 +6,13 @@ a user's own task (tests/test_user_task.py), which asserts more (MLflow run, eva
 mechanism is the same for the built-in tasks."""
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +50,17 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     assert list((tmp_path / "unregistered").glob(f"{SNAPSHOT}.unreadable-*"))  # moved aside, not deleted
 
 
-# Loaded by every Python process of the job (PYTHONPATH), Ray's workers included: rank 0's write of its checkpoint
-# shard (the fsync DCP does after writing __0_0.distcp) fails with an I/O error the first FLAKY_FAILS times for each
-# checkpoint folder.
+# Loaded by every Python process of the launch (PYTHONPATH): while a run's environment has FLAKY_LOG, rank 0's write
+# of its checkpoint shard (the fsync DCP does after writing __0_0.distcp) fails with an I/O error the first FLAKY_FAILS
+# times for each checkpoint folder. Read at each call: the launch's cases each set their own environment.
 FLAKY_STORAGE = """
 import os
 
-if os.environ.get("FLAKY_LOG"):
-    _fsync, _calls = os.fsync, {}
+_fsync, _calls = os.fsync, {}
 
-    def fsync(fd):
+
+def fsync(fd):
+    if os.environ.get("FLAKY_LOG"):
         try:
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
@@ -72,88 +72,91 @@ if os.environ.get("FLAKY_LOG"):
                 with open(os.environ["FLAKY_LOG"], "a") as f:
                     f.write(f"{folder}\\n")
                 raise OSError(5, "Input/output error")
-        return _fsync(fd)
+    return _fsync(fd)
 
-    os.fsync = fsync
+
+os.fsync = fsync
 """
+SMALL = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10", "checkpoint.keep_last=5"]
 
 
-def torchrun(args: list[str], env: dict, nproc: int = 2) -> subprocess.CompletedProcess:
-    """trainers/torchrun.py with `nproc` processes instead of trainers/main.py on Ray (args as job_args gives them);
-    one process is forked from the fork server, without a launcher."""
-    if nproc == 1:
-        return run_cli_forked(["trainers/torchrun.py", *args[1:]], env=env, timeout=600)
-    cmd = [*torchrun_launcher(nproc), "trainers/torchrun.py", *args[1:]]
-    return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1", **env), capture_output=True,
-                          text=True, timeout=600)
+@pytest.fixture(scope="module")
+def two_ranks(tabular_data, tmp_path_factory) -> dict:
+    """This file's 2-rank runs under ONE torchrun launch (tests/torchrun_cases.py), with the flaky storage on the
+    launch's PYTHONPATH: a run whose checkpoint writes fail twice each, the same run resumed on storage that stays
+    broken, and the 1 -> 2 workers resume (its 1-worker half runs first, forked). A test reads its case with case()."""
+    root = tmp_path_factory.mktemp("reliability")
+    hooks = root / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FLAKY_STORAGE)
+    storage, log, samples = root / "runs", root / "injected.txt", root / "samples"
+    rows = pq.ParquetDataset(tabular_data / "train").read(columns=["sample_id"]).num_rows
+    elastic = [*job_args(tabular_data, storage, "elastic")[1:], "checkpoint.every_steps=10", "model.hidden_sizes=[32]"]
+    r = run_cli_forked(["trainers/torchrun.py", *elastic, "train.batch_size_per_worker=128", "train.max_steps=10"],
+                       env={"STRIDE_SAMPLE_LOG": str(samples)}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    flaky = {"FLAKY_LOG": str(log), "FLAKY_FAILS": "2"}
+    cases = [
+        {"label": "flaky", "env": flaky, "args": [*job_args(tabular_data, storage, "flaky", *SMALL)[1:],
+                                                  "train.max_steps=30"]},
+        {"label": "broken", "env": dict(flaky, FLAKY_FAILS="9"),
+         "args": [*job_args(tabular_data, storage, "flaky", *SMALL)[1:], "train.max_steps=40"]},
+        {"label": "elastic", "env": {"STRIDE_SAMPLE_LOG": str(samples)},
+         "args": [*elastic, "train.batch_size_per_worker=64", f"train.max_steps={rows // 128}"]},
+    ]
+    launch, ranks = run_torchrun_cases(cases, root / "cases", REPO, {"PYTHONPATH": str(hooks)})
+    return {"launch": launch, "ranks": ranks, "storage": storage, "injected": log, "samples": samples, "rows": rows}
 
 
-def test_transient_storage_errors_on_two_ranks_are_retried(tmp_path, tabular_data):
+def case(two_ranks: dict, label: str, code: int = 0) -> str:
+    """Rank 0's output of one case, once both ranks ended it with `code` (else the calling test fails alone)."""
+    cases = [{c["label"]: c for c in rank}.get(label) for rank in two_ranks["ranks"]]
+    assert all(c is not None and c["code"] == code for c in cases), \
+        ([c and (c["code"], c["stderr"][-2000:]) for c in cases], two_ranks["launch"].stderr[-3000:])
+    return cases[0]["stdout"] + cases[0]["stderr"]
+
+
+def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
     """The background writer goes through Stride's retries: a storage hiccup on one rank costs every rank another
     try (DCP reports it to all), not the run, and every checkpoint that lands is complete. Storage that stays broken
     ends the run with a message that names the path. The loop's own guarantee: 2 ranks under torchrun prove it
     (the Ray launcher runs the same loop)."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(FLAKY_STORAGE)
-    log = tmp_path / "injected.txt"
-    small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10", "checkpoint.keep_last=5"]
-    env = {"PYTHONPATH": str(hooks), "FLAKY_LOG": str(log), "FLAKY_FAILS": "2"}
-    r = torchrun(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=30"), env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    injected = log.read_text().splitlines()
     from stride.trainers import checkpointing
 
-    folders = sorted((c for c in (tmp_path / "flaky").glob("checkpoint_*") if c.is_dir()),
-                     key=lambda c: checkpointing.read_meta(c)["step"])
+    out, run = case(two_ranks, "flaky"), two_ranks["storage"] / "flaky"
+    injected = two_ranks["injected"].read_text().splitlines()
+    # Every checkpoint the flaky run wrote is complete (the broken run's step 40 never was).
+    folders = [run / f"checkpoint_{step:08d}" for step in (10, 20, 30)]
     assert [checkpointing.read_meta(c)["step"] for c in folders] == [10, 20, 30]
     assert all(checkpointing.verify(c) is None for c in folders)
-    # Each checkpoint's shard write failed twice, then the third try landed it.
-    assert sorted(Path(d).name for d in injected) == sorted(c.name for c in folders for _ in range(2))
-    rank0 = [ln for ln in (r.stdout + r.stderr).splitlines() if "[stride rank 0]" in ln]
-    retries = [ln for ln in rank0 if "retry" in ln]
+    assert sorted(c for c in run.glob("checkpoint_*") if c.is_dir() and checkpointing.verify(c) is None) == folders
+    # Each checkpoint's shard write failed twice, then the third try landed it (the broken run's 40 never did).
+    failed = [Path(d).name for d in injected]
+    assert sorted(n for n in failed if n != "checkpoint_00000040") == sorted(f"checkpoint_{s:08d}" for s in (10, 20, 30)
+                                                                         for _ in range(2))
+    retries = [ln for ln in out.splitlines() if "[stride rank 0]" in ln and "retry" in ln]
     assert len([ln for ln in retries if "retry 1/3" in ln]) == 3 and len([ln for ln in retries if "retry 2/3" in ln]) == 3
     assert not any("retry 3/3" in ln for ln in retries), retries
-    assert json.loads((tmp_path / "flaky" / "summary.json").read_text())["status"] == "completed"
 
     # Storage that stays broken ends the run with the path and what to check; the run's earlier checkpoints stay.
-    r = torchrun(job_args(tabular_data, tmp_path, "flaky", *small, "train.max_steps=40"), dict(env, FLAKY_FAILS="9"))
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    out = case(two_ranks, "broken", code=1)
     assert re.search(r"stride: error: checkpoint checkpoint_\d+ could not be written \(\[Errno 5\] Input/output error; "
                      r"failed 4 times\); the last complete checkpoint is \S*/flaky/checkpoint_00000030: make "
-                     r"run.storage_path \(\S+\) writable", r.stdout + r.stderr), r.stderr[-2000:]
-    assert checkpointing.read_meta(checkpointing.newest_complete(tmp_path / "flaky"))["step"] == 30
+                     r"run.storage_path \(\S+\) writable", out), out[-2000:]
+    assert checkpointing.read_meta(checkpointing.newest_complete(run))["step"] == 30
     assert all(checkpointing.verify(c) is None for c in folders)
 
 
-def _ids_once_per_epoch(log_dir, rows, global_batch):
-    seen = []
-    for f in log_dir.glob("rank*.jsonl"):
-        seen += [(r["micro_step"], i) for r in read_jsonl(f) for i in r["sample_ids"]]
-    per_epoch = rows // global_batch
+def test_elastic_resume_one_worker_to_two(two_ranks):
+    """10 steps on 1 worker x 128 rows, then resumed on 2 workers x 64 (the same global batch) to the end of the
+    epoch: every training row once in epoch 0, across both world sizes."""
+    out = case(two_ranks, "elastic")
+    assert "at step 10" in out
+    s = json.loads((two_ranks["storage"] / "elastic" / "summary.json").read_text())
+    assert s["restarts"] == 1 and s["world_size"] == 2
+    rows, per_epoch = two_ranks["rows"], two_ranks["rows"] // 128
+    seen = [(r["micro_step"], i) for f in two_ranks["samples"].glob("rank*.jsonl") for r in read_jsonl(f)
+            for i in r["sample_ids"]]
     epoch0 = [i for m, i in seen if m < per_epoch]
-    return epoch0
-
-
-def _elastic(tabular_data, tmp_path, first, second):
-    """Train part of an epoch with one world size (workers, batch per worker), resume with another (same global
-    batch), both under torchrun."""
-    import pyarrow.parquet as pq
-
-    rows = pq.ParquetDataset(tabular_data / "train").read(columns=["sample_id"]).num_rows
-    per_epoch = rows // 128
-    log = tmp_path / "samples"
-    for workers, batch, steps in (first + (10,), second + (per_epoch,)):
-        extra = [f"train.batch_size_per_worker={batch}", f"train.max_steps={steps}", "checkpoint.every_steps=10",
-                 "model.hidden_sizes=[32]"]
-        r = torchrun(job_args(tabular_data, tmp_path, "elastic") + extra, {"STRIDE_SAMPLE_LOG": str(log)}, workers)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    s = json.loads((tmp_path / "elastic" / "summary.json").read_text())
-    assert s["restarts"] == 1 and s["world_size"] == second[0]
-    epoch0 = _ids_once_per_epoch(log, rows, 128)
     assert len(epoch0) == len(set(epoch0)) == per_epoch * 128  # every sample once, across both world sizes
     assert rows - len(set(epoch0)) < 128
-
-
-def test_elastic_resume_one_worker_to_two(tabular_data, tmp_path):
-    _elastic(tabular_data, tmp_path, (1, 128), (2, 64))

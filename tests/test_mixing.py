@@ -144,13 +144,20 @@ def regression_mix(tmp_path_factory):
 
 
 def torchrun(project, nproc, *args, log=None, popen=False):
+    """trainers/torchrun.py from the project: `nproc` ranks under torchrun, or one process forked from the fork
+    server (no launcher, no process group)."""
     import os
     import subprocess
 
-    from conftest import REPO, torchrun_launcher
+    from conftest import REPO, run_cli_forked, torchrun_launcher
 
-    cmd = [*torchrun_launcher(nproc),
-           str(REPO / "trainers" / "torchrun.py"), "--config", "regression.yaml", *args]
+    args = [str(REPO / "trainers" / "torchrun.py"), "--config", "regression.yaml", *args]
+    if nproc == 1 and not popen:
+        r = run_cli_forked(args, cwd=project, env={"PYTHONPATH": str(project), "STRIDE_SAMPLE_LOG": str(log)},
+                           timeout=400)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r
+    cmd = [*torchrun_launcher(nproc), *args]
     env = dict(os.environ, PYTHONPATH=str(project), STRIDE_SAMPLE_LOG=str(log))
     if popen:
         return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -33,12 +33,12 @@ def generate(tmp_path, tokens: int) -> str:
 
 def test_make_train_prepares_its_data_trains_and_prints_where_the_results_are(tmp_path):
     before = auth_folders()
-    r, s = make_train(tmp_path, "train.max_steps=40", "train.eval_every_steps=40", "checkpoint.every_steps=40")
+    r, s = make_train(tmp_path, "train.max_steps=20", "train.eval_every_steps=20", "checkpoint.every_steps=20")
     # The embedded Ray's private token folder goes with the run (it was left behind, one per run); a folder whose
     # driver still runs is another test's.
     assert not set(auth_folders(owner_alive=False)) - set(before)
     assert (tmp_path / "data" / "pystdlib" / "train").is_dir() and (tmp_path / "data" / "pystdlib" / "val").is_dir()
-    assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == 40
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == 20
     assert s["val_loss"] < s["initial_val_loss"]
     for what in ("summary", "metrics", "checkpoint", "mlflow"):
         assert re.search(rf"^stride: {what}\s+\S", r.stdout, re.M), what

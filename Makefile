@@ -50,7 +50,7 @@ train: $(STAMP) $(DATA)/pystdlib/train
 TEST_ENV := PYTHONDONTWRITEBYTECODE=1
 PYTEST := $(TEST_ENV) $(VENV)/bin/pytest -p no:cacheprovider
 # Two streams (tests/conftest.py): the tests on the shared Ray head beside every other slow test; the fast tier fills
-# in. PYTEST_ARGS="-n 0" runs one stream (fewer CPU-seconds, longer) and adds the table of the 25 costliest tests.
+# in. PYTEST_ARGS="-n 0" runs one stream (longer) and adds the table of the 25 costliest tests.
 test: $(STAMP)
 	bash tests/setup_services.sh
 	$(PYTEST) -n 2 --dist loadgroup -m "not system" $(PYTEST_ARGS)

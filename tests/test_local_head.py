@@ -33,8 +33,17 @@ def test_node_stop_ends_the_nodes_processes_and_nothing_else(tmp_path):
     bystander = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(600)"])  # not part of the node
     try:
         state = node.start(tmp_path, [PYTHON, "-c", FAKE_RAY_START], quiet=True)
+
+        def settled(procs: dict) -> bool:
+            # What `ray start` leaves once it has exited: five processes, two in sessions of their own, one of them
+            # an orphan. Counting five alone could stop early (the fake `ray start` and its fourth child still up
+            # before the last two children exist, or a child not yet out of its parent's session: setsid runs after
+            # the fork).
+            others = [p for p in procs.values() if p["sid"] != state["sid"]]
+            return len(procs) == 5 and len(others) == 2 and any(p["ppid"] not in procs for p in others)
+
         deadline = time.time() + 10
-        while len(node.node_processes(state)) < 5 and time.time() < deadline:
+        while not settled(node.node_processes(state)) and time.time() < deadline:
             time.sleep(0.1)
         procs = node.node_processes(state)
         found = {pid: p["start_s"] for pid, p in procs.items()}

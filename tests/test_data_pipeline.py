@@ -1,7 +1,7 @@
 """data.pipeline=ray_data: Ray Data tasks read and transform the training rows, and the run is the same run as with
 the worker's own thread (data.pipeline=thread), augmentation included. The thread pipeline's reference runs under
-torchrun: the loop and its data stream are the same under either launcher (tests/test_train_ray.py), and only the Ray
-Data run needs Ray. Without CPUs beside the gang ray_data is refused before any worker starts: a function of the
+torchrun, without MLflow: the Ray run is also the suite's proof that the two launchers, MLflow on or off, train
+alike bitwise. Without CPUs beside the gang ray_data is refused before any worker starts: a function of the
 cluster's resources (tests/test_bad_inputs.py::test_ray_data_needs_cpus_beside_the_gang), whose end-to-end refusal
 is the gang's, once for the command (tests/test_bad_inputs.py)."""
 
@@ -18,7 +18,7 @@ from test_examples import TORCHRUN, check, example, read_jsonl
 pytestmark = pytest.mark.slow
 
 
-ARGS = ["--config", "image_classifier.yaml", "tracking.mlflow=false", "train.max_steps=12", "train.log_every_steps=1",
+ARGS = ["--config", "image_classifier.yaml", "train.max_steps=12", "train.log_every_steps=1",
         "train.eval_every_steps=12", "checkpoint.every_steps=12", "train.batch_size_per_worker=16",
         "train.grad_accum_steps=2", "scaling.num_workers=2", "scaling.cpus_per_worker=0.5"]
 
@@ -39,7 +39,8 @@ def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(tmp_path, ray
     # The image example decodes PNGs and augments them with np.random in transform: the stream that moves into
     # Ray Data tasks must draw exactly what the training thread draws, micro-batch after micro-batch.
     folder = example("image_classifier", tmp_path, "--train", "800", "--val", "200")
-    out_t, thread, lines_t = train(folder, "thread", None, "data.pipeline=thread")
+    # MLflow records the Ray run (its default store beside the runs) and not the torchrun one: it changes nothing.
+    out_t, thread, lines_t = train(folder, "thread", None, "data.pipeline=thread", "tracking.mlflow=false")
     out_r, ray_data, lines_r = train(folder, "ray_data", ray_cluster, "data.pipeline=ray_data")
     assert "data pipeline ray_data" in out_r  # the Ray driver's line naming the cluster and the pipeline
     assert thread["config"]["data"]["pipeline"] == "thread" and ray_data["config"]["data"]["pipeline"] == "ray_data"
@@ -48,3 +49,4 @@ def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(tmp_path, ray
     assert losses(lines_t) == losses(lines_r) and len(losses(lines_t)) == 12
     assert thread["param_checksums"] == ray_data["param_checksums"]
     assert thread["val_loss"] == ray_data["val_loss"]
+    assert thread["mlflow_run_id"] is None and ray_data["mlflow_run_id"]

@@ -5,7 +5,7 @@ is checked and at the step that reaches it otherwise.
 
 The function-level tests cover resolution and the fetch; the torchrun cases run in one launch
 (tests/torchrun_cases.py). The files are fetched by each worker's data stream, the same code under either launcher
-(that Ray's workers train as torchrun's is tests/test_train_ray.py's and tests/test_data_pipeline.py's), and the
+(that Ray's workers train as torchrun's, bitwise, is tests/test_data_pipeline.py's), and the
 example runs from its own folder with its relative manifests in tests/test_examples.py and tests/test_bucketing.py.
 """
 

@@ -1,18 +1,18 @@
 """Two CPU workers under Ray Train (gloo) on the built-in task: loss falls, replicas agree, every row once, an MLflow
-server records the run, and torchrun gives the same losses as Ray. The run is started from a user's folder that holds
+server records the run. The run is started from a user's folder that holds
 their callbacks module (tests/test_callbacks.py's), with TensorBoard beside MLflow: the callbacks run on every Ray
 worker and TensorBoard records the run. Resume on Ray (the step, the same MLflow run, no second one) is the run
-stopped four ways in tests/test_user_task.py."""
+stopped four ways in tests/test_user_task.py; that torchrun and Ray train alike, bitwise, with MLflow on in the Ray run
+only, is tests/test_data_pipeline.py's."""
 
 import json
 import os
-import subprocess
 import textwrap
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO, read_jsonl, run_cli, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli
 from test_callbacks import CALLBACKS, counters
 from test_sinks import scalars
 
@@ -100,17 +100,3 @@ def test_mlflow_records_params_and_metrics(ray_runs):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [20, 40]
     assert run.data.tags.get("final_checkpoint") == s["checkpoint"]
     assert run.info.status == "FINISHED"
-
-
-def test_torchrun_gives_the_same_losses_as_ray(ray_runs, tabular_data, tmp_path):
-    """The same config and seed give the same losses under torchrun as on Ray, with MLflow and the sample log on in
-    the Ray run and off here: neither changes the run (a second Ray run for determinism alone was dropped; the loop's
-    determinism is tested in process: tests/test_loop.py, a stopped and resumed run equals one never stopped)."""
-    r = subprocess.run([*torchrun_launcher(2), "trainers/torchrun.py",
-                        *tiny_args(tabular_data, tmp_path, "t", STEPS, "tracking.mlflow=false")],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((tmp_path / "t" / "summary.json").read_text())
-    assert s["world_size"] == 2 and s["param_checksums"][0] == s["param_checksums"][1]
-    ray_losses = losses(ray_runs["storage"] / "a")
-    assert len(ray_losses) == STEPS // 5 and losses(tmp_path / "t") == pytest.approx(ray_losses, rel=1e-6)

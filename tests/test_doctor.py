@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import free_port, run_cli
+from conftest import free_port, run_cli, run_cli_forked
 
 DOCTOR = ["-m", "stride.ray_cluster.doctor"]
 CORES = os.cpu_count() or 1
@@ -29,7 +29,7 @@ CORES = os.cpu_count() or 1
     (["--no-such-flag"], "--no-such-flag"),
 ])
 def test_bad_option_value_exits_2_with_one_line(args, flag):
-    p = run_cli([*DOCTOR, *args], timeout=60)
+    p = run_cli_forked([*DOCTOR, *args], timeout=60)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in p.stderr, p.stderr
@@ -38,7 +38,7 @@ def test_bad_option_value_exits_2_with_one_line(args, flag):
 
 def test_more_workers_than_cpus_exits_2_quickly(tmp_path):
     t0 = time.monotonic()
-    p = run_cli([*DOCTOR, "--num-workers", str(CORES + 1), "--storage-path", str(tmp_path)], timeout=60)
+    p = run_cli_forked([*DOCTOR, "--num-workers", str(CORES + 1), "--storage-path", str(tmp_path)], timeout=60)
     elapsed = time.monotonic() - t0
     assert p.returncode == 2, p.stderr
     line = p.stderr.strip()
@@ -50,7 +50,7 @@ def test_more_workers_than_cpus_exits_2_quickly(tmp_path):
 def test_unreachable_address_exits_2_without_waiting(tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
-    p = run_cli([*DOCTOR, "--address", address, "--storage-path", str(tmp_path)], timeout=120)
+    p = run_cli_forked([*DOCTOR, "--address", address, "--storage-path", str(tmp_path)], timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     assert f"--address ({address}) is not reachable" in p.stderr and "Traceback" not in p.stderr
     assert time.monotonic() - t0 < 60

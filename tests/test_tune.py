@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli
+from conftest import PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked
 from tune_fixtures import (USER_TASK, copy_user_project, events, fake_cluster, max_overlap, signal_param_bytes,
                            wait_for, write_sweep)
 from stride.trainers.config import ConfigError
@@ -283,7 +283,7 @@ def test_unknown_space_key_exits_2_quickly(tmp_path, tabular_data):
     cfg = write_sweep(tmp_path / "s.yaml", tabular_data, tmp_path / "runs", sweep={"name": "bad"},
                       space={"optim.lrr": {"loguniform": [1e-4, 1e-1]}})
     t0 = time.time()
-    proc = run_cli(["tune/main.py", "--config", str(cfg)], timeout=60)
+    proc = run_cli_forked(["tune/main.py", "--config", str(cfg)], timeout=60)
     line = _one_line_error(proc)
     assert time.time() - t0 < 30
     assert "space.optim.lrr" in line and "optim.lr" in line
@@ -439,7 +439,7 @@ def test_changed_sweep_refuses_to_resume(asha_sweep, tmp_path):
     cfg = tmp_path / "changed.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     t0 = time.time()
-    line = _one_line_error(run_cli(["tune/main.py", "--config", str(cfg)], timeout=60))  # refused before Ray starts
+    line = _one_line_error(run_cli_forked(["tune/main.py", "--config", str(cfg)], timeout=60))  # refused before Ray starts
     assert time.time() - t0 < 30
     assert "different settings" in line and "space" in line and "new sweep.name" in line
 

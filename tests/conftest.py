@@ -136,6 +136,15 @@ def run_torchrun_cases(cases: list[dict], results: Path, cwd: Path, env: dict | 
     return r, ranks
 
 
+def torchrun_case(batch: dict, label: str, code: int = 0) -> str:
+    """Rank 0's output of one case of a run_torchrun_cases batch (`batch` holds its "launch" and "ranks"), once both
+    ranks ended it with `code`; else the calling test fails alone, showing each rank's code and stderr."""
+    cases = [{c["label"]: c for c in rank}.get(label) for rank in batch["ranks"]]
+    assert all(c is not None and c["code"] == code for c in cases), \
+        ([c and (c["code"], c["stderr"][-2000:]) for c in cases], batch["launch"].stderr[-3000:])
+    return cases[0]["stdout"] + cases[0]["stderr"]
+
+
 def run_cli(args: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run a Stride command in a subprocess (the way a user does) and capture its output."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

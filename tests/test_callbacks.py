@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli_forked, run_torchrun_cases, torchrun_launcher
+from conftest import REPO, read_jsonl, run_cli_forked, run_torchrun_cases, torchrun_case, torchrun_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ EMA = ["run.name=ema", "train.ema={decay: 0.9, eval: both}", "train.callbacks=[m
 def two_ranks(project, tabular_data, tmp_path_factory) -> dict:
     """This file's 2-rank runs under ONE torchrun launch (tests/torchrun_cases.py), each a run of its own: the
     Counter run resumed from a 1-process run (made first, its counters kept for the test), the EMA run under FSDP,
-    and a task's training metrics with the sample log. A test reads its case with `case()`."""
+    and a task's training metrics with the sample log. A test reads its case with `torchrun_case()`."""
     first = train(project, tabular_data, "run.name=cb", "train.max_steps=20", COUNTER)
     assert first.returncode == 0, first.stderr[-3000:]
     cb_after_first = counters(project / "runs" / "cb")
@@ -167,13 +167,6 @@ def two_ranks(project, tabular_data, tmp_path_factory) -> dict:
     r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("callbacks_cases"), project,
                                   {"PYTHONPATH": str(project)}, timeout=400)
     return {"launch": r, "ranks": ranks, "cb_after_first": cb_after_first, "sample_log": log}
-
-
-def case(two_ranks: dict, label: str) -> None:
-    """Fails the calling test alone if its case failed on either rank."""
-    cases = [{c["label"]: c for c in rank}.get(label) for rank in two_ranks["ranks"]]
-    assert all(c is not None and c["code"] == 0 for c in cases), \
-        ([c and (c["code"], c["stderr"][-2000:]) for c in cases], two_ranks["launch"].stderr[-3000:])
 
 
 def export(run: Path, out: Path, *flags: str) -> None:
@@ -195,7 +188,7 @@ def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_r
     assert two_ranks["cb_after_first"] == [{"steps": 20, "starts": 1, "step": 20, "world_size": 1}]
 
     # Resumed on 2 ranks: each rank's Counter starts from the checkpoint's state; StopAt ends the run at step 30.
-    case(two_ranks, "cb")
+    torchrun_case(two_ranks, "cb")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["global_step"] == 30 and summary["world_size"] == 2
     assert counters(run) == [{"steps": 30, "starts": 2, "step": 30, "world_size": 2}] * 2
@@ -260,7 +253,7 @@ def test_early_stopping_ends_the_run_where_its_rule_says_and_a_rerun_trains_no_f
 def test_a_tasks_training_metrics_are_averaged_over_the_interval_and_the_ranks(project, tabular_data, two_ranks):
     import pyarrow.parquet as pq
 
-    case(two_ranks, "metric")
+    torchrun_case(two_ranks, "metric")
     log = two_ranks["sample_log"]
     table = pq.read_table(tabular_data / "train", columns=["sample_id", "label"])
     label = dict(zip(table["sample_id"].to_pylist(), table["label"].to_pylist()))
@@ -309,7 +302,7 @@ def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_th
     import torch
     from safetensors.torch import load_file
 
-    case(two_ranks, "ema")  # 25 steps on 2 FSDP ranks
+    torchrun_case(two_ranks, "ema")  # 25 steps on 2 FSDP ranks
     run = project / "runs" / "ema"
     shutil.rmtree(run / "checkpoint_00000025")  # killed after step 20's checkpoint: what follows is lost
     second = train(project, tabular_data, "train.max_steps=40", "train.batch_size_per_worker=128", *EMA)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases
+from conftest import REPO, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases, torchrun_case
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ SMALL = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_ever
 def two_ranks(tabular_data, tmp_path_factory) -> dict:
     """This file's 2-rank runs under ONE torchrun launch (tests/torchrun_cases.py), with the flaky storage on the
     launch's PYTHONPATH: a run whose checkpoint writes fail twice each, the same run resumed on storage that stays
-    broken, and the 1 -> 2 workers resume (its 1-worker half runs first, forked). A test reads its case with case()."""
+    broken, and the 1 -> 2 workers resume (its 1-worker half runs first, forked). A test reads its case with torchrun_case()."""
     root = tmp_path_factory.mktemp("reliability")
     hooks = root / "hooks"
     hooks.mkdir()
@@ -108,14 +108,6 @@ def two_ranks(tabular_data, tmp_path_factory) -> dict:
     return {"launch": launch, "ranks": ranks, "storage": storage, "injected": log, "samples": samples, "rows": rows}
 
 
-def case(two_ranks: dict, label: str, code: int = 0) -> str:
-    """Rank 0's output of one case, once both ranks ended it with `code` (else the calling test fails alone)."""
-    cases = [{c["label"]: c for c in rank}.get(label) for rank in two_ranks["ranks"]]
-    assert all(c is not None and c["code"] == code for c in cases), \
-        ([c and (c["code"], c["stderr"][-2000:]) for c in cases], two_ranks["launch"].stderr[-3000:])
-    return cases[0]["stdout"] + cases[0]["stderr"]
-
-
 def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
     """The background writer goes through Stride's retries: a storage hiccup on one rank costs every rank another
     try (DCP reports it to all), not the run, and every checkpoint that lands is complete. Storage that stays broken
@@ -123,7 +115,7 @@ def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
     (the Ray launcher runs the same loop)."""
     from stride.trainers import checkpointing
 
-    out, run = case(two_ranks, "flaky"), two_ranks["storage"] / "flaky"
+    out, run = torchrun_case(two_ranks, "flaky"), two_ranks["storage"] / "flaky"
     injected = two_ranks["injected"].read_text().splitlines()
     # Every checkpoint the flaky run wrote is complete (the broken run's step 40 never was).
     folders = [run / f"checkpoint_{step:08d}" for step in (10, 20, 30)]
@@ -139,7 +131,7 @@ def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
     assert not any("retry 3/3" in ln for ln in retries), retries
 
     # Storage that stays broken ends the run with the path and what to check; the run's earlier checkpoints stay.
-    out = case(two_ranks, "broken", code=1)
+    out = torchrun_case(two_ranks, "broken", code=1)
     assert re.search(r"stride: error: checkpoint checkpoint_\d+ could not be written \(\[Errno 5\] Input/output error; "
                      r"failed 4 times\); the last complete checkpoint is \S*/flaky/checkpoint_00000030: make "
                      r"run.storage_path \(\S+\) writable", out), out[-2000:]
@@ -150,7 +142,7 @@ def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
 def test_elastic_resume_one_worker_to_two(two_ranks):
     """10 steps on 1 worker x 128 rows, then resumed on 2 workers x 64 (the same global batch) to the end of the
     epoch: every training row once in epoch 0, across both world sizes."""
-    out = case(two_ranks, "elastic")
+    out = torchrun_case(two_ranks, "elastic")
     assert "at step 10" in out
     s = json.loads((two_ranks["storage"] / "elastic" / "summary.json").read_text())
     assert s["restarts"] == 1 and s["world_size"] == 2

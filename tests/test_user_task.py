@@ -28,7 +28,7 @@ import yaml
 
 from cluster_fixtures import RAY, clean_env
 from conftest import (PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases,
-                      torchrun_launcher, wait_for_step)
+                      torchrun_case, torchrun_launcher, wait_for_step)
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -208,10 +208,7 @@ def torchrun_runs(project, tmp_path_factory):
 
 def case_run(torchrun_runs: dict, label: str) -> tuple[Path, str]:
     """The run folder of one case of the batch, once both ranks ran it to exit 0; and rank 0's output of it."""
-    cases = [{c["label"]: c for c in rank}.get(label) for rank in torchrun_runs["ranks"]]
-    launch = torchrun_runs["launch"].stderr[-3000:]
-    assert all(c is not None and c["code"] == 0 for c in cases), ([c and (c["code"], c["stderr"][-2000:]) for c in cases], launch)
-    return torchrun_runs["dir"] / label, cases[0]["stdout"] + cases[0]["stderr"]
+    return torchrun_runs["dir"] / label, torchrun_case(torchrun_runs, label)
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ class ValSource(Section):
 
 
 class DataSection(Section):
-    train_path: str = Field("data/pystdlib/train", description="Folder, file or glob of the training split: Parquet, JSON Lines (.jsonl, .json) or CSV files")
+    train_path: str | None = Field("data/pystdlib/train", description="Folder, file or glob of the training split: Parquet, JSON Lines (.jsonl, .json) or CSV files (null with data.train)")
     val_path: str | None = Field("data/pystdlib/val", description="Folder, file or glob of the validation split, as train_path (null: no validation)")
     shuffle_window_rows: int = Field(65536, ge=1, description="Rows shuffled together after the blocks (Parquet row groups, 4,096-line parts of text files) are permuted: more mixes better (a split sorted by label needs a window spanning many blocks), each worker holds about this many rows in memory (docs/data.md)")
     read_ahead_windows: int = Field(2, ge=1, description="Windows whose blocks each worker reads ahead of training (background threads)")
@@ -131,11 +131,13 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _one_way_to_name_a_split(self) -> "DataSection":
+        # Value-based, not only "did the user set it": a full dump (summary.json, which eval and predict rebuild)
+        # holds every key, so the single-source key is nulled beside its list and a null one never conflicts.
         for many, one in (("train", "train_path"), ("val", "val_path")):
             sources = getattr(self, many)
             if sources is None:
                 continue
-            if one in self.model_fields_set:
+            if one in self.model_fields_set and getattr(self, one) is not None:
                 raise ValueError(f"data.{many} and data.{one} are both set; keep data.{many} (several sources) or "
                                  f"data.{one} (one), not both")
             if not sources:
@@ -144,6 +146,10 @@ class DataSection(Section):
             names = [src.name for src in sources]
             if dup := sorted({n for n in names if names.count(n) > 1}):
                 raise ValueError(f"data.{many}: the name {dup[0]!r} is used twice; give each source its own name")
+            object.__setattr__(self, one, None)  # its default names the built-in data set, not these sources
+        if self.train is None and self.train_path is None:
+            raise ValueError("data.train_path is null and data.train is not set; name the training data, e.g. "
+                             "data.train_path=data/tabular/train")
         if self.train is not None:
             if not sum(src.weight for src in self.train) > 0:
                 raise ValueError("data.train: every weight is 0; give at least one source a weight above 0")
@@ -546,6 +552,13 @@ class Config(Section):
         return Path(self.run.storage_path).expanduser().resolve() / self.run.name
 
     def to_dict(self) -> dict[str, Any]:
+        """The keys the user set, as validated here (paths resolved): what workers, Tune trials and the eval and
+        predict gangs rebuild with from_dict, which fills the same defaults back in, so that every validator that
+        asks "did the user set this?" answers there as it did here."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    def full_dict(self) -> dict[str, Any]:
+        """Every key, defaults included: what a person reads (--print-config, summary.json, MLflow params)."""
         return self.model_dump(mode="json", by_alias=True)
 
 
@@ -754,6 +767,8 @@ def absolute_paths(cfg: Config) -> Config:
             value = getattr(section, field)
             if _is_path_field(info.annotation) and isinstance(value, Path) and not value.is_absolute():
                 object.__setattr__(section, field, Path(os.path.abspath(value.expanduser())))
+                section.model_fields_set.add(field)  # a resolved default travels to the workers as set here
+                cfg.model_fields_set.add(name)
     return cfg
 
 
@@ -900,14 +915,14 @@ def redact(uri: str | None) -> str | None:
 
 def public_dict(cfg: Config) -> dict[str, Any]:
     """The config as written to summary.json and MLflow: secrets redacted."""
-    d = cfg.to_dict()
+    d = cfg.full_dict()
     d["tracking"]["mlflow_uri"] = redact(d["tracking"]["mlflow_uri"])
     d["init"]["from"] = redact(d["init"]["from"])  # an object-store URI may carry a password too
     return d
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml.safe_dump(cfg.full_dict(), sort_keys=False)
 
 
 # ---- the configuration reference (docs/configuration.md), generated from the field descriptions ----

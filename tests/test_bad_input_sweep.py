@@ -19,6 +19,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from forked_cli import digest
+from services import unavailable
 from test_run_folder_code import corrupt_pages
 
 pytestmark = pytest.mark.slow
@@ -158,14 +159,18 @@ def finished(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def full_disk(finished):
-    """finished/full: a small tmpfs with no byte left (None where this user may not mount one: not root)."""
+    """finished/full: a small tmpfs with no byte left, or the reason it cannot be mounted here (a str: the test
+    calls services.unavailable with it, which fails under CI=true, where the suite runs as root)."""
     import subprocess
 
     where = finished / "full"
     where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                                           capture_output=True).returncode != 0:
-        yield None
+    if os.geteuid() != 0:
+        yield "mounting a small tmpfs (the full disk) needs root"
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        yield f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}"
         return
     try:
         fd = os.open(where / "filler", os.O_WRONLY | os.O_CREAT)
@@ -192,7 +197,7 @@ def results(finished, full_disk) -> dict[tuple, dict]:
     before = digest(finished)
     cases = ([main_argv(finished, o) for o, _ in MAIN_CASES] + [other_argv(finished, a) for a, _ in OTHER_CASES]
              + [hostile_argv(finished, c, a) for c, a, _ in HOSTILE_CASES]
-             + ([other_argv(finished, FULL_DISK)] if full_disk else []))
+             + ([other_argv(finished, FULL_DISK)] if isinstance(full_disk, Path) else []))
     spec, out = finished.parent / "cases.json", finished.parent / "results.json"
     spec.write_text(json.dumps(cases))
     with _beating(finished.glob("hostile/*/runs/tabular_mlp/stride.lock")):
@@ -522,8 +527,8 @@ def test_run_folders_written_by_someone_else_are_refused(finished, results, case
 
 def test_a_full_disk_is_refused_before_training(finished, full_disk, results):
     """run.storage_path on a disk with no space left: one line naming it, and nothing else written."""
-    if full_disk is None:
-        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+    if not isinstance(full_disk, Path):
+        unavailable(full_disk)
     check(results[tuple(other_argv(finished, FULL_DISK))], "run.storage_path", results["before"])
     assert "No space left on device" in results[tuple(other_argv(finished, FULL_DISK))]["stderr"]
 

@@ -3,7 +3,8 @@ line naming it and the last complete checkpoint; every earlier checkpoint stays 
 command resumes with no cleanup by hand, to weights bitwise equal to an uninterrupted run's. Ray Train's own
 checkpoint list (checkpoint_manager_snapshot.json), left empty or torn, never blocks that rerun.
 
-The full disk is a small tmpfs (the tests run as root here; skipped where mounting is not allowed)."""
+The full disk is a small tmpfs: CI runs as root and mounts it; elsewhere, where mounting is not allowed, the tests
+skip (services.unavailable: under CI=true they fail instead)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl, run_cli, run_cli_forked
+from services import unavailable
 from stride.trainers import checkpointing
 
 STEPS, EVERY = 30, 10
@@ -33,10 +35,10 @@ def _args(storage: Path, data: Path, name: str, *extra: str) -> list[str]:
 def tmpfs(where: Path, size: int):
     where.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs (the full disk) needs root")
+        unavailable("mounting a small tmpfs (the full disk) needs root")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+        unavailable(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
         yield where
     finally:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_cli
+from services import unavailable
 from stride.ray_cluster import local, node
 
 NODE_PY = str(REPO / "ray_cluster" / "node.py")
@@ -42,7 +43,7 @@ def test_a_heads_json_names_no_file_and_no_url(tmp_path):
 ])
 def test_a_folder_another_user_could_write_is_refused_in_one_line(tmp_path, make, says):
     if "uid" in says and os.getuid() != 0:
-        pytest.skip("chown to another user needs root")
+        unavailable("chown to another user needs root")
     folder = tmp_path / "state"
     make(folder)
     for cli in (["-m", "stride.ray_cluster.local", "status", "--temp-dir", str(folder)],
@@ -59,7 +60,7 @@ def test_a_folder_another_user_could_write_is_refused_in_one_line(tmp_path, make
 def test_a_forged_node_state_in_a_private_folder_of_someone_else_is_never_read(tmp_path):
     """The attack of the issue: another user's folder whose stride-node.json names an unrelated process."""
     if os.getuid() != 0:
-        pytest.skip("chown to another user needs root")
+        unavailable("chown to another user needs root")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         folder = tmp_path / "stride-cluster"

@@ -2,7 +2,7 @@
 
 The driver's working directory, then STRIDE_TASK_PATH: the driver passes its folders to every worker (Ray's, on any
 node) in that variable, and they are appended to sys.path (never prepended: a user's folder must not hide an
-installed package). Commands that read a run folder someone else may have written (generate, export) turn the
+installed package). Commands that read a run folder someone else may have written (generate) turn the
 working directory off (`search_working_directory(False)`). Standard library only: the cluster layer
 (ray_cluster/connect.py) passes the path to its workers without importing trainers/.
 """

@@ -2,14 +2,16 @@
 process, no Ray) becomes a transformers folder that `from_pretrained` loads with the checkpoint's logits; bf16 halves
 the bytes; what a user can fix is refused in one line, exit 2, with nothing written.
 
-export.py imports the example's task in a subprocess, as a user runs it (PYTHONPATH and --task). This process imports
-it from its file under a name of its own, never through sys.path, so nothing of a tmp folder stays importable here.
+export.py imports the example's task in a subprocess, as a user runs it (--task, the module on PYTHONPATH or in the
+working directory, as eval and predict find it). This process imports it from its file under a name of its own, never
+through sys.path, so nothing of a tmp folder stays importable here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,15 +31,6 @@ from stride.trainers import checkpointing, export  # noqa: E402
 EXPORT = str(REPO / "trainers" / "export.py")
 TASK = "hf_lm_task:HFCausalLM"
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def _task_search_restored(monkeypatch):
-    """export --format hf turns off the working directory as a task source for the rest of the process (generate.py's
-    rule): put it back for the tests that run after these in this process."""
-    from stride import user_code
-
-    monkeypatch.setattr(user_code, "_search_working_directory", user_code._search_working_directory)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +70,14 @@ def torn(mlp, tmp_path_factory) -> Path:
     return run
 
 
-def export_cli(folder: Path, *args) -> dict:
-    """export.py with the example's folder on PYTHONPATH (a forked child); its JSON line."""
-    r = run_cli_forked([EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
+def export_cli(folder: Path, *args, from_folder: bool = False) -> dict:
+    """export.py with the example's folder on PYTHONPATH, or (`from_folder`) run in that folder with no PYTHONPATH (a
+    forked child); its JSON line."""
+    if from_folder:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        r = run_cli_forked([EXPORT, *map(str, args)], env=env, cwd=folder, inherit_env=False, timeout=300)
+    else:
+        r = run_cli_forked([EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
     check(r, "export.py")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -131,8 +129,9 @@ def test_bf16_replaces_an_earlier_export_with_half_the_bytes(lm, fp32_folder, tm
     model, ckpt = trained_model(lm)
     out = tmp_path / "gpt2"
     shutil.copytree(fp32_folder, out)  # an earlier export: what --force may replace
-    # the positional form, naming the checkpoint folder
-    info = export_cli(lm, ckpt, out, "--format", "hf", "--dtype", "bf16", "--force", "--task", TASK)
+    # the positional form, naming the checkpoint folder, run in the example's folder: --task finds hf_lm_task.py in the
+    # working directory, as eval and predict find a task, with no PYTHONPATH
+    info = export_cli(lm, ckpt, out, "--format", "hf", "--dtype", "bf16", "--force", "--task", TASK, from_folder=True)
     assert info["dtype"] == "bf16" and sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"], info
     ratio = (out / "model.safetensors").stat().st_size / (fp32_folder / "model.safetensors").stat().st_size
     assert 0.45 <= ratio <= 0.55, ratio

@@ -4,7 +4,7 @@
     python trainers/export.py runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
     python trainers/export.py runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
     python trainers/export.py --run runs/char_gpt --out model.safetensors [--checkpoint last|best] [--dtype bf16]
-    PYTHONPATH=. python trainers/export.py --run runs/hf_causal_lm --out hf_model --format hf \\
+    python trainers/export.py --run runs/hf_causal_lm --out hf_model --format hf \\
         --task hf_lm_task:HFCausalLM     # a transformers save_pretrained folder (the task's hf_model)
 
 The checkpoint's shards (every rank's DCP file, any world size, DDP or FSDP) are consolidated in this one process into
@@ -24,9 +24,10 @@ no module a run folder names runs, and it needs neither --task nor --trust-remot
 directory on sys.path either.
 
 --format hf writes a folder that `transformers.AutoModel*.from_pretrained` loads: the run's task is rebuilt from its
-summary.json (config and data facts, as trainers/generate.py does, with the same consent for a task of your own:
---task MODULE:CLASS or --trust-remote-code), its model gets the checkpoint's weights, and the task's `hf_model` turns it
-into a `transformers.PreTrainedModel`, saved with `save_pretrained` (safetensors). The folder is written beside `out`
+summary.json (config and data facts) as `stride eval` and `stride predict` rebuild it (trainers/trained.py): a task of
+your own needs consent (--task MODULE:CLASS or --trust-remote-code) and is found in the working directory or on
+PYTHONPATH. Its model gets the checkpoint's weights, and the task's `hf_model` turns it into a
+`transformers.PreTrainedModel`, saved with `save_pretrained` (safetensors). The folder is written beside `out`
 and renamed into place, so a failed export leaves nothing half-written; --force replaces only an earlier Hugging Face
 export (a folder with config.json and a *.safetensors file).
 """
@@ -186,13 +187,21 @@ def check_out_folder(out: Path, force: bool) -> None:
 
 def hf_model_of(checkpoint: Path, ema: bool, task: str | None, trust_remote_code: bool, label: str):
     """The run's task rebuilt from the checkpoint's run folder (its summary.json), its model with the checkpoint's
-    weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). `label` names the run folder's argument."""
-    from stride.ray_cluster.connect import UsageError
+    weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). The task is found as eval and predict find
+    it (trained.run_config). `label` names the run folder's argument."""
+    from stride.errors import UsageError
+    from stride.trainers import trained
     from stride.trainers.config import ConfigError
-    from stride.trainers.generate import load_run, trained_model
+    from stride.trainers.generate import trained_model
+    from stride.trainers.tasks import make_task
 
+    run_dir = checkpoint.parent
     try:
-        _, cfg, built = load_run(checkpoint.parent, task, trust_remote_code, label)  # refused before reading weights
+        summary = trained.read_summary(run_dir, label)
+        cfg = trained.run_config(run_dir, summary, task, trust_remote_code, label=label)  # before reading weights
+        meta = checkpointing.read_meta(checkpoint)
+        built = make_task(cfg, meta.get("facts") or summary.get("facts"))
+        trained.check_fits(cfg, built, checkpoint, meta)
         model = trained_model(built, cfg, checkpoint, checkpoint_weights(checkpoint, ema))
     except (UsageError, ConfigError) as e:
         raise ExportError(str(e)) from None
@@ -281,7 +290,8 @@ def parse_args(argv: list[str] | None, prog: str):
     ap.add_argument("--trainable-only", action="store_true",
                     help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
     ap.add_argument("--task", metavar="MODULE:CLASS",
-                    help="--format hf: import this task of your own (on PYTHONPATH); must be the run's model.name")
+                    help="--format hf: import this task of your own (from the working directory or PYTHONPATH); "
+                         "must be the run's model.name")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="--format hf: import whatever task module the run's summary.json names (it runs its code)")
     args = ap.parse_args(argv)

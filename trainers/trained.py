@@ -1,9 +1,11 @@
-"""A trained run as the source of the commands that come after training (`stride eval`, `stride predict`): its
-folder, config, task and one of its checkpoints, each checked before any worker starts.
+"""A trained run as the source of the commands that come after training (`stride eval`, `stride predict`; `stride
+export --format hf` takes its config and task): its folder, config, task and one of its checkpoints, each checked
+before any worker starts.
 
 A run folder may sit on shared storage that someone else can write: its summary.json names the task module, and
 importing a module runs it. As trainers/generate.py does, a task of your own is imported only with consent
-(`--task MODULE:CLASS`, the same as the run's, or `--trust-remote-code`); built-in tasks need neither.
+(`--task MODULE:CLASS`, the same as the run's, or `--trust-remote-code`); built-in tasks need neither. Consented to,
+it is found in the working directory or on PYTHONPATH, as training finds it (run_config).
 """
 
 from __future__ import annotations
@@ -50,19 +52,11 @@ def add_arguments(ap) -> None:
 
 def open_run(args) -> TrainedRun:
     """The run of `args.run` with the checkpoint `args.checkpoint`; UsageError/ConfigError (exit 2) otherwise."""
-    from stride.trainers.tasks import consent, make_task
+    from stride.trainers.tasks import make_task
 
     run_dir = Path(args.run)
     summary = read_summary(run_dir)
-    name = ((summary.get("config") or {}).get("model") or {}).get("name")
-    if not isinstance(name, str):
-        raise UsageError(f"--run ({run_dir}): summary.json has no config.model.name; pass the folder of a run that "
-                         f"trained")
-    consent(name, args.task, args.trust_remote_code, str(run_dir / "summary.json"))
-    raw = apply_overrides(summary["config"], list(args.overrides))
-    # The run is where it is now, whatever folder it was started from.
-    raw["run"] = {**raw.get("run", {}), "storage_path": str(run_dir.resolve().parent), "name": run_dir.resolve().name}
-    cfg = build_config(raw, origin=f"{run_dir / 'summary.json'}")
+    cfg = run_config(run_dir, summary, args.task, args.trust_remote_code, args.overrides)
     checkpoint = pick_checkpoint(run_dir, summary, args.checkpoint)
     meta = checkpointing.read_meta(checkpoint)
     task = make_task(cfg, meta.get("facts") or summary.get("facts"))
@@ -70,18 +64,38 @@ def open_run(args) -> TrainedRun:
     return TrainedRun(run_dir.resolve(), summary, cfg, task, checkpoint.resolve(), meta)  # workers run elsewhere
 
 
-def read_summary(run_dir: Path) -> dict[str, Any]:
+def run_config(run_dir: Path, summary: dict, task: str | None, trust_remote_code: bool, overrides=(),
+               label: str = "--run") -> Config:
+    """The run's config (its summary.json's, with `overrides`), where the run folder is now. Every command over a
+    trained run (eval, predict, export --format hf) finds the run's task here: a built-in needs nothing; a module of
+    the user's own is imported only with consent (`task`, the same as the run's, or `trust_remote_code`), from the
+    working directory, STRIDE_TASK_PATH or PYTHONPATH (tasks.load_class). `label` names the argument that gave
+    `run_dir`."""
+    from stride.trainers.tasks import consent
+
+    name = ((summary.get("config") or {}).get("model") or {}).get("name")
+    if not isinstance(name, str):
+        raise UsageError(f"{label} ({run_dir}): summary.json has no config.model.name; pass the folder of a run that "
+                         f"trained")
+    consent(name, task, trust_remote_code, str(run_dir / "summary.json"))
+    raw = apply_overrides(summary["config"], list(overrides))
+    # The run is where it is now, whatever folder it was started from.
+    raw["run"] = {**raw.get("run", {}), "storage_path": str(run_dir.resolve().parent), "name": run_dir.resolve().name}
+    return build_config(raw, origin=f"{run_dir / 'summary.json'}")
+
+
+def read_summary(run_dir: Path, label: str = "--run") -> dict[str, Any]:
     path = run_dir / "summary.json"
     if not path.is_file():
-        raise UsageError(f"--run ({run_dir}) is not a run folder (no summary.json); pass <run.storage_path>/<run.name> "
-                         f"of a run that trained, such as runs/char_gpt")
+        raise UsageError(f"{label} ({run_dir}) is not a run folder (no summary.json); pass "
+                         f"<run.storage_path>/<run.name> of a run that trained, such as runs/char_gpt")
     try:
         summary = runfolder.read_summary(path)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--run ({run_dir}): summary.json is not one Stride writes ({e}); pass the folder of a run "
+        raise UsageError(f"{label} ({run_dir}): summary.json is not one Stride writes ({e}); pass the folder of a run "
                          f"that trained") from None
     if not isinstance(summary.get("config"), dict):
-        raise UsageError(f"--run ({run_dir}): summary.json has no config; pass the folder of a run that trained")
+        raise UsageError(f"{label} ({run_dir}): summary.json has no config; pass the folder of a run that trained")
     return summary
 
 
@@ -130,4 +144,4 @@ def output_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "eval"
 
 
-__all__ = ["TrainedRun", "add_arguments", "open_run", "ConfigError", "output_name"]
+__all__ = ["TrainedRun", "add_arguments", "open_run", "run_config", "read_summary", "ConfigError", "output_name"]

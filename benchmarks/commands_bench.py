@@ -16,7 +16,8 @@ torchrun: time_to_first_step_on_head_ratio.
 
 preemption_steps_lost: benchmarks/preemption_bench.py's scenario per repetition (a two-node cluster on this machine,
 a node drained with reason preemption under a 2-worker run): the steps trained after the preemption checkpoint that
-the restarted gang trained again. The figure is the largest over the repetitions.
+the restarted gang trained again. The figure is their median, as every figure's (benchmarks/figures.py); the largest
+is beside it (`worst`).
 """
 
 from __future__ import annotations

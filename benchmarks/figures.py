@@ -4,13 +4,18 @@
     goals(figs) -> {name: verdict}          pass/fail on the median of at least MIN_SAMPLES samples
     table(figs, verdicts) -> str            what benchmarks/run.py prints
     replay(raw) -> {figures, goals, table}  the three, as benchmarks/run.py stores them beside the raw runs
-    markdown(result), headline(result)      the generated blocks of benchmarks/README.md and README.md
+    markdown(result, stale), headline(result, stale)   the generated blocks of benchmarks/README.md and README.md;
+                                            stale: {part: why its figures are stale, or None}, which git says:
+                                            report.stale_parts(part_headers(result), PARTS) at HEAD
 
 Pure functions of JSON data, standard library only: benchmarks/run.py measures and stores `raw`, and
 tests/test_bench.py replays benchmarks/results/latest.json's raw runs through these functions in milliseconds.
 
 `raw` (what run.py stores under "raw"; every list holds one entry per run or repetition):
     settings      the mode: reps, steps, ckpt_every, warmup_steps, scale_warmup_steps, ingest_features, ...
+    headers       {part: run header} (benchmarks/report.py run_header: started, mode, machine, commit, dirty,
+                   dirty_paths, loadavg_start, loadavg_end, duration_s), one per part of PARTS (or absent: a result
+                   from before headers, whose figures are then of unknown provenance)
     pairs         [{runtime: stride|torchrun, rep, wall_s, time_to_first_step_s, phases_s, metrics: [log lines]}]
     ingest        {threads: {pyarrow, stream_read_threads, ...}, sets: {name: {rows, seconds, files, format, driver,
                    copy}}}: tabular (Parquet), tabular_jsonl (its JSON Lines copy), pystdlib
@@ -36,7 +41,9 @@ import statistics
 
 MIN_SAMPLES = 5  # a figure passes or fails on the median of at least this many samples; fewer give no verdict
 
-GOALS = {  # figure: (operator, threshold)
+# The goals, figure: (operator, threshold), all judged by the same rule (verdict()) and shown in the tables' goal and
+# result columns; grouped by where they come from. The first issues' figures (thresholds partly this project's own):
+CORE_GOALS = {
     "step_time_ratio": ("<=", 1.02),
     "wall_ratio": ("<=", 1.5),
     "ingest_ratio": (">=", 1.0),
@@ -53,21 +60,53 @@ GOALS = {  # figure: (operator, threshold)
     "frozen_step_time_ratio": ("<=", 0.8),
     "init_load_ratio": ("<=", 1.5),
 }
-
-# The JSON Lines figures' goals: the data-format issue's for ingest, the Parquet figure's for memory. Judged by the
-# same rule as GOALS (verdict()), but reported in the figure's notes, not in the table's goal column: tests/test_bench.py
-# holds GOALS at the 15 above, and moving these two into GOALS is a change there too.
+# The data-format issue's for JSON Lines ingest; the Parquet figure's for JSON Lines memory:
 FORMAT_GOALS = {"jsonl_ingest_ratio": (">=", 0.8), "jsonl_memory_growth_ratio": ("<=", 0.35)}
-# The data-path issue's goals (files by reference, length bucketing), judged and reported the same way, for the same
-# reason (tests/test_bench.py's count of GOALS).
+# The data-path issue's (files by reference, length bucketing):
 DATA_GOALS = {"file_read_ratio": (">=", 0.8), "bucketing_padding_ratio": ("<=", 0.33),
               "bucketing_step_time_ratio": ("<=", 0.6)}
-# The callbacks-and-sinks issue's goals, the same way.
+# The callbacks-and-sinks issue's:
 SINK_GOALS = {"sink_overhead_ratio": ("<=", 1.01), "ema_step_time_ratio": ("<=", 1.05)}
-# The commands issue's goals (predict, a run's start, preemption), the same way.
+# The commands issue's (predict, a run's start, preemption):
 COMMAND_GOALS = {"predict_throughput_ratio": (">=", 0.9), "time_to_first_step_ratio": ("<=", 2.0),
                  "preemption_steps_lost": ("<=", 0)}
-NOTE_GOALS = {**FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS}  # judged in a figure's notes (judged())
+GOALS = {**CORE_GOALS, **FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS}
+
+# The benchmark parts: which figures each gives, and the code it measures (files or folders of the repository). A
+# part's run header (raw["headers"][part], report.run_header) says at which commit it ran; a figure is stale when
+# that code changed since (report.stale_reason). The harness that runs a part counts as code it measures; figures.py
+# does not (tests/test_bench.py replays the figures through the current one).
+RUNTIME = ["trainers/", "datasets/", "ray_cluster/", "stride/"]  # a whole training job: Stride's every module
+PARTS = {
+    "pairs": {"figures": ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)",
+                          "time_to_first_step_s (torchrun)", "data_wait_fraction", "ckpt_blocked_fraction"),
+              "paths": [*RUNTIME, "benchmarks/run.py"]},
+    "ingest": {"figures": ("ingest_ratio", "jsonl_ingest_ratio"),
+               "paths": [*RUNTIME, "benchmarks/run.py", "benchmarks/ray_bench.py", "benchmarks/jsonl_copy.py"]},
+    "scaling": {"figures": ("scaling_2_over_1",),
+                "paths": [*RUNTIME, "benchmarks/run.py", "benchmarks/ray_bench.py"]},
+    "memory": {"figures": ("memory_growth_ratio", "jsonl_memory_growth_ratio"),
+               "paths": [*RUNTIME, "benchmarks/stream_memory.py", "benchmarks/jsonl_copy.py"]},
+    "checkpoint": {"figures": ("checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio"),
+                   "paths": ["trainers/checkpointing.py", "trainers/fsdp.py", "trainers/models.py",
+                             "trainers/runfolder.py", "benchmarks/checkpoint_bench.py"]},
+    "blocks": {"figures": ("ac_memory_ratio", "ac_step_time_ratio", "compile_step_time_ratio"),
+               "paths": ["trainers/blocks.py", "trainers/step.py", "trainers/models.py", "trainers/tasks/",
+                         "trainers/configs/char_gpt.yaml", "benchmarks/blocks_bench.py"]},
+    "lock": {"figures": ("lock_overhead_ratio",), "paths": ["trainers/runlock.py", "benchmarks/lock_bench.py"]},
+    "finetune": {"figures": ("init_peak_memory_ratio", "init_peak_memory_ratio_ddp", "frozen_step_time_ratio",
+                             "init_load_ratio"),
+                 "paths": ["trainers/", "datasets/splits.py", "benchmarks/finetune_bench.py"]},
+    "file_read": {"figures": ("file_read_ratio",), "paths": ["datasets/", "benchmarks/file_read_bench.py"]},
+    "bucketing": {"figures": ("bucketing_padding_ratio", "bucketing_step_time_ratio"),
+                  "paths": ["datasets/", "benchmarks/bucketing_bench.py"]},
+    "sinks": {"figures": ("sink_overhead_ratio", "ema_step_time_ratio"),
+              "paths": ["trainers/", "datasets/", "benchmarks/sinks_bench.py"]},
+    "commands": {"figures": ("predict_throughput_ratio", "time_to_first_step_ratio",
+                             "time_to_first_step_on_head_ratio", "preemption_steps_lost"),
+                 "paths": [*RUNTIME, "benchmarks/commands_bench.py", "benchmarks/preemption_bench.py"]},
+}
+FIGURE_PART = {name: part for part, p in PARTS.items() for name in p["figures"]}
 
 # One line per figure for the tables of the READMEs; the JSON's "what" says more.
 LABELS = {
@@ -245,28 +284,21 @@ def ingest_figure(raw: dict) -> dict:
     tab, txt = ing["sets"]["tabular"], ing["sets"]["pystdlib"]
     threads = ing["threads"]
     pa_threads, stream_threads = threads.get("pyarrow"), threads.get("stream_read_threads")
-    notes = []
-    if pa_threads != stream_threads:
+    notes, unequal = [], None
+    if pa_threads != stream_threads:  # the comparison the goal is about was not made: no verdict either way
+        unequal = "not the same threads"
         notes.append(f"not the same threads: pyarrow read on {pa_threads} thread{'' if pa_threads == 1 else 's'}, "
-                     f"the stream with {stream_threads} read threads")
+                     f"the stream with {stream_threads} read threads: no verdict")
     return figure(
         pass_ratios(tab), "ratio",
         "rows/s from the files, Stride's streaming path on one worker (row groups in the epoch's order, window "
         "shuffle, micro-batches of arrays) / pyarrow's read_table of the same files in that process, per pass",
-        notes=notes, threads=threads,
+        notes=notes, no_verdict=unequal, threads=threads,
         data=f"tabular Parquet, {tab['rows']['pyarrow']} rows x {features} float32 features + label + sample_id "
              f"({len(tab['files'])} files), one worker, from the files (nothing pre-loaded)",
         stride_rows_per_s=summary(rows_per_s(tab, "stride")), pyarrow_rows_per_s=summary(rows_per_s(tab, "pyarrow")),
         default_job_data={"data": f"the default job's data, {txt['rows']['pyarrow']} rows of tokens + sample_id",
                           "ingest_ratio": summary(pass_ratios(txt))})
-
-
-def judged(fig: dict, name: str) -> dict:
-    """A NOTE_GOALS figure with its goal's verdict appended to its notes (when it has samples)."""
-    if fig["n"]:
-        op, thr = NOTE_GOALS[name]
-        fig["notes"].append(f"goal {op} {thr:g}: {verdict(fig, (op, thr))['verdict']}")
-    return fig
 
 
 def jsonl_ingest_figure(raw: dict) -> dict:
@@ -291,7 +323,7 @@ def jsonl_ingest_figure(raw: dict) -> dict:
                       f"for {copy.get('parquet_bytes', 0) / 2**20:.0f} MiB of Parquet)",
                  stride_rows_per_s=summary(rows_per_s("stride")), pyarrow_rows_per_s=summary(rows_per_s("pyarrow")),
                  driver=block.get("driver"))
-    return judged(fig, "jsonl_ingest_ratio")
+    return fig
 
 
 def scaling_figure(raw: dict) -> dict:
@@ -341,7 +373,7 @@ def jsonl_memory_figure(raw: dict) -> dict:
             "stream_memory.py), per repetition")
     if "large_jsonl" not in raw["memory"].get("sets", {}):
         return figure([], "ratio", what, notes=["not measured in this result: python benchmarks/run.py --only memory"])
-    return judged(memory_figure(raw, "small_jsonl", "large_jsonl", what), "jsonl_memory_growth_ratio")
+    return memory_figure(raw, "small_jsonl", "large_jsonl", what)
 
 
 def checkpoint_medians(raw: dict) -> dict:
@@ -508,7 +540,10 @@ def finetune_figures(raw: dict) -> dict:
             "with every tensor it returns read into memory (.clone(); load_file alone maps the file and reads "
             "nothing), one process, warm page cache, per repetition",
             notes=missing, model=model, lazy_ratio=summary(load_ratio("init_model_given_sha256", "load_file")),
-            hashing_ratio=summary(load_ratio("init_model", "load_file_read")),
+            # init_model hashing the file itself: only where the load part cleared the process's digests first
+            # ("digest": "cold"); before, its init_model variant reused the digest computed before timing.
+            hashing_ratio=(summary(load_ratio("init_model", "load_file_read"))
+                           if (ft.get("load") or {}).get("digest") == "cold" else None),
             **{f"{v}_s": summary(list(load.get(v, {}).values()))
                for v in ("init_model", "init_model_given_sha256", "load_file_read", "load_file")}),
     }
@@ -551,7 +586,7 @@ def file_read_figure(raw: dict) -> dict:
                  small_window_rows_per_s=summary([summary(small[i])["median"] for i in reps if i in small]),
                  small_window_rows=fr.get("small_window_rows"), started=fr.get("started"),
                  loadavg=summary([r.get("loadavg") for r in fr["runs"]]))
-    return judged(fig, "file_read_ratio")
+    return fig
 
 
 def bucketing_parts(raw: dict) -> dict:
@@ -582,14 +617,14 @@ def bucketing_figures(raw: dict) -> dict:
         return summary([d[i][key] for i in reps])
 
     return {
-        "bucketing_padding_ratio": judged(figure(
+        "bucketing_padding_ratio": figure(
             sample("padding_fraction"), "ratio",
             "share of a micro-batch's cells that padding to its longest row fills, over one epoch (datasets/bucketing."
             "Padding over every micro-batch's lengths), data.length_column bucketing on / off, same rows, seed and "
             "global batch, per repetition (benchmarks/bucketing_bench.py)", notes=list(missing), model=model,
             bucketed=side(on, "padding_fraction"), unbucketed=side(off, "padding_fraction"),
-            stride_reported=side(on, "stride_padding_fraction")), "bucketing_padding_ratio"),
-        "bucketing_step_time_ratio": judged(figure(
+            stride_reported=side(on, "stride_padding_fraction")),
+        "bucketing_step_time_ratio": figure(
             sample("epoch_s"), "ratio",
             "time of one training epoch (TrainStream's micro-batches padded to their longest row, forward, backward, "
             "AdamW; each side's own time, the two epochs interleaved step by step in one process) of a small causal "
@@ -599,7 +634,6 @@ def bucketing_figures(raw: dict) -> dict:
             padded_tokens_ratio=summary(sample("padded_tokens")),
             compute_ratio=summary(sample("compute_s")), started=bk.get("started"),
             loadavg=summary([r.get(k) for r in bk.get("runs", []) for k in ("loadavg_before", "loadavg_after")])),
-            "bucketing_step_time_ratio"),
     }
 
 
@@ -611,7 +645,7 @@ def sinks_figures(raw: dict) -> dict:
     on, off = by_rep(sk.get("ema_runs", []), variant="on"), by_rep(sk.get("ema_runs", []), variant="off")
     pairs, ema_pairs = sorted(sinks.keys() & alone.keys()), sorted(on.keys() & off.keys())
     return {
-        "sink_overhead_ratio": judged(figure(
+        "sink_overhead_ratio": figure(
             [ratio(sinks[i]["s_per_step"], alone[i]["s_per_step"]) for i in pairs], "ratio",
             f"seconds per step of the training loop (summary.json's train_wall_s / steps) of tabular_mlp with hidden "
             f"sizes {sk.get('hidden')} in one process (one torch thread), "
@@ -622,14 +656,13 @@ def sinks_figures(raw: dict) -> dict:
             alone_ms_per_step=summary([alone[i]["s_per_step"] * 1e3 for i in pairs]),
             added_ms_per_step=summary([(sinks[i]["s_per_step"] - alone[i]["s_per_step"]) * 1e3 for i in pairs]),
             started=sk.get("started")),
-            "sink_overhead_ratio"),
-        "ema_step_time_ratio": judged(figure(
+        "ema_step_time_ratio": figure(
             [ratio(on[i]["step_time_s"], off[i]["step_time_s"]) for i in ema_pairs], "ratio",
             f"median step_time_s past step {sk.get('warmup')} of an MLP {sk.get('hidden')} under FSDP on 2 CPU "
             f"ranks (torch.distributed.run), train.ema on / off, {sk.get('ema_steps')} steps, alternating, per "
             f"repetition (benchmarks/sinks_bench.py)", notes=list(missing),
             on_ms=summary([on[i]["step_time_s"] * 1e3 for i in ema_pairs]),
-            off_ms=summary([off[i]["step_time_s"] * 1e3 for i in ema_pairs])), "ema_step_time_ratio"),
+            off_ms=summary([off[i]["step_time_s"] * 1e3 for i in ema_pairs])),
     }
 
 
@@ -652,7 +685,7 @@ def commands_figures(raw: dict) -> dict:
     first_what = ("seconds from the launch to the first training line of metrics.jsonl (tabular_mlp, hidden sizes "
                   f"{cm.get('hidden')}, 2 CPU workers), alternating, per repetition (benchmarks/commands_bench.py)")
     return {
-        "predict_throughput_ratio": judged(figure(
+        "predict_throughput_ratio": figure(
             [ratio(stride[i]["rows_per_s"], hand[i]["rows_per_s"]) for i in pairs], "ratio",
             f"rows per second, launch to exit, over {cm.get('predict_rows')} rows in {cm.get('row_groups')} row "
             f"groups of an MLP {cm.get('hidden')}: `stride predict` on 2 CPU workers (torchrun) / a hand-written "
@@ -660,12 +693,10 @@ def commands_figures(raw: dict) -> dict:
             f"(benchmarks/commands_bench.py)", notes=list(missing),
             stride_rows_per_s=summary([stride[i]["rows_per_s"] for i in pairs]),
             hand_rows_per_s=summary([hand[i]["rows_per_s"] for i in pairs]), started=cm.get("started")),
-            "predict_throughput_ratio"),
-        "time_to_first_step_ratio": judged(figure(
+        "time_to_first_step_ratio": figure(
             first_ratio("embedded"), "ratio", f"`stride train` with an embedded Ray / torchrun: {first_what}",
             notes=list(missing), stride_s=seconds("embedded"), torchrun_s=seconds("torchrun")),
-            "time_to_first_step_ratio"),
-        "preemption_steps_lost": judged(figure(
+        "preemption_steps_lost": figure(
             lost, "steps",
             "optimizer steps trained after the last checkpoint before a node's preemption and trained again by the "
             "restarted gang, per repetition (benchmarks/preemption_bench.py: a two-node cluster on this machine, ray "
@@ -673,7 +704,6 @@ def commands_figures(raw: dict) -> dict:
             notes=list(missing), worst=max(lost, default=None),
             resumed_after_deadline_s=summary([r["resumed_after_deadline_s"] for r in cm.get("preemption_runs", [])
                                               if r.get("resumed_after_deadline_s") is not None])),
-            "preemption_steps_lost"),
         "time_to_first_step_on_head_ratio": figure(
             first_ratio("head"), "ratio", f"`stride train` joining a running head (RAY_ADDRESS) / torchrun: {first_what}",
             notes=list(missing), stride_s=seconds("head"), torchrun_s=seconds("torchrun")),
@@ -697,7 +727,8 @@ def figures(raw: dict) -> dict:
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
             "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
             **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw)}
-    return {name: figs[name] for name in ORDER}
+    headers = raw.get("headers") or {}  # {part: run header}: when, where, at what commit each part was measured
+    return {name: {**figs[name], "part": FIGURE_PART[name], "run": headers.get(FIGURE_PART[name])} for name in ORDER}
 
 
 # ---------------------------------------------------------------- verdicts
@@ -707,13 +738,16 @@ def met(value: float, op: str, threshold: float) -> bool:
 
 
 def verdict(fig: dict, goal: tuple[str, float] | None) -> dict:
-    """PASS or FAIL on the median of at least MIN_SAMPLES samples; fewer give no verdict. A median that includes
-    lower bounds (samples of stopped runs) can only fail an upper limit it is already over, since the true median is
-    at least as high; within the limit it gives no verdict."""
+    """PASS or FAIL on the median of at least MIN_SAMPLES samples; fewer give no verdict, and so does a figure whose
+    `no_verdict` says it was not measured as its goal asks. A median that includes lower bounds (samples of stopped
+    runs) can only fail an upper limit it is already over, since the true median is at least as high; within the
+    limit it gives no verdict."""
     if goal is None:
         return {"goal": None, "pass": None, "verdict": "-"}
     op, thr = goal
     out = {"goal": f"{op} {thr:g}", "pass": None}
+    if fig.get("no_verdict"):  # measured, but not as the goal asks (ingest_ratio at unequal threads)
+        return {**out, "verdict": f"no verdict ({fig['no_verdict']})"}
     if fig["n"] < MIN_SAMPLES:
         return {**out, "verdict": f"no verdict (n={fig['n']} < {MIN_SAMPLES})"}
     ok = met(fig["median"], op, thr)
@@ -768,52 +802,144 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def when(iso: str | None) -> str:
+    """2026-11-25T12:18:42 -> 2026-11-25 12:18."""
+    return iso[:16].replace("T", " ") if iso else "unknown"
+
+
+def cpus(m: dict) -> str:
+    return f"{m.get('cpu_model') or 'unknown CPU'}, {m.get('cpu_count') or '?'} CPUs"
+
+
+def commit_of(h: dict) -> str:
+    sha = h.get("commit")
+    if not sha:
+        return "commit unknown"
+    return f"`{sha[:10]}`" + (" + uncommitted changes" if h.get("dirty") else "")
+
+
 def about(result: dict) -> str:
-    """One sentence: which run, on what machine, under what load."""
+    """One sentence: the last full run (latest.json's own header), on what machine, under what load."""
     m = result["machine"]
+    commit = f", {commit_of(result)}" if "commit" in result else ""
     return (f"`benchmarks/run.py --{result['mode']}` started {result['started']} on {m['cpu_count']} CPUs "
             f"({m.get('cpu_model', '?')}, {m.get('mem_gib', '?')} GiB), torch {m.get('torch', '?')}, Ray "
-            f"{m.get('ray', '?')}; load average {result['loadavg_start'][0]:.1f} at the start, "
+            f"{m.get('ray', '?')}{commit}; load average {result['loadavg_start'][0]:.1f} at the start, "
             f"{result['loadavg_end'][0]:.1f} at the end; {result['duration_s'] / 60:.0f} minutes.")
 
 
 GIB = 2**30
 
 
-def measured(raw: dict, part: str) -> str:
-    """When a part's runs were taken and under what load (a part measured again with --only has its own)."""
-    x = raw.get(part) or {}
-    loads = [v for r in x.get("runs", []) for k, v in r.items() if k.startswith("loadavg") and finite(v)]
-    when = f"measured {x['started']}" if x.get("started") else "measured"
-    if x.get("cpu_model"):
-        when += f" on {x.get('cpu_count')} CPUs ({x['cpu_model']})"
-    return f"{when}, load average {min(loads):.1f}..{max(loads):.1f}" if loads else when
+def part_headers(result: dict) -> dict:
+    """{part: its run header, or None} (report.run_header; a result written before headers has none)."""
+    headers = result["raw"].get("headers") or {}
+    return {part: headers.get(part) for part in PARTS}
 
 
-def markdown(result: dict) -> str:
-    """The results block of benchmarks/README.md, generated from a stored result (latest.json)."""
+def legacy_header(raw: dict, part: str) -> dict | None:
+    """What a part measured before run headers kept of its own run, where it kept anything: its start, its CPU and
+    the load averages its runs recorded."""
+    x = raw.get(part)
+    if not isinstance(x, dict) or not x.get("started"):
+        return None
+    loads = [v[0] if isinstance(v, list) else v for r in x.get("runs", []) for k, v in r.items()
+             if k.startswith("loadavg") and (finite(v) or (isinstance(v, list) and v and finite(v[0])))]
+    return {"started": x["started"], "machine": {"cpu_count": x.get("cpu_count"), "cpu_model": x.get("cpu_model")},
+            "loads": [min(loads), max(loads)] if loads else None}
+
+
+def measured(result: dict, part: str, stale: dict) -> str:
+    """Where and when a part was measured, at what commit, and **stale** when its code changed since (or nobody
+    knows): the `measured` column of the tables."""
+    h = part_headers(result)[part] or legacy_header(result["raw"], part)
+    text = f"{when(h['started'])}, {cpus(h['machine'])}, {commit_of(h)}" if h else "unknown"
+    return text + (", **stale**" if stale.get(part) else "")
+
+
+def runs_table(result: dict, stale: dict) -> list[str]:
+    """One row per benchmark part: its own run header, and whether the code it measures changed since."""
+    rows = []
+    for part, h in part_headers(result).items():
+        old = h or legacy_header(result["raw"], part) or {}
+        m = old.get("machine") or {}
+        machine = cpus(m) if old else "unknown"
+        if h:
+            machine += (f", {m.get('mem_gib', '?')} GiB; torch {m.get('torch', '?')}, Ray {m.get('ray', '?')}")
+        load = (f"{h['loadavg_start'][0]:.1f}, {h['loadavg_end'][0]:.1f}" if h and h.get("loadavg_end") else
+                f"{old['loads'][0]:.1f}..{old['loads'][1]:.1f} over its runs" if old.get("loads") else "-")
+        minutes = f"{h['duration_s'] / 60:.1f} min" if h and finite(h.get("duration_s")) else "-"
+        state = f"**stale**: {stale[part]}" if stale.get(part) else "current"
+        rows.append([f"`{part}`", ", ".join(f"`{n}`" for n in PARTS[part]["figures"]),
+                     f"{when(old.get('started'))}{f' (`--{mode}`)' if h and (mode := h.get('mode')) else ''}",
+                     machine, commit_of(old) if old else "commit unknown", load, minutes, state])
+    return md_table(["part", "figures", "started", "machine", "commit", "load average (start, end)", "duration",
+                     "state"], rows)
+
+
+def goal_counts(result: dict, stale: dict) -> str:
+    """The verdicts of every goal figure in one sentence, the FAILs named, and how many figures are stale."""
+    verdicts = result["goals"]
+    names = [n for n in ORDER if n in GOALS]
+    passed = [n for n in names if verdicts[n]["pass"] is True]
+    failed = [n for n in names if verdicts[n]["pass"] is False]
+    stale_figures = [n for n in ORDER if stale.get(FIGURE_PART[n])]
+    fails = f" ({', '.join(f'`{n}`' for n in failed)})" if failed else ""
+    return (f"{len(names)} goals: {len(passed)} PASS, {len(failed)} FAIL{fails}, "
+            f"{len(names) - len(passed) - len(failed)} without a verdict; {len(stale_figures)} of {len(ORDER)} "
+            f"figures stale.")
+
+
+def last_run(result: dict) -> str:
+    """latest.json's own header: the last full `make bench` (a result from before per-part headers kept only this
+    one, and did not say which of its figures that run measured)."""
+    if "commit" in result:
+        return f"latest.json's last full run: {about(result)}"
+    return (f"latest.json's top-level header, from before per-part headers (it does not say which figures that run "
+            f"measured; `--only` runs since kept it): {about(result)}")
+
+
+def shown(v: dict) -> str:
+    """A verdict as the READMEs' tables show it: a FAIL in bold."""
+    return f"**{v['verdict']}**" if v["pass"] is False else v["verdict"]
+
+
+PROVENANCE = ("Each figure has its own run (`make bench` measures every part; `--only` one part again): the "
+              "`measured` column says when, on what CPU and at what commit; **stale**: the code the figure measures "
+              "(`PARTS` in `benchmarks/figures.py`) changed since that commit, or the commit is unknown.")
+
+
+def markdown(result: dict, stale: dict) -> str:
+    """The results block of benchmarks/README.md, generated from a stored result (latest.json) and `stale`
+    ({part: why its figures are stale, or None}: report.stale_reason at this checkout's HEAD)."""
     figs, verdicts, raw = result["figures"], result["goals"], result["raw"]
-    out = [about(result), ""]
-    out += md_table(["figure", "what", "median", "spread (min..max)", "n", "goal", "result"],
+    out = [f"{PROVENANCE} {goal_counts(result, stale)}", ""]
+    out += md_table(["figure", "what", "median", "spread (min..max)", "n", "goal", "result", "measured"],
                     [[f"`{name}`", LABELS[name], fmt(f["median"], f["unit"]), spread(f), str(f["n"]),
-                      verdicts[name]["goal"] or "-", verdicts[name]["verdict"]] for name, f in figs.items()])
+                      verdicts[name]["goal"] or "-", shown(verdicts[name]), measured(result, f["part"], stale)]
+                     for name, f in figs.items()])
     extra = notes(figs) + result.get("converted", {}).get("notes", [])
     if extra:
-        out += ["", "Notes on this run:", ""] + [f"- {n}" for n in extra]
+        out += ["", "Notes:", ""] + [f"- {n}" for n in extra]
+    out += ["", "Each part's run (its header in latest.json's `raw.headers`; a figure carries its part's as `run`):", ""]
+    out += runs_table(result, stale)
+    out += ["", last_run(result)]
     ph = phases(raw)
     names = list(dict.fromkeys(k for rt in ph.values() for k in rt))
-    out += ["", "Seconds since launch at which each phase of the paired job ended (median over its runs):", ""]
+    out += ["", "Seconds since launch at which each phase of the paired job ended (median over its runs; "
+            f"{measured(result, 'pairs', stale)}):", ""]
     out += md_table(["phase", "Stride", "torchrun"],
                     [[f"`{k}`", fmt(ph["stride"].get(k), "s"), fmt(ph["torchrun"].get(k), "s")] for k in names])
     med = checkpoint_medians(raw)
     model = figs["checkpoint_blocked_ratio"]["model"]
-    out += ["", f"The checkpoint benchmark per rank, median over repetitions ({model}):", ""]
+    out += ["", f"The checkpoint benchmark per rank, median over repetitions ({model}; "
+            f"{measured(result, 'checkpoint', stale)}):", ""]
     out += md_table(["method", "rank", "memory rise", "peak memory", "blocked", "until complete"],
                     [[m, rank, f"{x['peak_increase_bytes'] / GIB:.2f} GiB", f"{x['peak_rss_bytes'] / GIB:.2f} GiB",
                       fmt(x["blocked_s"], "s"), fmt(x["complete_s"], "s")]
                      for m in ("gather", "dcp") for rank, x in med.get(m, {}).items()])
     out += ["", "The activation-checkpointing and compile benchmark per variant, median over repetitions (memory: a "
-            "step's peak rise, live tensors / RSS with glibc's defaults):", ""]
+            f"step's peak rise, live tensors / RSS with glibc's defaults; {measured(result, 'blocks', stale)}):", ""]
     out += md_table(["variant", "model", "step time", "live memory", "RSS"],
                     [[f"`{v}`", f"{x['layers']} layers, width {x['width']}, context {x['context']}, batch {x['batch']}",
                       f"{x['step_s']:.3f} s",
@@ -825,7 +951,7 @@ def markdown(result: dict) -> str:
         model = figs["init_peak_memory_ratio"]["model"]
         out += ["", f"The fine-tuning benchmark's set-up per path, the largest rank, median over repetitions ({model}; "
                 "own memory: anonymous RSS on CPU, allocated memory on CUDA; with the file's pages: the RSS, which "
-                "also counts the pages of the mmap'd file the rank read):", ""]
+                f"also counts the pages of the mmap'd file the rank read; {measured(result, 'finetune', stale)}):", ""]
         rows = []
         for strategy, per in ft["memory"].items():
             worst = [max(ranks, key=lambda r: r.get("peak_increase_bytes") or 0) for ranks in per.values()]
@@ -837,17 +963,21 @@ def markdown(result: dict) -> str:
         out += md_table(["train.strategy", "model (fp32)", "own memory rise", "with the file's pages",
                          "build_model"], rows)
     if ft["load"]:
-        out += ["", "init.from's load, seconds, median over repetitions (one process, one thread, warm page cache):",
-                ""]
-        out += md_table(["`init_model`", "`init_model` given the sha256", "`load_file` + read", "`load_file` alone"],
-                        [[f"{summary(list(ft['load'].get(v, {}).values()))['median'] or 0:.3f} s"
+        cold = (raw.get("finetune", {}).get("load") or {}).get("digest") == "cold"
+        out += ["", "init.from's load, seconds, median over repetitions (one process, one thread, warm page cache"
+                f"{'' if cold else '; this run did not time the hashing: its init_model reused a cached digest'}; "
+                f"{measured(result, 'finetune', stale)}):", ""]
+        out += md_table(["`init_model` hashing the file", "`init_model` given the sha256", "`load_file` + read",
+                         "`load_file` alone"],
+                        [["-" if v == "init_model" and not cold else
+                          f"{summary(list(ft['load'].get(v, {}).values()))['median'] or 0:.3f} s"
                           for v in ("init_model", "init_model_given_sha256", "load_file_read", "load_file")]])
     rates = file_read_rates(raw)
     if rates:
         fr = raw["file_read"]
         out += ["", f"Files by reference, rows/s, median over repetitions ({fr['files']} files of "
                 f"{fr['file_bytes'] // 1024} KiB, {fr['threads']} threads, warm page cache; "
-                f"{measured(raw, 'file_read')}):", ""]
+                f"{measured(result, 'file_read', stale)}):", ""]
         out += md_table(["Stride's stream (default window)", "thread pool", f"Stride, {fr['small_window_rows']}-row "
                          "windows"],
                         [[f"{summary([summary(x)['median'] for x in rates.get(v, {}).values()])['median'] or 0:,.0f}"
@@ -855,7 +985,8 @@ def markdown(result: dict) -> str:
     bk = bucketing_parts(raw)
     if bk:
         model = figs["bucketing_step_time_ratio"]["model"]
-        out += ["", f"Length bucketing per side, median over repetitions ({model}; {measured(raw, 'bucketing')}):", ""]
+        out += ["", f"Length bucketing per side, median over repetitions ({model}; {measured(result, 'bucketing', stale)}):",
+                ""]
         rows = []
         for v in ("bucketed", "unbucketed"):
             med = {k: summary([r.get(k) for r in bk.get(v, {}).values()])["median"]
@@ -868,22 +999,17 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-HEADLINE = ("step_time_ratio", "wall_ratio", "ingest_ratio", "data_wait_fraction", "scaling_2_over_1",
-            "memory_growth_ratio", "checkpoint_rank0_memory_ratio", "checkpoint_blocked_ratio", "ac_memory_ratio",
-            "ac_step_time_ratio", "compile_step_time_ratio", "lock_overhead_ratio", "init_peak_memory_ratio",
-            "frozen_step_time_ratio", "init_load_ratio")
-
-
-def headline(result: dict) -> str:
-    """The figures README.md's Performance section quotes, generated from a stored result (latest.json)."""
+def headline(result: dict, stale: dict) -> str:
+    """README.md's Performance section: every figure that has a goal, with its verdict, FAILs included, generated
+    from a stored result (latest.json) and `stale` (as for markdown())."""
     figs, verdicts = result["figures"], result["goals"]
-    lines = [f"From {about(result)} Median (min..max over n samples), goal, verdict:", ""]
-    for name in HEADLINE:
-        f, v = figs[name], verdicts[name]
-        goal = f", goal {v['goal']}: {v['verdict']}" if v["goal"] else ""
-        note = "".join(f"; {n}" for n in f["notes"])
-        lines.append(f"- `{name}`, {LABELS[name]}: {fmt(f['median'], f['unit'])} ({spread(f)}, n={f['n']}){goal}{note}")
-    return "\n".join(lines)
+    rows = [[f"`{name}`", LABELS[name], f"{fmt(f['median'], f['unit'])} ({spread(f)}, n={f['n']})",
+             verdicts[name]["goal"], shown(verdicts[name]), measured(result, f["part"], stale)]
+            for name, f in figs.items() if name in GOALS]
+    return "\n".join([f"{goal_counts(result, stale)} {PROVENANCE}", ""]
+                     + md_table(["figure", "what", "median (min..max, n)", "goal", "result", "measured"], rows)
+                     + ["", f"{last_run(result)} The figures without a goal, every figure's notes, each part's "
+                        "run and the per-part tables: [benchmarks/README.md](benchmarks/README.md#results)."])
 
 
 # ---------------------------------------------------------------- the generated blocks of the READMEs
@@ -908,4 +1034,5 @@ def with_block(text: str, name: str, content: str) -> str:
     return f"{head}{start}\n{content}\n{end}{rest.split(end, 1)[1]}"
 
 
+# README path -> (block name, make(result, stale) -> the block's text)
 BLOCKS = {"benchmarks/README.md": ("bench-results", markdown), "README.md": ("bench-headline", headline)}

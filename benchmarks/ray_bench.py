@@ -71,6 +71,7 @@ def ingest_loop(config: dict) -> dict:
         return rows
 
     out: dict = {"threads": {"torch": torch.get_num_threads(), "pyarrow": pa.cpu_count(),
+                             "pyarrow_io": pa.io_thread_count(),  # Arrow's I/O pool: the same for both sides
                              "stream_read_threads": READ_THREADS, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
                  "sets": {}}
     for name, spec in config["specs"].items():

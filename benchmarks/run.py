@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -71,7 +70,6 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,8 +77,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `python benchmarks/run.py` puts only benchmarks/ on the path
 PY = sys.executable
 
-from benchmarks.figures import BLOCKS, block, ckpt_steps, replay, run_stats, with_block  # noqa: E402
-from benchmarks.report import cpu_model  # noqa: E402
+from benchmarks.figures import BLOCKS, PARTS, block, ckpt_steps, part_headers, replay, run_stats, with_block  # noqa: E402
+from benchmarks.report import changed_since, run_header, stale_parts  # noqa: E402
 from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
 
 CONFIG = "trainers/configs/char_gpt.yaml"
@@ -390,38 +388,18 @@ def run_ray_bench(mode: Mode, tmp: Path, data: Path, scaling: bool = True) -> di
 
 # ---------------------------------------------------------------- the whole run
 
-def machine() -> dict:
-    """The machine the figures were measured on (stored with them: a ratio is this machine's)."""
-    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "hostname": socket.gethostname()}
-    try:
-        info["cpu_model"] = cpu_model()
-        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (OSError, ValueError):
-        pass
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["ray"] = version("ray")
-        info["pyarrow"] = version("pyarrow")
-    except Exception:  # noqa: BLE001
-        pass
-    return info
-
-
-def measure(mode: Mode, tmp: Path) -> dict:
-    """Every benchmark, one after the other: the raw runs figures.py computes the figures from."""
+def measure(mode: Mode, tmp: Path, mode_name: str) -> dict:
+    """Every benchmark, one after the other: the raw runs figures.py computes the figures from, and each part's run
+    header (raw["headers"][part]: report.run_header around that part alone)."""
     data = default_job_data(tmp)
-    raw: dict = {"settings": asdict(mode)}
-    raw["pairs"] = run_pairs(mode, tmp, data)
+    raw: dict = {"settings": asdict(mode), "headers": {}}
+    headers = raw["headers"]
+    with run_header(mode_name) as headers["pairs"]:
+        raw["pairs"] = run_pairs(mode, tmp, data)
     print("bench: ingest and scaling (benchmarks/ray_bench.py)", flush=True)
-    raw.update(run_ray_bench(mode, tmp, data))
+    with run_header(mode_name) as header:  # one launch, one Ray: ingest, then the scaling fits
+        raw.update(run_ray_bench(mode, tmp, data))
+    headers["ingest"] = headers["scaling"] = header
     print(f"bench: ray_bench done in {raw['ray_bench']['wall_s']:.1f}s", flush=True)
     # Imported here, not at the top: they import this module's helpers.
     from benchmarks.blocks_bench import measure as blocks_bench
@@ -429,20 +407,21 @@ def measure(mode: Mode, tmp: Path) -> dict:
     from benchmarks.stream_memory import measure as stream_memory
 
     print("bench: memory growth with the data set (benchmarks/stream_memory.py)", flush=True)
-    raw["memory"] = stream_memory(*mode.stream_rows, tmp / "stream_memory", reps=mode.reps,
-                                  timeout_s=MEMORY_TIMEOUT_FACTOR * mode.timeout_s)
+    with run_header(mode_name) as headers["memory"]:
+        raw["memory"] = stream_memory(*mode.stream_rows, tmp / "stream_memory", reps=mode.reps,
+                                      timeout_s=MEMORY_TIMEOUT_FACTOR * mode.timeout_s)
     print("bench: checkpoint cost per rank, rank-0 gather vs DCP (benchmarks/checkpoint_bench.py)", flush=True)
-    raw["checkpoint"] = checkpoint_bench(*mode.ckpt_model, reps=mode.reps, tmp=tmp / "checkpoint_bench",
-                                         timeout_s=mode.timeout_s * 2)
+    with run_header(mode_name) as headers["checkpoint"]:
+        raw["checkpoint"] = checkpoint_bench(*mode.ckpt_model, reps=mode.reps, tmp=tmp / "checkpoint_bench",
+                                             timeout_s=mode.timeout_s * 2)
     print("bench: activation checkpointing and torch.compile on CPU (benchmarks/blocks_bench.py)", flush=True)
-    raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
-                                 smoke=mode.tiny_models, timeout_s=mode.timeout_s)
-    raw["lock"] = measure_lock(mode)
-    raw["finetune"] = measure_finetune(mode)
-    raw["file_read"] = measure_file_read(mode)
-    raw["bucketing"] = measure_bucketing(mode)
-    raw["sinks"] = measure_sinks(mode)
-    raw["commands"] = measure_commands(mode)
+    with run_header(mode_name) as headers["blocks"]:
+        raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
+                                     smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+    for name in ("lock", "finetune", "file_read", "bucketing", "sinks", "commands"):
+        key, measure_part = ONLY[name]
+        with run_header(mode_name) as headers[key]:
+            raw[key] = measure_part(mode)
     return raw
 
 
@@ -518,27 +497,38 @@ ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetun
         "sinks": ("sinks", measure_sinks), "commands": ("commands", measure_commands)}
 
 
-def measure_only(name: str, mode: Mode, latest: Path) -> dict:
-    """One part measured again, its raw runs put into an earlier result's, every figure replayed from them."""
+def measure_only(name: str, mode: Mode, mode_name: str, latest: Path) -> dict:
+    """One part measured again, its raw runs and its own run header put into an earlier result's (the other parts
+    keep theirs, and the result's top-level header stays the last full run's), every figure replayed from them."""
     if not latest.exists():
         raise SystemExit(f"bench: --only {name} adds to {latest}, which does not exist; run `make bench` first")
     result = json.loads(latest.read_text())
     key, measure_part = ONLY[name]
-    result["raw"][key] = json.loads(json.dumps(measure_part(mode), default=str))
+    with run_header(mode_name) as header:
+        part = measure_part(mode)
+    result["raw"][key] = json.loads(json.dumps(part, default=str))
+    result["raw"].setdefault("headers", {})[key] = header
     return {**result, **replay(result["raw"])}
 
 
 def render(result_path: Path) -> list[str]:
-    """Rewrite the generated blocks of benchmarks/README.md and README.md from a stored result. Returns the files
-    that changed."""
+    """Rewrite the generated blocks of benchmarks/README.md and README.md from a stored result, each figure marked
+    stale where the code it measures changed since its run's commit. Returns the files that changed."""
     result = json.loads(result_path.read_text())
+    stale = stale_parts(part_headers(result), PARTS)
+    for part, reason in stale.items():
+        if reason:
+            h = part_headers(result)[part] or {}
+            files = changed_since(h["commit"], PARTS[part]["paths"]) if h.get("commit") else []
+            print(f"bench: {part} is stale: {reason}{': ' + ', '.join(files[:8]) if files else ''}"
+                  f"{' ...' if len(files) > 8 else ''}")
     changed = []
     for rel, (name, make) in BLOCKS.items():
         path = REPO / rel
         text = path.read_text()
         if block(text, name) is None:
             raise SystemExit(f"bench: {rel} has no generated block {name!r}")
-        new = with_block(text, name, make(result))
+        new = with_block(text, name, make(result, stale))
         if new != text:
             path.write_text(new)
             changed.append(rel)
@@ -567,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     if args.only:
         latest = out_dir / "latest.json"
-        result = measure_only(args.only, mode, latest)
+        result = measure_only(args.only, mode, mode_name, latest)
         latest.write_text(json.dumps(result, indent=1) + "\n")
         print(result["table"])
         print(f"bench: measured {args.only} again into {latest}")
@@ -576,21 +566,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="stride-bench-"))
-    started = datetime.now()
-    t0 = time.perf_counter()
-    load_start = os.getloadavg()
-    print(f"bench: {mode_name}: {mode.reps} repetition(s); temporary runs in {tmp}; load average "
-          f"{load_start[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     try:
-        raw = measure(mode, tmp)
+        with run_header(mode_name) as header:  # the whole run's; each part records its own in raw["headers"]
+            print(f"bench: {mode_name}: {mode.reps} repetition(s); temporary runs in {tmp}; load average "
+                  f"{header['loadavg_start'][0]:.2f} on {os.cpu_count()} CPUs; commit {header['commit']}"
+                  f"{' with uncommitted changes' if header['dirty'] else ''}", flush=True)
+            raw = measure(mode, tmp, mode_name)
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     raw = json.loads(json.dumps(raw, default=str))  # the figures come from the raw runs exactly as stored
+    load_start = header["loadavg_start"]
     result = {
-        "mode": mode_name, "started": started.isoformat(timespec="seconds"),
-        "duration_s": time.perf_counter() - t0, "machine": machine(),
-        "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
+        **header,  # mode, started, duration_s, machine, commit, dirty, dirty_paths, loadavg_start, loadavg_end
         "workload": {"model": "char_gpt (trainers/configs/char_gpt.yaml): 3 layers, width 128, 4 heads, context 64, "
                               "fp32, AdamW; 32 sequences per worker, 2 CPU workers of 1 CPU (1 torch thread) each",
                      "data": "the default job's data, datasets/prepare.py pystdlib (91k rows of 65 bytes)",

@@ -24,7 +24,8 @@ threshold); 2 a usage error (bad option, impossible gang; one line). Every check
 a worker that does not answer in time fails the check naming what hung; nothing waits forever.
 
 The training driver calls run_preflight(...) (quick: small sizes, about 10 s) before fit() when
-scaling.preflight is true.
+scaling.preflight is true; under torchrun each rank calls check_gang_in_place(...), the same checks on torchrun's
+own processes and process group, without Ray.
 """
 
 from __future__ import annotations
@@ -106,109 +107,17 @@ class DoctorWorker:
         torch.set_num_threads(max(1, int(cpus)))
 
     def probe(self) -> dict:
-        import platform
-        import socket
-
         import ray
-        import torch
 
-        info = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "hostname": socket.gethostname(), "pid": os.getpid(), "python": platform.python_version(),
-                "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": None,
-                "cuda_available": torch.cuda.is_available(), "gpu_uuid": None, "gpu_name": None,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-        if info["cuda_available"]:
-            props = torch.cuda.get_device_properties(0)
-            info["gpu_name"] = props.name
-            info["gpu_uuid"] = str(getattr(props, "uuid", "") or "") or _nvidia_smi_uuid(info["cuda_visible_devices"])
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
-        return info
+        return dict(probe_process(0), node_id=ray.get_runtime_context().get_node_id(), ip=ray.util.get_node_ip_address())
 
     def gemm(self, n: int, min_s: float, use_gpu: bool) -> dict:
         import torch
 
-        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        dtype = torch.bfloat16 if use_gpu else torch.float32
-        gen = torch.Generator().manual_seed(1234)
-        a_cpu = torch.randn(n, n, generator=gen).to(dtype)
-        b_cpu = torch.randn(n, n, generator=gen).to(dtype)
-        a, b = a_cpu.to(device), b_cpu.to(device)
-        sync = torch.cuda.synchronize if use_gpu else (lambda: None)
-        c = a @ b  # warm-up (kernel selection, allocation)
-        sync()
-        iters, t0 = 0, time.perf_counter()
-        while True:
-            c = a @ b
-            iters += 1
-            if iters >= 2:
-                sync()
-                elapsed = time.perf_counter() - t0
-                if elapsed >= min_s:
-                    break
-        finite = bool(torch.isfinite(c).all())
-        # A corrupt device gives finite garbage too: compare a corner with a float64 product of the same inputs.
-        rows, cols = min(n, 8), min(n, 256)
-        ref = a_cpu[:rows].double() @ b_cpu[:, :cols].double()
-        err = ((c[:rows, :cols].double().cpu() - ref).abs().max() / ref.abs().max()).item()
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        return {"gflops": 2.0 * n ** 3 * iters / elapsed / 1e9, "finite": finite, "rel_err": err,
-                "correct": finite and err <= tol, "tol": tol, "dtype": str(dtype).replace("torch.", ""), "n": n,
-                "iters": iters}
+        return gemm_on(torch.device("cuda", 0) if use_gpu else torch.device("cpu"), n, min_s)
 
     def storage(self, path: str, tag: str) -> dict:
-        """Write, read back and delete a file under `path`; free space there. Errors come back as data."""
-        import shutil
-
-        data = os.urandom(STORAGE_PROBE_BYTES)
-        out = {"ok": False, "stage": "create folder", "error": None, "free_bytes": None, "write_mb_s": None}
-        try:
-            if "://" in path:
-                import pyarrow.fs
-
-                fs, base = pyarrow.fs.FileSystem.from_uri(path)
-                fs.create_dir(base, recursive=True)
-                name = f"{base.rstrip('/')}/.stride-doctor-{tag}"
-                out["stage"] = "write"
-                t0 = time.perf_counter()
-                with fs.open_output_stream(name) as f:
-                    f.write(data)
-                out["write_mb_s"] = len(data) / (time.perf_counter() - t0) / 1e6
-                out["stage"] = "read back"
-                with fs.open_input_stream(name) as f:
-                    back = f.read()
-                out["stage"] = "delete"
-                fs.delete_file(name)
-                gone = fs.get_file_info(name).type == pyarrow.fs.FileType.NotFound
-            else:
-                folder = Path(path)
-                folder.mkdir(parents=True, exist_ok=True)
-                out["free_bytes"] = shutil.disk_usage(folder).free
-                name = folder / f".stride-doctor-{tag}"
-                out["stage"] = "write"
-                t0 = time.perf_counter()
-                with open(name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                out["write_mb_s"] = len(data) / (time.perf_counter() - t0) / 1e6
-                out["stage"] = "read back"
-                back = name.read_bytes()
-                out["stage"] = "delete"
-                name.unlink()
-                gone = not name.exists()
-        except FileExistsError:
-            out["error"] = "a file, not a folder, is in the way"
-            return out
-        except OSError as e:
-            out["error"] = f"{type(e).__name__}: {e.strerror or e}"
-            return out
-        if back != data:
-            out["error"] = f"read back {len(back)} bytes that differ from the {len(data)} written"
-        elif not gone:
-            out["error"] = "the file is still there after delete"
-        else:
-            out.update(ok=True, stage="done")
-        return out
+        return storage_probe(path, tag)
 
     def free_port(self) -> tuple[str, int]:
         import socket
@@ -230,30 +139,147 @@ class DoctorWorker:
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
             torch.cuda.set_device(device)
-        sync = torch.cuda.synchronize if use_gpu else (lambda: None)
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s), device_id=device if use_gpu else None)
         try:
-            x = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32, device=device)
-            dist.all_reduce(x)  # also the warm-up: connections, NCCL communicator
-            sync()
-            want = world_size * (world_size + 1) / 2
-            correct = bool((x == want).all())
-            x.zero_()  # keep the timed loop's values bounded
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(x)
-            sync()
-            elapsed = time.perf_counter() - t0
+            return dict(time_allreduce(device, rank, world_size, nbytes, iters), backend=backend)
         finally:
             dist.destroy_process_group()
-        return {"time_s": elapsed / iters, "correct": correct, "backend": backend}
 
 
-def _nvidia_smi_uuid(visible: str | None) -> str | None:
-    """The UUID of this process's cuda:0 when torch does not expose it."""
+def time_allreduce(device, rank: int, world_size: int, nbytes: int, iters: int) -> dict:
+    """Seconds per all-reduce of `nbytes` on the initialised process group, and whether the first one summed right."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32, device=device)
+    dist.all_reduce(x)  # also the warm-up: connections, NCCL communicator
+    sync()
+    want = world_size * (world_size + 1) / 2
+    correct = bool((x == want).all())
+    x.zero_()  # keep the timed loop's values bounded
+    dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    sync()
+    return {"time_s": (time.perf_counter() - t0) / iters, "correct": correct}
+
+
+def probe_process(cuda_index: int = 0) -> dict:
+    """This process's host, Python, torch (CUDA, NCCL) and, with CUDA, the identity of its GPU `cuda_index`."""
+    import platform
+    import socket
+
+    import torch
+
+    info = {"hostname": socket.gethostname(), "pid": os.getpid(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": None,
+            "cuda_available": torch.cuda.is_available(), "gpu_uuid": None, "gpu_name": None,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if info["cuda_available"]:
+        props = torch.cuda.get_device_properties(cuda_index)
+        info["gpu_name"] = props.name
+        info["gpu_uuid"] = (str(getattr(props, "uuid", "") or "")
+                            or _nvidia_smi_uuid(info["cuda_visible_devices"], cuda_index))
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
+    return info
+
+
+def gemm_on(device, n: int, min_s: float) -> dict:
+    """Matrix-multiply throughput on `device` (bf16 on a GPU, fp32 on the CPU) for at least `min_s`, and whether a
+    corner of the product matches a float64 one."""
+    import torch
+
+    use_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if use_gpu else torch.float32
+    gen = torch.Generator().manual_seed(1234)
+    a_cpu = torch.randn(n, n, generator=gen).to(dtype)
+    b_cpu = torch.randn(n, n, generator=gen).to(dtype)
+    a, b = a_cpu.to(device), b_cpu.to(device)
+    sync = torch.cuda.synchronize if use_gpu else (lambda: None)
+    c = a @ b  # warm-up (kernel selection, allocation)
+    sync()
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        c = a @ b
+        iters += 1
+        if iters >= 2:
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_s:
+                break
+    finite = bool(torch.isfinite(c).all())
+    # A corrupt device gives finite garbage too: compare a corner with a float64 product of the same inputs.
+    rows, cols = min(n, 8), min(n, 256)
+    ref = a_cpu[:rows].double() @ b_cpu[:, :cols].double()
+    err = ((c[:rows, :cols].double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    return {"gflops": 2.0 * n ** 3 * iters / elapsed / 1e9, "finite": finite, "rel_err": err,
+            "correct": finite and err <= tol, "tol": tol, "dtype": str(dtype).replace("torch.", ""), "n": n,
+            "iters": iters}
+
+
+def storage_probe(path: str, tag: str) -> dict:
+    """Write, read back and delete a file under `path`; free space there. Errors come back as data."""
+    import shutil
+
+    data = os.urandom(STORAGE_PROBE_BYTES)
+    out = {"ok": False, "stage": "create folder", "error": None, "free_bytes": None, "write_mb_s": None}
+    try:
+        if "://" in path:
+            import pyarrow.fs
+
+            fs, base = pyarrow.fs.FileSystem.from_uri(path)
+            fs.create_dir(base, recursive=True)
+            name = f"{base.rstrip('/')}/.stride-doctor-{tag}"
+            out["stage"] = "write"
+            t0 = time.perf_counter()
+            with fs.open_output_stream(name) as f:
+                f.write(data)
+            out["write_mb_s"] = len(data) / (time.perf_counter() - t0) / 1e6
+            out["stage"] = "read back"
+            with fs.open_input_stream(name) as f:
+                back = f.read()
+            out["stage"] = "delete"
+            fs.delete_file(name)
+            gone = fs.get_file_info(name).type == pyarrow.fs.FileType.NotFound
+        else:
+            folder = Path(path)
+            folder.mkdir(parents=True, exist_ok=True)
+            out["free_bytes"] = shutil.disk_usage(folder).free
+            name = folder / f".stride-doctor-{tag}"
+            out["stage"] = "write"
+            t0 = time.perf_counter()
+            with open(name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            out["write_mb_s"] = len(data) / (time.perf_counter() - t0) / 1e6
+            out["stage"] = "read back"
+            back = name.read_bytes()
+            out["stage"] = "delete"
+            name.unlink()
+            gone = not name.exists()
+    except FileExistsError:
+        out["error"] = "a file, not a folder, is in the way"
+        return out
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e.strerror or e}"
+        return out
+    if back != data:
+        out["error"] = f"read back {len(back)} bytes that differ from the {len(data)} written"
+    elif not gone:
+        out["error"] = "the file is still there after delete"
+    else:
+        out.update(ok=True, stage="done")
+    return out
+
+
+def _nvidia_smi_uuid(visible: str | None, cuda_index: int = 0) -> str | None:
+    """The UUID of this process's cuda:<cuda_index> when torch does not expose it."""
     import subprocess
 
     try:
@@ -262,7 +288,8 @@ def _nvidia_smi_uuid(visible: str | None) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if "," in line]
-    first = (visible or "0").split(",")[0].strip()
+    shown = (visible or "").split(",")
+    first = shown[cuda_index].strip() if visible and cuda_index < len(shown) else str(cuda_index)
     for index, uuid in rows:
         if first in (index, uuid):
             return uuid
@@ -500,8 +527,13 @@ def _check_gpus(infos: dict, labels: list[str]) -> list[CheckResult]:
 
 def _check_gemm(gang: Gang, ranks: list[int], n: int, min_s: float, gpu: bool, min_gflops: float) -> list[CheckResult]:
     results, errors = gang.call("the GEMM check", ranks, "gemm", lambda r: (n, min_s, gpu))
+    return _gemm_rows(results, errors, ranks, gang.labels, n, min_gflops)
+
+
+def _gemm_rows(results: dict, errors: dict, ranks: list[int], labels: list[str], n: int,
+               min_gflops: float) -> list[CheckResult]:
     rows = []
-    for node, node_ranks in _by_node(ranks, gang.labels).items():
+    for node, node_ranks in _by_node(ranks, labels).items():
         done = {r: results[r] for r in node_ranks if r in results}
         problems = [errors[r] for r in node_ranks if r in errors]
         for r, g in done.items():
@@ -524,6 +556,11 @@ def _check_storage(gang: Gang, infos: dict, storage: str, min_free_gb: float) ->
     first = {node: ranks[0] for node, ranks in _by_node(infos, gang.labels).items()}
     tag = lambda r: f"{infos[r]['node_id'][:8]}-{infos[r]['pid']}-{os.urandom(3).hex()}"  # noqa: E731
     results, errors = gang.call("the storage check", list(first.values()), "storage", lambda r: (storage, tag(r)))
+    return _storage_rows(first, results, errors, storage, min_free_gb)
+
+
+def _storage_rows(first: dict[str, int], results: dict, errors: dict, storage: str,
+                  min_free_gb: float) -> list[CheckResult]:
     rows = []
     for node, r in first.items():
         if r in errors:
@@ -568,6 +605,10 @@ def _check_allreduce(gang: Gang, n: int, gpu: bool, mib: int, iters: int, timeou
     if errors:
         return [CheckResult("allreduce", ALL, "fail", unit="GB/s", threshold=min_gbps,
                             detail=f"{what}: " + "; ".join(errors[r] for r in sorted(errors)))]
+    return [_allreduce_row(results, n, nbytes, what, min_gbps)]
+
+
+def _allreduce_row(results: dict, n: int, nbytes: int, what: str, min_gbps: float) -> CheckResult:
     slowest = max(x["time_s"] for x in results.values())
     busbw = 2 * (n - 1) / n * nbytes / slowest / 1e9
     wrong = sorted(r for r, x in results.items() if not x["correct"])
@@ -577,7 +618,7 @@ def _check_allreduce(gang: Gang, n: int, gpu: bool, mib: int, iters: int, timeou
         detail += f"; wrong sum on ranks {wrong}"
     elif busbw < min_gbps:
         detail += "; bus bandwidth below the threshold"
-    return [CheckResult("allreduce", ALL, status, busbw, "GB/s", min_gbps, detail)]
+    return CheckResult("allreduce", ALL, status, busbw, "GB/s", min_gbps, detail)
 
 
 def format_table(rows: list[CheckResult]) -> str:
@@ -600,6 +641,62 @@ def run_preflight(num_workers: int, use_gpu: bool | str, storage_path: str, cpus
     rows, _ = diagnose(num_workers, use_gpu, storage_path, cpus_per_worker, quick=quick, timeout_s=timeout_s,
                        min_allreduce_gbps=min_allreduce_gbps, min_free_gb=min_free_gb, names=Names("config"))
     return rows
+
+
+def check_gang_in_place(device, storage_path: str, *, quick: bool = True, min_allreduce_gbps: float = 0.0,
+                        min_free_gb: float = 1.0, min_gemm_gflops: float = 0.0, all_gather=None) -> list[CheckResult]:
+    """The doctor's checks on a gang that is already running, without Ray: torchrun's processes (scaling.preflight
+    under torchrun), each on its `device`, in the process group they share (or one process). Versions and GPUs are
+    compared across ranks, GEMM runs on every rank, storage from one rank per host, the all-reduce on the group
+    itself. Every rank calls it and gets the same rows. `all_gather(obj) -> [each rank's obj]`: the group's, by
+    default (a test passes its own)."""
+    import torch.distributed as dist
+
+    in_group = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if in_group else (0, 1)
+    if all_gather is None:
+        all_gather = _gather_in_group if in_group else (lambda obj: [obj])
+    gpu = device.type == "cuda"
+    storage = storage_path if "://" in storage_path else str(Path(storage_path).expanduser().resolve())
+    infos = dict(enumerate(all_gather(probe_process(device.index or 0) if gpu else probe_process())))
+    ranks = sorted(infos)
+    labels = [infos[r]["hostname"] for r in ranks]
+    rows = [CheckResult("gang", ALL, "pass", f"{len(ranks)} workers",
+                        detail=f"torchrun's processes on {len(set(labels))} node(s)")]
+    rows += _check_versions(infos, labels, gpu)
+    rows += _check_gpus(infos, labels) if gpu else [
+        CheckResult("gpu", ALL, "skip", detail="CPU gang (use_gpu false): no GPU to check")]
+    gemm_n, gemm_s, mib, iters = SIZES[("gpu" if gpu else "cpu", quick)]
+    try:  # a device that fails the product is a failed check on every rank, not one rank's traceback
+        mine = (gemm_on(device, gemm_n, gemm_s), None)
+    except RuntimeError as e:
+        mine = (None, _error_line(e))
+    gemms = dict(enumerate(all_gather(mine)))
+    rows += _gemm_rows({r: g for r, (g, _) in gemms.items() if g is not None},
+                       {r: err for r, (_, err) in gemms.items() if err is not None}, ranks, labels, gemm_n,
+                       min_gemm_gflops)
+    first = {node: node_ranks[0] for node, node_ranks in _by_node(ranks, labels).items()}
+    tag = f"{labels[rank]}-{os.getpid()}-{os.urandom(3).hex()}"
+    stored = dict(enumerate(all_gather(storage_probe(storage, tag) if rank in first.values() else None)))
+    rows += _storage_rows(first, {r: stored[r] for r in first.values()}, {}, storage, min_free_gb)
+    if world_size < 2:
+        rows.append(CheckResult("allreduce", ALL, "skip", unit="GB/s", threshold=min_allreduce_gbps,
+                                detail="one worker: nothing to all-reduce"))
+    else:
+        nbytes = mib << 20
+        times = dict(enumerate(all_gather(time_allreduce(device, rank, world_size, nbytes, iters))))
+        rows.append(_allreduce_row(times, world_size, nbytes,
+                                   f"{dist.get_backend()}, {world_size} workers, {mib} MiB x {iters}, torchrun's group",
+                                   min_allreduce_gbps))
+    return rows
+
+
+def _gather_in_group(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 # ---- command line ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """ray_cluster.doctor: usage errors (exit 2, one line, fast), gang planning, the command's report of a failure (one
-stderr line each, exit 1), and on the session's shared 2-CPU head (tests/shared_ray.py): the command's healthy gang
-passes, and the preflight API fails a threshold and an unwritable storage path by name and reports hung workers and
-unplaceable gangs instead of waiting."""
+stderr line each, exit 1), the preflight's checks of torchrun's own gang (no Ray), and on the session's shared 2-CPU
+head (tests/shared_ray.py): the command's healthy gang passes, and the preflight API fails a threshold and an
+unwritable storage path by name and reports hung workers and unplaceable gangs instead of waiting."""
 
 from __future__ import annotations
 
@@ -135,6 +135,42 @@ def test_failure_line_names_check_node_value_and_threshold():
     table = format_table([row, CheckResult("disk", "10.0.0.1", "pass", 80.0, "GB", 1.0, "free at /x")])
     assert table.splitlines()[0].split()[:5] == ["CHECK", "NODE", "STATUS", "VALUE", "THRESHOLD"]
     assert "FAIL" in table.splitlines()[1] and "80 GB" in table.splitlines()[2]
+
+
+def test_the_preflight_under_torchrun_checks_the_gangs_own_processes_and_fails_by_name(tmp_path):
+    """check_gang_in_place (scaling.preflight under torchrun) in one process: its checks pass here, and a second rank
+    on another host (what the gang's all_gather would bring back from it) with another torch and a storage it cannot
+    write fails the versions, storage and disk checks on that host, which the run's verdict names (exit 2)."""
+    import torch
+
+    from stride.ray_cluster.connect import UsageError
+    from stride.ray_cluster.doctor import check_gang_in_place
+    from stride.trainers.driver import judge_preflight
+
+    storage = tmp_path / "runs"
+    rows = check_gang_in_place(torch.device("cpu"), str(storage))
+    status = {r.check: r.status for r in rows}
+    assert status == {"gang": "pass", "versions": "pass", "gpu": "skip", "gemm": "pass", "storage": "pass",
+                      "disk": "pass", "allreduce": "skip"}, rows
+    assert list(storage.iterdir()) == []  # the probe file was deleted
+
+    def with_another_host(mine):
+        if isinstance(mine, dict) and "torch" in mine:  # the probe
+            return [mine, dict(mine, hostname="other-host", torch="0.0.0")]
+        if isinstance(mine, dict) and "stage" in mine:  # the storage probe of each host's first rank
+            return [mine, {"ok": False, "stage": "write", "error": "OSError: Read-only file system", "free_bytes": 0,
+                           "write_mb_s": None}]
+        return [mine, mine]  # the GEMM
+
+    rows = check_gang_in_place(torch.device("cpu"), str(storage), all_gather=with_another_host)
+    failed = [r.failure_line() for r in rows if not r.ok]
+    assert [r.split(":")[0] for r in failed] == ["versions failed on node other-host", "storage failed on node "
+                                                 "other-host", "disk failed on node other-host"], failed
+    assert "torch 0.0.0" in failed[0] and "Read-only file system" in failed[1]
+    with pytest.raises(UsageError) as e:
+        judge_preflight(rows, time.perf_counter(), show=False)
+    assert str(e.value) == (f"scaling.preflight (true) failed: {failed[0]} (+2 more above); fix the node or storage, "
+                            f"or set scaling.preflight=false to train anyway")
 
 
 # ---- the shared 2-CPU head (tests/shared_ray.py), joined through RAY_ADDRESS -----------------------------

@@ -238,17 +238,28 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
 def preflight(cfg: Config, num_workers: int, use_gpu: bool) -> None:
     """scaling.preflight: the doctor's quick checks on the gang this run is about to place. A failure stops the
     run before any data is read or checkpoint written (exit 2, naming the check, node and measured value)."""
-    from stride.ray_cluster.doctor import format_table, run_preflight
+    from stride.ray_cluster.doctor import run_preflight
 
     t0 = time.perf_counter()
-    rows = run_preflight(num_workers, use_gpu, str(cfg.run_dir.parent), cfg.scaling.cpus_per_worker, quick=True)
+    judge_preflight(run_preflight(num_workers, use_gpu, str(cfg.run_dir.parent), cfg.scaling.cpus_per_worker,
+                                  quick=True), t0)
+
+
+def judge_preflight(rows, t0: float, show: bool = True) -> None:
+    """The preflight's verdict on the doctor's rows, the same on Ray and under torchrun: on a failure the table (on
+    stderr) and a UsageError naming the first failed check; else one line. `show`: whether this process prints (a
+    torchrun rank other than 0 only raises)."""
+    from stride.ray_cluster.doctor import format_table
+
     failed = [r for r in rows if not r.ok]
     if failed:
-        print(format_table(rows), file=sys.stderr)
+        if show:
+            print(format_table(rows), file=sys.stderr, flush=True)
         raise UsageError(f"scaling.preflight (true) failed: {failed[0].failure_line()}"
                          + (f" (+{len(failed) - 1} more above)" if len(failed) > 1 else "")
                          + "; fix the node or storage, or set scaling.preflight=false to train anyway")
-    print(f"stride: preflight passed ({len(rows)} checks in {time.perf_counter() - t0:.1f}s)", flush=True)
+    if show:
+        print(f"stride: preflight passed ({len(rows)} checks in {time.perf_counter() - t0:.1f}s)", flush=True)
 
 
 def _worker_data_error(e: BaseException) -> bool:

@@ -19,7 +19,10 @@ JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory p
 and table that benchmarks/figures.py computes from them alone (tests/test_bench.py recomputes them from the
 stored raw runs). A figure passes or fails on the median of at least 5 samples. Results: <out>/latest.json
 (default out: benchmarks/results; earlier runs are in git's history), and with the default out the generated
-blocks of benchmarks/README.md and README.md are rewritten from it.
+blocks of benchmarks/README.md and README.md are rewritten from it. Every part records its own run header
+(benchmarks/report.py run_header: start, machine, CPU, commit and uncommitted paths, load averages, duration) in
+raw["headers"]; --only replaces only its part's. The READMEs show each figure's, and mark it stale where the code
+its part measures (benchmarks/figures.py PARTS) changed since its commit (git, at --render).
 
 What runs (each launch is a fresh process tree; temporary storage only, never the repo's runs/ or data/):
 1. pairs, `reps` times, order alternating: `torchrun --nproc-per-node 2 trainers/torchrun.py` and

@@ -36,8 +36,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def error_line(message: object) -> None:
     """Print "stride: error: <message>" as one write(2): the ranks of a torchrun gang share one stderr, and print()
-    writes the text and its newline separately, so two ranks' lines could run together into one."""
+    writes the text and its newline separately, so two ranks' lines could run together into one. Under torchrun the
+    line also goes to the rank's error file, which torchrun's failure report shows in place of "To enable traceback
+    see: ..." (record_for_torchrun)."""
     text = f"stride: error: {message}\n"
+    record_for_torchrun(text.strip())
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a stream without a file (pytest's capture): one write() is enough
@@ -47,6 +50,24 @@ def error_line(message: object) -> None:
     data = text.encode("utf-8", "replace")
     while data:
         data = data[os.write(fd, data):]
+
+
+def record_for_torchrun(line: str) -> None:
+    """Write `line` to the error file torchrun gives each rank (TORCHELASTIC_ERROR_FILE), in the format of torch's own
+    @record (torch.distributed.elastic.multiprocessing.errors): when the rank exits non-zero, torchrun's
+    ChildFailedError report names the line as the failure's cause. Nothing outside torchrun."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the report then says what it says without the file; the line is on stderr anyway
+        pass
 
 
 def drop_working_directory_from_path() -> None:

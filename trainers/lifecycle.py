@@ -146,6 +146,25 @@ def finish(run_dir: Path, summary: dict[str, Any], cfg, t_start: float, **fields
     return record_summary(run_dir, summary)
 
 
+def report_paths(cfg, run_dir: Path, summary: dict) -> None:
+    """The end of a run's output, the same from every launcher (the Ray driver, torchrun's rank 0): the status and
+    figures, where the summary, metrics and checkpoint are, each tracker's record, and a failed run's error line."""
+    from stride.cli import error_line
+    from stride.trainers import sinks
+
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    val = "".join(f" {k} {fmt(v)}" for k, v in summary.items() if k.startswith("val_") and k != "val_loss" and v is not None)
+    print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "
+          f"val_loss {fmt(summary.get('val_loss'))} (untrained {fmt(summary.get('initial_val_loss'))}){val}")
+    if summary.get("error"):
+        error_line(summary['error'])
+    print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
+    print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
+    print(f"stride: checkpoint  {summary.get('checkpoint')}")
+    for line in sinks.where(cfg, summary):
+        print(f"stride: {line}", flush=True)
+
+
 def last_line(error: BaseException | str) -> str:
     """The one line an error ends a command with: the last non-empty line of its text (Ray wraps a worker's exception
     in its traceback), without the class path of Stride's own errors, whose message is the line."""

@@ -66,14 +66,14 @@ def _resolve(config, overrides: list[str]) -> Config:
     return load_config(config, overrides)
 
 
-def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
+def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict]:
     t_start = time.time()
     task, specs = prepare(cfg)  # check the data before writing anything: a bad path leaves no run folder behind
     run_dir = cfg.run_dir
     # Held from before the resume check to after the summary: nothing of this run touches the folder without it.
     with lifecycle.open_run(cfg, task, runlock.launcher_instance()) as lock:
         quiet_ray_env()
-        embedded = init_ray()
+        init_ray()
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
         signals = install_signal_handlers(run_dir)
         code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=lock.token)
@@ -83,7 +83,7 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict, bool]:
             summary["summary_path"] = lifecycle.finish(run_dir, summary, cfg, t_start, runtime="ray")
             if summary["status"] == "failed":  # a completed run whose summary the storage refused
                 code = code or EXIT_FAILED
-    return code, summary, embedded
+    return code, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,28 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return EXIT_OK
-        code, summary, embedded = _train(cfg, progress_bar=sys.stdout.isatty())
+        code, summary = _train(cfg, progress_bar=sys.stdout.isatty())
     except StrideError as e:
         error_line(e)
         return e.exit_code
-    report_paths(cfg, cfg.run_dir, summary, embedded)
+    lifecycle.report_paths(cfg, cfg.run_dir, summary)
     return code
-
-
-def report_paths(cfg: Config, run_dir: Path, summary: dict, embedded: bool) -> None:
-    from stride.trainers import sinks
-
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    val = "".join(f" {k} {fmt(v)}" for k, v in summary.items() if k.startswith("val_") and k != "val_loss" and v is not None)
-    print(f"stride: {summary['status']}: step {summary.get('global_step')} train_loss {fmt(summary.get('train_loss'))} "
-          f"val_loss {fmt(summary.get('val_loss'))} (untrained {fmt(summary.get('initial_val_loss'))}){val}")
-    if summary.get("error"):
-        error_line(summary['error'])
-    print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
-    print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
-    print(f"stride: checkpoint  {summary.get('checkpoint')}")
-    for line in sinks.where(cfg, summary):
-        print(f"stride: {line}")
 
 
 if __name__ == "__main__":

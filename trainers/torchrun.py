@@ -8,6 +8,7 @@ checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run 
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -24,9 +25,9 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stride.errors import StrideError, TrainingError  # noqa: E402
+from stride.errors import EXIT_FAILED, StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing, lifecycle, runlock, sinks  # noqa: E402
+from stride.trainers import checkpointing, lifecycle, runlock  # noqa: E402
 from stride.trainers.config import load_config  # noqa: E402
 from stride.trainers.driver import prepare  # noqa: E402
 from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
@@ -37,11 +38,18 @@ from stride.trainers.policies import clear_stop_request  # noqa: E402
 from stride.trainers.checkpointing import complete_checkpoints, prune_checkpoints  # noqa: E402, F401
 
 
+# How long a rank other than 0 holds back an error it found before the gang started: every rank reads the same config
+# and data, so rank 0 finds the same error and shows it, and torchrun ends this rank as soon as rank 0 exits. A rank
+# still alive after this found an error of its own (a node's own GPUs, a path only its node lacks): it shows it then.
+QUIET_RANK_WAIT_S = 10.0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as the Ray driver's: 2 and one line for a problem the user can fix (config, data, GPUs this node
     lacks, a checkpoint of another model), 1 and one line for a failed run, 128 + the signal after a checkpointed
-    stop."""
-    from stride.cli import ArgumentParser, error_line
+    stop. torchrun itself exits 1 when a rank fails, after its own report (which names the line: stride/cli.py's
+    record_for_torchrun)."""
+    from stride.cli import ArgumentParser
 
     ap = ArgumentParser(prog="torchrun ... trainers/torchrun.py")
     ap.add_argument("--config", required=True)
@@ -50,8 +58,53 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args.config, args.overrides)
     except StrideError as e:
-        error_line(e)
+        show_error(e)
         return e.exit_code
+
+
+def show_error(e: StrideError) -> None:
+    """The run's one error line. An error found before the gang started (config, data, scaling.*) is shown once, by
+    rank 0; the other ranks hold theirs back (QUIET_RANK_WAIT_S) and torchrun ends them when rank 0 exits. Errors
+    found in the gang are every rank's own line, as before."""
+    from stride.cli import error_line, record_for_torchrun
+
+    rank, world_size, _ = gang_rank()
+    if rank != 0 and world_size > 1 and not dist.is_initialized():
+        record_for_torchrun(f"stride: error: {e}")  # torchrun's report names it if this rank is the first to go
+        time.sleep(QUIET_RANK_WAIT_S)
+    error_line(e)
+
+
+# scaling.* settings of Ray's that torchrun has no counterpart for, and what to use instead. The others work under
+# torchrun: use_gpu (against this node's devices), cpus_per_worker (each rank's CPU threads, checked against this
+# node's cores), preflight (the doctor's checks on torchrun's gang); num_workers is torchrun's --nproc-per-node.
+RAY_ONLY_SCALING = {
+    "max_failures": "torchrun's --max-restarts",
+    "resize_check_s": "torchrun's elastic --nnodes MIN:MAX",
+}
+
+
+def check_scaling(cfg, local_world_size: int, cores: int) -> None:
+    """scaling.* under torchrun, before anything starts: a Ray-only key set away from its default is refused rather
+    than ignored, and --nproc-per-node x scaling.cpus_per_worker must fit this node's `cores` (as a Ray gang must fit
+    the cluster). UsageError, exit 2."""
+    from stride.trainers.config import ScalingSection
+
+    for key, instead in RAY_ONLY_SCALING.items():
+        value = getattr(cfg.scaling, key)
+        if value != ScalingSection.model_fields[key].default:
+            raise UsageError(f"scaling.{key} ({value:g}) is a Ray setting that torchrun cannot honour; use {instead}, "
+                             f"or run on Ray")
+    cpus = cfg.scaling.cpus_per_worker
+    if local_world_size * cpus > cores + 1e-9:
+        fit = math.floor(cores / local_world_size * 100) / 100  # rounded down: the value named must fit
+        raise UsageError(f"--nproc-per-node ({local_world_size}) x scaling.cpus_per_worker ({cpus:g}) = "
+                         f"{local_world_size * cpus:g} CPUs exceeds this node's {cores} CPUs; use "
+                         + (f"scaling.cpus_per_worker={fit:g}" if fit >= 0.1 else f"--nproc-per-node {cores}"))
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def take_run_lock(cfg, task, rank: int, world_size: int) -> tuple[runlock.RunLock | None, str]:
@@ -110,12 +163,26 @@ def leave_gang() -> None:
         dist.destroy_process_group()
 
 
+def preflight(cfg, device: torch.device, rank: int) -> None:
+    """scaling.preflight under torchrun: the doctor's quick checks on this gang's own processes (versions, GPUs, GEMM,
+    storage from each node, all-reduce on the process group), judged as on Ray (driver.judge_preflight): every rank
+    gets the same rows, so a failure is exit 2 on every rank; rank 0 prints."""
+    from stride.ray_cluster.doctor import check_gang_in_place
+    from stride.trainers.driver import judge_preflight
+
+    t0 = time.perf_counter()
+    judge_preflight(check_gang_in_place(device, str(cfg.run_dir.parent), quick=True), t0, show=rank == 0)
+
+
 def train(config: str, overrides: list[str]) -> int:
     cfg = load_config(config, overrides)
     rank, world_size, local_rank = gang_rank()
+    check_scaling(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), usable_cores())
     task, specs = prepare(cfg, world_size)
     device = start_gang(cfg)
     use_cuda = device.type == "cuda"
+    if cfg.scaling.preflight:
+        preflight(cfg, device, rank)
 
     run_dir = cfg.run_dir
 
@@ -162,15 +229,17 @@ def train(config: str, overrides: list[str]) -> int:
             prune_old()
             ckpts = complete_checkpoints(run_dir)
             runlock.Fence(run_dir, token, cfg.run.lock_stale_s).still_holds()
-            lifecycle.finish(run_dir, summary, cfg, t0, checkpoint=str(ckpts[-1]) if ckpts else None, runtime="torchrun")
-            if summary["status"] == "failed":  # a completed run whose summary the storage refused (record_summary)
-                raise TrainingError(summary["error"])
-            for line in sinks.where(cfg, summary):  # where each tracker's record is, and how to view it
-                print(f"stride: {line}", flush=True)
+            summary["summary_path"] = lifecycle.finish(run_dir, summary, cfg, t0,
+                                                       checkpoint=str(ckpts[-1]) if ckpts else None, runtime="torchrun")
+            # The Ray driver's end-of-run lines: status and figures, summary, metrics, checkpoint, trackers; and the
+            # error line of a completed run whose summary the storage refused (record_summary).
+            lifecycle.report_paths(cfg, run_dir, summary)
     finally:
         if lock is not None:
             lock.release()
     leave_gang()
+    if summary["status"] == "failed":
+        return EXIT_FAILED
     # Stopped by SIGTERM/SIGINT (checkpointed): 128 + the signal, as the Ray driver exits; the same command resumes.
     return 128 + summary["stop_signal"] if summary.get("stop_signal") else 0
 

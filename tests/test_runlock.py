@@ -119,17 +119,37 @@ def test_a_holder_elsewhere_is_judged_by_its_heartbeat_age_on_the_filesystem_clo
     assert capsys.readouterr().err.strip().endswith("(stale heartbeat 90s)")
 
 
+def age(run_dir, seconds: float) -> None:
+    """The lock's last beat `seconds` earlier: as if that long passed on the filesystem's clock without a beat (a
+    contender judges staleness by that clock alone, so the tests move it instead of sleeping)."""
+    path = run_dir / runlock.LOCK
+    then = path.stat().st_mtime - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    """Until `condition()` holds; the timeout is far beyond any beat interval, so a busy machine only slows it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def test_the_heartbeat_keeps_a_lock_fresh_and_a_stopped_one_goes_stale(tmp_path, capsys):
-    first = runlock.acquire(tmp_path, 2.0)  # beats every 0.5 s
-    time.sleep(3)
+    """The holder's thread beats the lock fresh again after 100 s without a beat; frozen, it stays 100 s old, and a
+    contender (window 60 s) takes it over. No sleep against the window: the margins are tens of seconds."""
+    first = runlock.acquire(tmp_path, 1.0)  # the holder's stale_s sets its beat: every 0.25 s
+    assert first._thread.is_alive()
+    age(tmp_path, 100)
+    wait_for(lambda: time.time() - (tmp_path / runlock.LOCK).stat().st_mtime < 50, "the holder never beat")
     with pytest.raises(runlock.RunLockedError):
-        runlock.acquire(tmp_path, 2.0)
+        runlock.acquire(tmp_path, 60)
     first._stop.set()  # the holder freezes (as a SIGSTOPped or partitioned driver)
     first._thread.join()
-    time.sleep(2.5)
-    with runlock.acquire(tmp_path, 2.0) as second:
+    age(tmp_path, 100)
+    with runlock.acquire(tmp_path, 60) as second:
         assert second.fence == 2
-    assert "(stale heartbeat " in capsys.readouterr().err
+    assert "(stale heartbeat 10" in capsys.readouterr().err
 
 
 def test_the_same_instance_takes_over_at_once_and_another_does_not(tmp_path, capsys):
@@ -173,12 +193,10 @@ def test_of_racing_contenders_exactly_one_wins(tmp_path, planted):
 
 
 def test_release_deletes_only_its_own_lock_and_the_holder_notices_a_takeover(tmp_path, capsys):
-    lock = runlock.acquire(tmp_path, 1.0)
+    lock = runlock.acquire(tmp_path, 1.0)  # beats every 0.25 s
     plant(tmp_path, token="a" * 32)  # another run took the folder over
-    deadline = time.time() + 5
-    while not lock.lost and time.time() < deadline:
-        time.sleep(0.05)
-    assert lock.lost and not lock.held()
+    lock._thread.join(timeout=60)  # its next beat finds the lock taken and ends the heartbeat
+    assert not lock._thread.is_alive() and lock.lost and not lock.held()
     assert "is no longer this run's (its run lock is now held by host elsewhere" in capsys.readouterr().err
     lock.release()
     assert token_on_disk(tmp_path) == "a" * 32
@@ -222,17 +240,24 @@ def test_the_fence_passes_while_held_and_stops_a_worker_whose_lock_changed_hands
 
 
 def test_the_fence_stops_an_orphan_whose_heartbeat_stood_still_on_its_own_clock(tmp_path):
-    lock = runlock.acquire(tmp_path, 1.0)  # beats every 0.25 s
-    fence = runlock.Fence(tmp_path, lock.token, 1.0)
-    for _ in range(10):  # beating: never stale, however long
-        fence.still_holds()
-        time.sleep(0.25)
-    lock._stop.set()  # the driver is killed: nobody beats, nobody takes over
+    """The worker's clock is the test's (Fence's clock); the driver's beats are the lock's mtime moving."""
+    lock = runlock.acquire(tmp_path, 60)
+    lock._stop.set()  # the test beats in its place, at the times it picks
     lock._thread.join()
-    fence.still_holds()
-    time.sleep(1.3)
-    with pytest.raises(runlock.RunLockLostError, match="heartbeat has not moved for .*run.lock_stale_s=1\\)"):
+    now = [1000.0]
+    fence = runlock.Fence(tmp_path, lock.token, 10, clock=lambda: now[0])
+    path = tmp_path / runlock.LOCK
+    for beat in range(1, 11):  # beating every 9 s: never stale (10 s), however long
         fence.still_holds()
+        os.utime(path, (beat, beat), follow_symlinks=False)
+        now[0] += 9
+    fence.still_holds()  # the last beat seen: the driver is killed now, nobody beats, nobody takes over
+    now[0] += 10
+    fence.still_holds()  # 10 s without a beat: not yet more than run.lock_stale_s
+    now[0] += 0.5
+    with pytest.raises(runlock.RunLockLostError, match="heartbeat has not moved for 10s .*run.lock_stale_s=10\\)"):
+        fence.still_holds()
+    lock.release()
 
 
 def test_a_checkpoint_write_checks_the_fence_before_the_shards_and_before_the_marker(tmp_path):

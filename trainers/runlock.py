@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -286,13 +287,14 @@ def acquire(run_dir: Path, stale_s: float, instance: str | None = None) -> RunLo
 
 class Fence:
     """A worker's check that its run still holds the run folder. `token` None: no lock was taken (a Trainer built
-    without a launcher), and every check passes."""
+    without a launcher), and every check passes. `clock` is the worker's own clock (seconds; tests pass theirs)."""
 
-    def __init__(self, run_dir: Path | str, token: str | None, stale_s: float):
-        self.path, self.token, self.stale_s = Path(run_dir) / LOCK, token, stale_s
+    def __init__(self, run_dir: Path | str, token: str | None, stale_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.path, self.token, self.stale_s, self._clock = Path(run_dir) / LOCK, token, stale_s, clock
         self._verified: tuple | None = None  # the lstat signature of the file last read and found ours
         self._mtime: float | None = None
-        self._since = time.monotonic()  # this worker's clock when it saw the mtime change last
+        self._since = clock()  # this worker's clock when it saw the mtime change last
         self._mutex = threading.Lock()  # the checkpoint writer's thread checks too
 
     def still_holds(self) -> None:
@@ -313,7 +315,7 @@ class Fence:
                 signature = (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode)
                 if signature != self._verified and self._read_own():
                     self._verified = signature
-            now = time.monotonic()
+            now = self._clock()
             if st is not None and st.st_mtime != self._mtime:
                 self._mtime, self._since = st.st_mtime, now
             elif now - self._since > self.stale_s:

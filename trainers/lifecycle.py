@@ -68,13 +68,22 @@ def _in_uploaded_working_dir() -> bool:
 
 
 def check_job_storage(cfg) -> None:
-    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the uploaded folder: a
-    relative run.storage_path would put the results there, deleted with the session. Refuse it (exit 2)."""
-    if not _in_uploaded_working_dir() or Path(cfg.run.storage_path).expanduser().is_absolute():
+    """Under `ray job submit --working-dir`, the driver runs in Ray's temporary copy of the uploaded folder, deleted
+    with the session. Refuse (exit 2) what would leave the run pointing there: a relative run.storage_path (the
+    results would land in the copy), and an init.from inside the copy (relative paths are resolved against it): the
+    run records init.from (summary.json, each checkpoint's meta.json, the trackers), and a checkpoint.trainable_only
+    run's export and resume read its base from there again, after the copy is gone."""
+    if not _in_uploaded_working_dir():
         return
-    raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would land "
-                     f"in the job's temporary copy of --working-dir and be lost with it; set run.storage_path=<an "
-                     f"absolute path on shared storage, e.g. /mnt/shared/runs>")
+    if not Path(cfg.run.storage_path).expanduser().is_absolute():
+        raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would "
+                         f"land in the job's temporary copy of --working-dir and be lost with it; set run.storage_path="
+                         f"<an absolute path on shared storage, e.g. /mnt/shared/runs>")
+    source = cfg.init.from_
+    if source and "://" not in source and Path(source).is_relative_to(Path.cwd()):
+        raise UsageError(f"init.from ({source}) is in the job's temporary copy of --working-dir, which is deleted with "
+                         f"the job, so the run would record (and a trainable_only run read again) a path that is gone; "
+                         f"set init.from=<an absolute path on shared storage, or a URI such as s3://bucket/model>")
 
 
 def check_resume(cfg, run_dir: Path, task) -> None:

@@ -110,11 +110,28 @@ class ParamLog(Callback):
             torch.save(self.steps, Path(state.run_dir, f"params_{min(self.steps)}.pt"))
 
 
+class Mark(Callback):
+    """Appends its name to the run's hooks.log at each hook it sees (one process): the order callbacks run in."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _mark(self, state, hook):
+        with open(Path(state.run_dir, "hooks.log"), "a") as f:
+            f.write(f"{hook} {self.name}\\n")
+
+    def on_fit_start(self, state):
+        self._mark(state, "on_fit_start")
+
+    def on_step_end(self, state, metrics):
+        self._mark(state, f"on_step_end {state.step}")
+
+
 class CountingMLP(MLPTask):
-    """A task that brings its own callback."""
+    """A task that brings its own callbacks."""
 
     def callbacks(self):
-        return [Counter()]
+        return [Counter(), Mark("task")]
 '''
 
 
@@ -205,9 +222,13 @@ def test_a_users_callbacks_count_on_every_rank_resume_their_state_and_stop_the_r
 
 def test_a_tasks_own_callbacks_run_after_the_configs(project, tabular_data):
     r = train(project, tabular_data, "run.name=task_cb", "train.max_steps=10",
-              "model.name=my_callbacks:CountingMLP")
+              "model.name=my_callbacks:CountingMLP", "train.callbacks=[{my_callbacks:Mark: {name: config}}]")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert counters(project / "runs" / "task_cb") == [{"steps": 10, "starts": 1, "step": 10, "world_size": 1}]
+    run = project / "runs" / "task_cb"
+    assert counters(run) == [{"steps": 10, "starts": 1, "step": 10, "world_size": 1}]
+    hooks = [f"on_fit_start {who}" for who in ("config", "task")] + [
+        f"on_step_end {step} {who}" for step in range(1, 11) for who in ("config", "task")]
+    assert (run / "hooks.log").read_text().splitlines() == hooks
 
 
 def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_checkpoint(project, tabular_data):

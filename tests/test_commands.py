@@ -4,7 +4,9 @@ The runs they read are trained, and the commands run, under one torchrun launch 
 eval and predict are the same job code on Ray and under torchrun (trainers/gang.py, run_job), so the gang mechanics
 are proven there, and one command on the shared Ray head proves the Ray edge: predict, the one with more of it (the
 driver's output folder prepared before the gang, each worker writing its parts, Ray Train's job records removed).
-Bad inputs run in this process: each is refused before any worker starts.
+What predict writes is checked against a forward pass of the exported weights (stride export), built in this process
+without predict's code: the raw weights, and with train.ema the average. Bad inputs run in this process: each is
+refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class SlowMLP(MLPTask):
 '''
 
 
+# predict ddp's (torchrun and Ray): a column the task does not read, and one it reads
+KEEP = ("--keep-columns", "path,f0")
+
+
 def tabular(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
     return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
             f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
@@ -65,10 +71,12 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def unlabeled(project, tabular_data) -> Path:
-    """The validation rows without label and sample_id, in row groups of 20 rows (a block each), ids by position."""
-    table = pq.read_table(tabular_data / "val")
+    """The validation rows without label and sample_id, in row groups of 20 rows (a block each), ids by position,
+    with a column the task does not read: `path`, a string per row (for --keep-columns)."""
+    table = pq.read_table(tabular_data / "val").drop_columns(["label", "sample_id"])
+    table = table.append_column("path", pa.array([f"images/{i:05d}.png" for i in range(table.num_rows)]))
     out = project / "unlabeled.parquet"
-    pq.write_table(table.drop_columns(["label", "sample_id"]), out, row_group_size=20)
+    pq.write_table(table, out, row_group_size=20)
     return out
 
 
@@ -87,14 +95,21 @@ def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
                                              "model.width=32", "model.n_heads=2", "model.context=16",
                                              "train.batch_size_per_worker=4", "tracking.mlflow=false"]},
         {"label": "train slow", "args": tabular(tabular_data, runs, "slow", "model.name=slow_task:SlowMLP")},
+        # eval: both evaluates the raw weights as val_loss, and the average too: predict's weights are the average's
+        {"label": "train ema", "args": tabular(tabular_data, runs, "ema", "train.strategy=fsdp",
+                                               "train.ema={decay: 0.9, eval: both}")},
         stride("eval ddp", "eval", "--run-dir", str(runs / "ddp")),
         stride("eval fsdp", "eval", "--run-dir", str(runs / "fsdp")),
         stride("eval ddp train split", "eval", "--run-dir", str(runs / "ddp"), "--data", f"{tabular_data}/train",
                "--checkpoint", str(runs / "ddp" / "checkpoint_00000010"), "--name", "train_at_10"),
         stride("predict ddp", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
-               "--out", str(project / "predictions")),
+               "--out", str(project / "predictions"), *KEEP),
         stride("predict again", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
                "--out", str(project / "predictions")),  # finished: refused (exit 2) on every rank, not one
+        stride("predict ema", "predict", "--run-dir", str(runs / "ema"), "--data", str(unlabeled),
+               "--out", str(project / "ema_predictions")),
+        stride("predict ema raw", "predict", "--run-dir", str(runs / "ema"), "--data", str(unlabeled),
+               "--out", str(project / "ema_raw_predictions"), "train.ema={decay: 0.9, eval: raw}"),
     ]
     r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("commands_cases"), project,
                                   {"PYTHONPATH": str(project)})
@@ -187,6 +202,66 @@ def test_predict_writes_every_row_once_with_its_position_as_sample_id(gang, proj
     assert (manifest["rows_written"], manifest["parts"], manifest["world_size"]) == (n, blocks, 2)
 
 
+def forward(run: Path, checkpoint: Path, rows: pa.Table, folder: Path, ema: bool = False) -> np.ndarray:
+    """The class probabilities the checkpoint's model gives `rows`: its weights exported (stride export; `ema`: the
+    average), loaded into the run's task's build_model() as a user loads them, fed through the task's transform."""
+    import torch
+    from safetensors.torch import load_file
+
+    from stride.trainers import export
+    from stride.trainers.config import from_dict
+    from stride.trainers.tasks import make_task
+
+    weights = folder / f"{run.name}{'-ema' if ema else ''}.safetensors"
+    export.export(checkpoint, weights, ema=ema)
+    s = summary(run)
+    task = make_task(from_dict(s["config"]), s["facts"])
+    model = task.build_model().eval()
+    model.load_state_dict(load_file(weights))
+    x = task.transform({c: rows.column(c).to_numpy() for c in task.predict_columns})["x"]
+    with torch.no_grad():
+        return torch.softmax(model(torch.from_numpy(x)).float(), dim=-1).numpy()
+
+
+def predicted(out: Path) -> tuple[np.ndarray, Path]:
+    """A prediction's probs, row by row, and the checkpoint it used."""
+    probs = np.stack(read_predictions(out).column("probs").to_pylist())
+    return probs, Path(json.loads((out / "_predict.json").read_text())["checkpoint"])
+
+
+@pytest.mark.slow
+def test_predict_writes_what_the_checkpoints_model_computes(gang, project, unlabeled, tmp_path):
+    """Two workers' predictions equal a forward pass of the checkpoint's exported weights, row for row (their order
+    is the data's), to float tolerance: the weights, the transform and the row each worker took are the ones asked
+    for."""
+    probs, checkpoint = predicted(project / "predictions")
+    expected = forward(gang["runs"] / "ddp", checkpoint, pq.read_table(unlabeled), tmp_path)
+    np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_predict_with_train_ema_writes_what_the_average_computes(gang, project, unlabeled, tmp_path):
+    """docs/commands.md: with train.ema, predict uses the average where the run evaluated it (train.ema.eval ema or
+    both; this FSDP run: both), and the trained weights with train.ema.eval raw (an override of predict's)."""
+    rows, run = pq.read_table(unlabeled), gang["runs"] / "ema"
+    probs, checkpoint = predicted(project / "ema_predictions")
+    raw_probs, raw_checkpoint = predicted(project / "ema_raw_predictions")
+    assert checkpoint == raw_checkpoint
+    average, weights = forward(run, checkpoint, rows, tmp_path, ema=True), forward(run, checkpoint, rows, tmp_path)
+    assert not np.allclose(average, weights, rtol=1e-3, atol=1e-4)  # the two are told apart
+    np.testing.assert_allclose(probs, average, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(raw_probs, weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_keep_columns_copies_input_columns_beside_sample_id(gang, project, unlabeled):
+    table = read_predictions(project / "predictions")
+    assert table.column_names == ["sample_id", "path", "f0", "label", "probs"]
+    rows = pq.read_table(unlabeled)
+    assert table.column("path").to_pylist() == rows.column("path").to_pylist()  # as read, in the data's order
+    assert table.column("f0").equals(rows.column("f0")) and table.schema.field("path").type == pa.string()
+
+
 @pytest.mark.slow
 def test_a_refusal_under_torchrun_is_every_ranks_one_line(gang, project):
     for rank in gang["ranks"]:
@@ -277,6 +352,12 @@ def test_bad_inputs_are_refused_in_one_line(gang, project, unlabeled, tmp_path, 
     assert "pass --task slow_task:SlowMLP (on PYTHONPATH) if you trust it, or --trust-remote-code" in line
     line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", "best")
     assert "kept no best checkpoint" in line
+    line = refusal(capsys, "predict", "--run", str(runs / "ddp"), "--data", str(unlabeled), "--out",
+                   str(tmp_path / "k"), "--keep-columns", "path,id")
+    columns = ", ".join(pq.read_schema(unlabeled).names)
+    assert line == (f"stride: error: --keep-columns (id) is not a column of --data ({unlabeled}); keep columns it has: "
+                    f"{columns}")
+    assert not (tmp_path / "k").exists()
 
 
 # ---- on Ray ----
@@ -287,7 +368,7 @@ def test_predict_on_two_ray_workers_writes_what_torchrun_wrote(gang, project, un
 
     run = gang["runs"] / "ddp"
     out = project / "ray_predictions"
-    r = run_cli(["-m", "stride", "predict", "--run", str(run), "--data", str(unlabeled), "--out", str(out)],
+    r = run_cli(["-m", "stride", "predict", "--run", str(run), "--data", str(unlabeled), "--out", str(out), *KEEP],
                 env=ray_cluster, cwd=project)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     manifest = json.loads((out / "_predict.json").read_text())
@@ -397,3 +478,6 @@ def test_predict_outputs_become_columns_whatever_their_type():
     assert as_numpy(np.array([0.5, 1.5])).dtype == np.float64  # a numpy array as it is
     column = arrow_column(as_numpy(torch.ones(3, 4, dtype=torch.float16)))
     assert column.type == pa.list_(pa.float32(), 4) and len(column) == 3
+    for names in (["cat", "dog", None], np.array(["cat", "dog", "eel"])):  # a class name per row: a string column
+        column = arrow_column(as_numpy(names))
+        assert column.type == pa.string() and column.to_pylist()[:2] == ["cat", "dog"]

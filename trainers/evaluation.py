@@ -33,6 +33,7 @@ class JobPlan(RunPlan):
     checkpoint: str = ""
     out: str = ""  # predict: the output folder
     batch_rows: int = 64  # predict: rows per forward
+    keep_columns: tuple[str, ...] = ()  # predict: input columns copied into the output rows
 
 
 class CheckpointModel(Trainer):

@@ -1,15 +1,16 @@
 """`stride predict`: the task's per-sample outputs over a data set, written as Parquet parts.
 
-    stride predict --run runs/my_run --data new.parquet --out predictions/ [--checkpoint last|best|PATH]
+    stride predict --run runs/my_run --data new.parquet --out predictions/ [--checkpoint last|best|PATH] \
+        [--keep-columns path,...]
     torchrun --standalone --nproc-per-node 2 -m stride predict --run-dir runs/my_run --data ... --out ...
 
 Each worker loads the whole model (the run's task, precision, checkpoint; no sharding, so no worker waits on
 another) and takes the data's blocks (Parquet row groups, line ranges) r, r + N, ...; block b becomes
-`<out>/part-<b>.parquet` with `sample_id` (the data's column, or the row's position in file order when it has none)
-and the columns `Task.predict(model, batch)` returns, in the data's order. A part is written under a temporary name
-and renamed: it is there whole or not at all. A rerun of the same command (after a crash, a SIGKILL, a lost node)
-skips the parts that are there and removes the temporary file of any part the failure cut short, so every row is
-written exactly once. `<out>/_predict.json` marks the end.
+`<out>/part-<b>.parquet` with `sample_id` (the data's column, or the row's position in file order when it has none),
+the input columns --keep-columns names, as read, and the columns `Task.predict(model, batch)` returns, in the data's
+order. A part is written under a temporary name and renamed: it is there whole or not at all. A rerun of the same
+command (after a crash, a SIGKILL, a lost node) skips the parts that are there and removes the temporary file of any
+part the failure cut short, so every row is written exactly once. `<out>/_predict.json` marks the end.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
     job.load()
     if job.ema is not None and cfg.train.ema.eval != "raw":  # the weights the run evaluated (train.ema.eval)
         job.ema.swap()
-    out, spec = Path(plan.out), plan.val
+    out, spec, keep = Path(plan.out), plan.val, list(plan.keep_columns)
+    reads = task_columns(job.task)
+    unread = [c for c in keep if reads is not None and c not in reads]  # read for the output only, not the task's
     reader, files = BlockReader(spec), fetcher(spec)
     rows = parts = 0
     t0 = time.perf_counter()
@@ -55,10 +58,11 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
         for b in eval_blocks(reader.num_blocks, env.world_rank, env.world_size):
             if (out / part_name(b)).exists():  # written whole by an earlier attempt
                 continue
-            frame = frame_of(reader.read(b))
+            table = reader.read(b)
+            frame = frame_of(table.drop_columns(unread))
             batches = [files.fetch(frame.slice(lo, lo + plan.batch_rows)).columns()
                        for lo in range(0, len(frame), plan.batch_rows)]
-            write_part(out / part_name(b), predict_rows(job, batches))
+            write_part(out / part_name(b), with_kept(predict_rows(job, batches), table.select(keep)))
             rows, parts = rows + len(frame), parts + 1
     finally:
         files.close()
@@ -89,6 +93,22 @@ def predict_rows(job: CheckpointModel, batches) -> pa.Table:
     return pa.table({"sample_id": np.concatenate(ids), **{k: arrow_column(np.concatenate(v)) for k, v in outputs.items()}})
 
 
+def with_kept(part: pa.Table, kept: pa.Table) -> pa.Table:
+    """The part with the --keep-columns (its rows' input values, in the same order) after sample_id."""
+    for i, name in enumerate(kept.column_names):
+        if name in part.column_names:
+            raise TrainingError(f"--keep-columns ({name}): Task.predict returns an output of that name too; keep other "
+                                f"columns, or rename the output")
+        part = part.add_column(1 + i, name, kept.column(name))
+    return part
+
+
+def task_columns(task) -> tuple[str, ...] | None:
+    """The columns `stride predict` reads for the task: its predict_columns, else its columns (None: every column)."""
+    columns = task.predict_columns if task.predict_columns is not None else task.columns
+    return None if columns is None else tuple(columns)
+
+
 def as_numpy(value) -> np.ndarray:
     """One output of Task.predict on the host: a floating tensor as float32 (numpy has no bfloat16), any other
     tensor or a numpy array as it is."""
@@ -114,11 +134,34 @@ def write_part(path: Path, table: pa.Table) -> None:
 
 # ---- the driver: the output folder, the gang, the manifest ----
 
-def job_identity(run, spec) -> dict[str, Any]:
-    """What a prediction is of: a rerun resumes only the same run, checkpoint and data."""
+def job_identity(run, spec, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What a prediction is of: a rerun resumes only the same run, checkpoint, data and kept columns (every part
+    has the same columns)."""
     return {"run": str(run.run_dir.resolve()), "checkpoint": str(run.checkpoint.resolve()),
             "step": run.meta.get("step"), "data": [str(Path(f).resolve()) if "://" not in f else f for f in spec.files],
-            "rows": spec.num_rows, "blocks": len(spec.blocks)}
+            "rows": spec.num_rows, "blocks": len(spec.blocks), **({"keep_columns": list(keep)} if keep else {})}
+
+
+def predict_spec(run, data: str, keep: tuple[str, ...]):
+    """What the workers read of `data` (--data): the task's columns and the --keep-columns. A kept name that is not
+    a column of the data is refused (UsageError) with the names it has; sample_id is written anyway."""
+    from stride.datasets import splits
+
+    split = splits.open_path(data, "predict", "--data", splits.cache_folder(run.cfg))
+    names = split.schema.names
+    if unknown := [c for c in keep if c not in names and c != splits.SAMPLE_ID]:
+        shown = ", ".join(names[:40]) + (f", ... ({len(names)} columns)" if len(names) > 40 else "")
+        raise UsageError(f"--keep-columns ({unknown[0][:200]}) is not a column of --data ({data}); keep columns it "
+                         f"has: {shown}")
+    keep = tuple(c for c in keep if c != splits.SAMPLE_ID)
+    reads = task_columns(run.task)
+    columns = None if reads is None else (*reads, *(c for c in keep if c not in reads))
+    return splits.split_spec(run.cfg, run.task, split, columns), keep
+
+
+def keep_columns_arg(text: str) -> tuple[str, ...]:
+    """--keep-columns a,b,...: the names in order, each once."""
+    return tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
 
 
 def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
@@ -172,6 +215,8 @@ def parse_args(argv):
     ap.add_argument("--out", required=True, type=Path, help="output folder (new; or an unfinished one to resume)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: max(64, "
                                                                   "train.batch_size_per_worker))")
+    ap.add_argument("--keep-columns", type=keep_columns_arg, default=(), metavar="NAME,...",
+                    help="input columns to copy, as read, beside sample_id into every output row (an ID, a path)")
     ap.add_argument("--force", action="store_true", help="replace an earlier prediction in --out")
     trained.add_arguments(ap)
     return ap.parse_args(argv)
@@ -198,9 +243,9 @@ def predict_command(args) -> int:
     if type(run.task).predict is Task.predict:
         raise UsageError(f"model.name ({run.cfg.model.name}) has no predict; implement Task.predict(self, model, "
                          f"batch) returning per-sample outputs (docs/commands.md)")
-    spec = gang.split_spec(run, "predict", args.data, run.task.predict_columns)
+    spec, keep = predict_spec(run, args.data, args.keep_columns)
     batch_rows = args.batch_size or max(64, run.cfg.train.batch_size_per_worker)
-    identity = job_identity(run, spec)
+    identity = job_identity(run, spec, keep)
 
     def open_output() -> None:  # once, before any worker reads the folder
         from stride.trainers.runfolder import atomic_write_text
@@ -212,7 +257,8 @@ def predict_command(args) -> int:
               + (f", {done} already written" if resumed and done else "") + f") with {run.checkpoint}", flush=True)
 
     plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts, out=str(args.out.resolve()),
-                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint), batch_rows=batch_rows)
+                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint),
+                   batch_rows=batch_rows, keep_columns=keep)
     results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}",
                                   before=open_output)
     if results is None:  # a torchrun rank other than 0

@@ -292,9 +292,10 @@ def test_on_ray_the_encoder_is_loaded_frozen_then_trained_and_each_lr_logged(pro
     assert tags["init.loaded"] == str(len(pretrained)) and tags["init.missing"] == "0"
 
 
-def test_the_drivers_digest_of_init_from_reaches_the_workers_so_none_hashes_it_again(tmp_path):
-    """The driver's check hashes init.from once; plan_run hands that digest to the workers (RunPlan.init_sha256),
-    and a file changed since is hashed again, never given a stale digest."""
+def test_the_drivers_check_keeps_init_froms_digest_for_plan_run_until_the_file_changes(tmp_path):
+    """The driver's check hashes init.from once and known_sha256 (what plan_run puts in RunPlan.init_sha256 for the
+    workers) gives that digest back without hashing again; a file changed since gives None (hashed again), never a
+    stale digest. In one process: that the workers then use RunPlan.init_sha256 is Trainer.load_init's code."""
     import hashlib
 
     from safetensors.torch import save_file

@@ -259,3 +259,21 @@ def test_the_mlps_old_data_keys_exit_2_naming_their_new_place(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.label_column moved to model\.label_column .*'target'") as e:
         load_config(p)
     assert "\n" not in str(e.value)
+
+
+def test_a_nested_override_sets_one_key_of_a_section(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train: {early_stopping: {patience: 5}}\n")
+    cfg = load_config(p, ["train.early_stopping.min_delta=0.01", "checkpoint.keep_best.k=3"])
+    assert cfg.train.early_stopping.min_delta == 0.01 and cfg.train.early_stopping.patience == 5  # the YAML's kept
+    assert cfg.checkpoint.keep_best.k == 3 and cfg.checkpoint.keep_best.metric == "val_loss"  # absent: defaults
+    with pytest.raises(ConfigError, match=r"unknown key 'train.early_stopping.min_detla'; did you mean min_delta\?"):
+        load_config(p, ["train.early_stopping.min_detla=0.01"])
+    with pytest.raises(ConfigError, match=r"train.max_steps is a value, not a section .* train.max_steps=<value>"):
+        load_config(p, ["train.max_steps.x=1"])
+
+
+def test_a_token_budget_takes_a_fraction():
+    # Manifests give durations in seconds: a budget of 7.5 seconds of audio per worker.
+    cfg = load_config(None, ["train.tokens_per_micro_batch=7.5", "data.length_column=duration", "train.max_steps=10"])
+    assert cfg.train.tokens_per_micro_batch == 7.5

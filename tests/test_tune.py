@@ -96,6 +96,22 @@ def test_relative_storage_path_is_resolved_where_the_sweep_is_read(tmp_path, mon
     assert raw["run"]["storage_path"] == str(tmp_path / "runs" / "t")
 
 
+def test_a_relative_init_from_reaches_every_trial_resolved_where_the_sweep_is_read(tmp_path, monkeypatch):
+    # The driver checked the right file, then each trial, in Tune's working directory, resolved it again there.
+    monkeypatch.chdir(tmp_path)
+    sweep = build_sweep(_raw({"optim.lr": {"loguniform": [1e-4, 1e-1]}}, base={"init.from": "w/model.safetensors"}))
+    monkeypatch.chdir(REPO)  # a trial's working directory
+    raw = sweep.trial_raw({"optim.lr": 0.01}, "abc_00000", "sqlite:///x.db")
+    from stride.trainers.config import build_config
+
+    assert build_config(raw).init.from_ == str(tmp_path / "w" / "model.safetensors")
+
+
+def test_a_nested_base_key_sets_one_key_of_a_section():
+    sweep = build_sweep(_raw({"optim.lr": {"loguniform": [1e-4, 1e-1]}}, base={"train.early_stopping.patience": 2}))
+    assert sweep.base_cfg().train.early_stopping.patience == 2
+
+
 def test_trial_count():
     grid = build_sweep(_raw({"optim.lr": {"grid": [0.1, 0.01, 0.001]}, "train.batch_size_per_worker": {"choice": [32, 64]}},
                             search="grid", num_samples=1))
@@ -311,6 +327,18 @@ ASHA_STEPS = 150
 GOOD_LR = 3.0e-2
 
 
+def save_initial_weights(path: Path, data: Path) -> None:
+    """A fresh tabular MLP's weights (write_sweep's model) as safetensors: what init.from loads into every trial."""
+    from safetensors.torch import save_file
+
+    from stride.trainers.config import build_config
+    from stride.trainers.driver import prepare
+
+    task, _ = prepare(build_config({"model": {"name": "mlp", "hidden_sizes": [32]},
+                                    "data": {"train_path": str(data / "train"), "val_path": str(data / "val")}}))
+    save_file({k: v.contiguous() for k, v in task.build_model().state_dict().items()}, str(path))
+
+
 @pytest.fixture(scope="module")
 def asha_sweep(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     """One grid sweep on the test head (2 CPUs), shared by the tests below: lr 3e-2 learns, lr 1e-6 and 2e-6 cannot
@@ -322,12 +350,15 @@ def asha_sweep(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
                       sweep={"name": "asha", "search": "grid", "num_samples": 1, "scheduler": "asha",
                              "grace_period_steps": 10, "reduction_factor": 2},
                       base={"train.max_steps": ASHA_STEPS, "tracking.mlflow_uri": mlflow_server,
-                            "tracking.experiment": experiment},
+                            "tracking.experiment": experiment, "init.from": "pretrained.safetensors"},
                       space={"optim.lr": {"grid": [GOOD_LR, 1.0e-6, 2.0e-6]}})
+    # Every trial starts from these weights, named relative to the folder the sweep is started from (not a trial's).
+    save_initial_weights(root / "pretrained.safetensors", tabular_data)
     left = shared_ray_head.wait_idle()
     assert not left, f"the test head is busy, the sweep would not get its 2 CPUs: {left}"
     t0 = time.time()
-    proc = run_cli(["tune/main.py", "--config", str(cfg)], timeout=480, env=shared_ray_head.env())
+    proc = run_cli([str(REPO / "tune" / "main.py"), "--config", "asha.yaml"], timeout=480, env=shared_ray_head.env(),
+                   cwd=root)
     wall = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     left = shared_ray_head.wait_idle()
@@ -384,6 +415,8 @@ def test_summary_best_trial_has_the_best_metric(asha_sweep):
     assert [t["metric"] for t in s["trials"]] == sorted(t["metric"] for t in s["trials"])
     for t in s["trials"]:
         assert set(t) >= {"trial_id", "params", "metric", "status", "steps", "mlflow_run_id"}
+    # The trial loaded init.from where the sweep was started (a relative path, resolved by the driver).
+    assert own["config"]["init"]["from"] == str(asha_sweep["config"].parent / "pretrained.safetensors")
 
 
 @pytest.mark.slow
@@ -439,7 +472,8 @@ def test_changed_sweep_refuses_to_resume(asha_sweep, tmp_path):
     cfg = tmp_path / "changed.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     t0 = time.time()
-    line = _one_line_error(run_cli_forked(["tune/main.py", "--config", str(cfg)], timeout=60))  # refused before Ray starts
+    line = _one_line_error(run_cli_forked([str(REPO / "tune" / "main.py"), "--config", str(cfg)], timeout=60,
+                                          cwd=asha_sweep["config"].parent))  # refused before Ray starts
     assert time.time() - t0 < 30
     assert "different settings" in line and "space" in line and "new sweep.name" in line
 

@@ -306,10 +306,11 @@ class TrainSection(Section):
                                                         "improving: {metric, mode, patience, min_delta} (status "
                                                         "stopped_early; a rerun trains no further)")
     batch_size_per_worker: int = Field(32, ge=1, description="Samples per worker per micro-step")
-    tokens_per_micro_batch: int | None = Field(None, ge=1, description="With data.length_column: micro-batches hold "
-                                               "rows whose lengths sum to at most this per worker (rows of similar "
-                                               "length, as many as fit) instead of batch_size_per_worker rows; needs "
-                                               "train.max_steps (docs/data.md)")
+    tokens_per_micro_batch: float | None = Field(None, gt=0, allow_inf_nan=False, description="With "
+                                                 "data.length_column: micro-batches hold rows whose lengths sum to at "
+                                                 "most this per worker (rows of similar length, as many as fit) instead "
+                                                 "of batch_size_per_worker rows; in the column's units (tokens, "
+                                                 "seconds: 7.5 is fine); needs train.max_steps (docs/data.md)")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step")
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps (null: use epochs)")
     epochs: float | None = Field(1, allow_inf_nan=False, gt=0, le=MAX_EPOCHS, description="Stop after this many epochs when max_steps is null")
@@ -704,15 +705,46 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], origin: str = "command line") -> dict[str, Any]:
+    return set_values(raw, [parse_override(item) for item in overrides], origin)
+
+
+def set_values(raw: dict[str, Any], parsed: list[tuple[str, str, Any]], origin: str = "command line") -> dict[str, Any]:
+    """A copy of `raw` with each (section, field, value) set; a dotted field (early_stopping.min_delta) sets one
+    key of a section-valued key. Unknown keys are refused (ConfigError), naming the closest."""
     merged = {k: dict(v or {}) for k, v in raw.items()}
-    parsed = [parse_override(item) for item in overrides]
     for section, field, value in parsed:  # model.name first: the task it picks decides the valid model.* keys
         if (section, field) == ("model", "name"):
             merged.setdefault("model", {})["name"] = value
     for section, field, value in parsed:
-        _check_keys({section: {field: value}}, origin, merged)
-        merged.setdefault(section, {})[field] = value
+        key, _, inner = field.partition(".")
+        _check_keys({section: {key: value}}, origin, merged)
+        body = merged.setdefault(section, {})
+        body[key] = _set_inner(section_class(section, merged), f"{section}.{key}", body.get(key), inner, value,
+                               origin) if inner else value
     return merged
+
+
+def _inner_section(cls: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The section class a key holds (train.early_stopping: EarlyStoppingSection), or None for a plain value."""
+    info = next((f for name, f in cls.model_fields.items() if key in (name, f.alias)), None)
+    args = (info.annotation, *typing.get_args(info.annotation)) if info else ()
+    return next((t for t in args if isinstance(t, type) and issubclass(t, BaseModel)), None)
+
+
+def _set_inner(cls: type[BaseModel], where: str, current: Any, path: str, value: Any, origin: str) -> dict[str, Any]:
+    """`where.path=value` (train.early_stopping.min_delta=0.01): one key of a section-valued key set, the others
+    kept as the YAML had them (a null or absent section starts empty and takes its defaults)."""
+    inner = _inner_section(cls, where.rpartition(".")[2])
+    if inner is None:
+        raise ConfigError(f"{origin}: {where} is a value, not a section with keys of its own; set it whole, e.g. "
+                          f"{where}=<value>")
+    key, _, rest = path.partition(".")
+    keys = section_keys(inner)
+    if key not in keys:
+        raise ConfigError(f"{origin}: unknown key {quote(f'{where}.{key}')}; {_closest(key, keys)}")
+    out = dict(current) if isinstance(current, dict) else {}
+    out[key] = _set_inner(inner, f"{where}.{key}", out.get(key), rest, value, origin) if rest else value
+    return out
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -803,9 +835,7 @@ def _nested_section_error(err: dict, raw: dict[str, Any]) -> str | None:
     loc = [str(p) for p in err["loc"]]
     if len(loc) < 3 or loc[0] not in SECTIONS:
         return None
-    info = section_class(loc[0], raw).model_fields.get(loc[1])
-    inner = next((t for t in (info.annotation, *typing.get_args(info.annotation)) if isinstance(t, type)
-                  and issubclass(t, BaseModel)), None) if info else None
+    inner = _inner_section(section_class(loc[0], raw), loc[1])
     if inner is not None and err["type"] == "extra_forbidden":
         return (f"{'.'.join(loc[:3])} is not a key of {loc[0]}.{loc[1]} (its keys: {', '.join(inner.model_fields)}); "
                 f"fix or remove it")
@@ -957,7 +987,8 @@ def reference_markdown() -> str:
            "Generated from the pydantic field descriptions in `trainers/config.py` and the built-in tasks' `Config` "
            "classes by `make docs` (`python -m stride.trainers.config`); a test fails when it is stale.", "",
            "Precedence: `section.field=value` on the command line > the YAML file > these defaults. Values on the "
-           "command line are parsed as YAML (`train.max_steps=null`, `model.hidden_sizes=[128,64]`).", ""]
+           "command line are parsed as YAML (`train.max_steps=null`, `model.hidden_sizes=[128,64]`). A key inside a "
+           "section-valued key is set alone, the others kept: `train.early_stopping.min_delta=0.01`.", ""]
     for section, cls in SECTIONS.items():
         out += [f"## `{section}`", "", cls.__doc__.strip() if section == "model" else "", "",
                 "| key | default | description |", "|---|---|---|", *_rows(section, cls), ""]

@@ -223,10 +223,8 @@ class Trainer:
                                cfg.data.shuffle_window_bytes)
         check_batch_fits(cfg, train.num_rows, W)  # the driver's check, again for the gang as it started
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * self.order.micro_steps_per_epoch / t.grad_accum_steps))
-        log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; global batch %d = %d per "
-                 "worker x %d workers x %d accumulation; %d rows dropped per epoch", train.num_rows, len(train.blocks),
-                 val.num_rows if val else 0, self.order.window_rows, global_batch_size(cfg, W),
-                 self.rows_per_worker, W, t.grad_accum_steps, self.order.rows_dropped_per_epoch)
+        log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; %s", train.num_rows,
+                 len(train.blocks), val.num_rows if val else 0, self.order.window_rows, self.batch_text(W))
 
         self.setup_precision()
         self.checkpoint_dir = env.latest_checkpoint()
@@ -473,6 +471,16 @@ class Trainer:
         return Sinks.open(run, self.rank0)
 
     # ---- one optimizer step ----
+
+    def batch_text(self, W: int) -> str:
+        """The data line's account of the batches: a fixed number of rows, or a budget on the sum of lengths."""
+        t = self.cfg.train
+        if t.tokens_per_micro_batch:  # datasets/budget.py: every row once, as many rows per micro-batch as fit
+            return (f"micro-batches of rows whose {self.cfg.data.length_column} sums to at most "
+                    f"{t.tokens_per_micro_batch:g} per worker x {W} workers x {t.grad_accum_steps} accumulation; no "
+                    f"rows dropped")
+        return (f"global batch {global_batch_size(self.cfg, W)} = {self.rows_per_worker} per worker x {W} workers x "
+                f"{t.grad_accum_steps} accumulation; {self.order.rows_dropped_per_epoch} rows dropped per epoch")
 
     def open_stream(self) -> TrainStream:
         """This rank's transformed micro-batches from the restored position on: a resume reads from the window it

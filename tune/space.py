@@ -22,7 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stride.trainers.config import SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact, section_keys
+from stride.trainers.config import (SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact,
+                                     section_keys, set_values)
 from stride.trainers.tasks import task_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +137,9 @@ class Sweep:
     # Absolute, resolved where the sweep file is read: trials run in Tune's per-trial working directories, where a
     # relative storage_path would point somewhere else.
     sweep_dir: Path
+    # The base config as the driver built it (Config.to_dict: init.from and a task's Path fields absolute): what each
+    # trial starts from, so that a relative path means the same in a trial's working directory as here.
+    trial_base: dict[str, Any]
 
     def base_cfg(self) -> Config:
         return build_config(self.base_raw, origin="base")
@@ -165,7 +169,7 @@ class Sweep:
         return {d.key: d.decode(config[d.key]) for d in self.dims if d.key in config}
 
     def trial_raw(self, params: dict[str, Any], run_name: str, mlflow_uri: str) -> dict[str, Any]:
-        raw = with_values(self.base_raw, params)
+        raw = with_values(self.trial_base, params)
         # The trial's run folder is sweep_dir/<trial id>: Tune's trial folder, with Stride's metrics.jsonl,
         # summary.json and checkpoints next to Tune's result files.
         return with_values(raw, {"run.name": run_name, "run.storage_path": str(self.sweep_dir),
@@ -185,7 +189,7 @@ def split_key(key: str, origin: str) -> tuple[str, str]:
     if section == "model":  # the task's fields: checked against the base config's task when the space is built
         return section, field
     fields = section_keys(SECTIONS[section])
-    if field not in fields:
+    if field.partition(".")[0] not in fields:  # a nested key (train.early_stopping.patience) is checked when set
         match = difflib.get_close_matches(field, fields, n=1)
         hint = f"did you mean {section}.{match[0]}?" if match else f"fields of {section}: {', '.join(fields)}"
         raise ConfigError(f"{origin}.{key} is not a field of the training config; {hint}")
@@ -193,12 +197,9 @@ def split_key(key: str, origin: str) -> tuple[str, str]:
 
 
 def with_values(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a raw training config with {section.field: value} set."""
-    out = {k: dict(v or {}) for k, v in raw.items()}
-    for key, value in values.items():
-        section, _, field = key.partition(".")
-        out.setdefault(section, {})[field] = value
-    return out
+    """A copy of a raw training config with {section.field: value} set (section.key.field too, as on the command
+    line)."""
+    return set_values(raw, [(*key.split(".", 1), value) for key, value in values.items()], origin="base")
 
 
 def _number(value: Any, where: str) -> float:
@@ -392,7 +393,7 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
         raise ConfigError(f"sweep.scheduler (asha) stops trials on {sweep.metric} between evaluations, but "
                           f"train.eval_every_steps is null (one evaluation at the end); set base.train.eval_every_steps")
     check_space(dims, base_raw)
-    return Sweep(sweep, dict(base), dims, base_path, base_raw, sweep_dir)
+    return Sweep(sweep, dict(base), dims, base_path, base_raw, sweep_dir, cfg.to_dict())
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:

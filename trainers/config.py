@@ -110,7 +110,7 @@ class ValSource(Section):
 class DataSection(Section):
     train_path: str | None = Field("data/pystdlib/train", description="Folder, file or glob of the training split: Parquet, JSON Lines (.jsonl, .json) or CSV files (null with data.train)")
     val_path: str | None = Field("data/pystdlib/val", description="Folder, file or glob of the validation split, as train_path (null: no validation)")
-    shuffle_window_rows: int = Field(65536, ge=1, description="Rows shuffled together after the blocks (Parquet row groups, 4,096-line parts of text files) are permuted: more mixes better (a split sorted by label needs a window spanning many blocks), each worker holds about this many rows in memory (docs/data.md)")
+    shuffle_window_rows: int = Field(65536, ge=1, description="Rows shuffled together after the blocks (Parquet row groups, 4,096-line parts of text files) are permuted: more mixes better (a split sorted by label needs a window spanning many blocks); each worker holds about (2 + read_ahead_windows) x this many rows in memory (docs/data.md)")
     read_ahead_windows: int = Field(2, ge=1, description="Windows whose blocks each worker reads ahead of training (background threads)")
     pipeline: Literal["auto", "thread", "ray_data"] = Field("auto", description="Who reads and transforms the training rows: a thread of each worker, or Ray Data tasks on the CPUs beside the worker gang (any node); auto: ray_data for GPU workers when CPUs are free, else thread. Same batches either way")
     pipeline_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="data.pipeline=ray_data: fail the run when no batch arrives for this long (Ray Data starved of CPUs)")

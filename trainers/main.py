@@ -8,8 +8,11 @@
 On a cluster (RAY_ADDRESS set, or inside `ray job submit`) it joins that cluster; otherwise it starts an
 embedded local Ray with token authentication and the dashboard on 127.0.0.1.
 
-    RAY_AUTH_TOKEN_PATH=... ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m stride --config my_task.yaml
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... ray job submit --address http://127.0.0.1:8265 --working-dir . \\
+        --runtime-env-json '{"excludes": ["/data/", "/runs/"]}' -- python -m stride --config my_task.yaml \\
+        run.storage_path=/mnt/shared/runs
+
+(the job runs in Ray's temporary copy of the upload: results and data go by absolute paths, lifecycle.py).
 
 Exit codes: 0 success; 2 a problem you can fix (config, data, resources; one line on stderr); 1 training failed.
 Results: <run.storage_path>/<run.name>/{summary.json, metrics.jsonl, checkpoint_*}.

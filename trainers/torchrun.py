@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 trainers/torchrun.py --config trainers/configs/char_gpt.yaml [section.field=value ...]
 
 Used for A/B benchmarks against Ray Train and on machines without Ray. Data stream as under Ray (datasets/stream.py);
-checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run name resumes.
+checkpoints go to <run.storage_path>/<run.name>/checkpoint_<step>; the same run name resumes. The gang is torchrun's:
+scaling.num_workers is --nproc-per-node, scaling.max_failures and resize_check_s are refused (check_scaling), and
+scaling.preflight checks torchrun's own processes (ray_cluster/doctor.py's check_gang_in_place).
 """
 
 from __future__ import annotations

@@ -69,9 +69,10 @@ def show_error(e: StrideError) -> None:
     rank 0; the other ranks hold theirs back (QUIET_RANK_WAIT_S) and torchrun ends them when rank 0 exits. Errors
     found in the gang are every rank's own line, as before."""
     from stride.cli import error_line, record_for_torchrun
+    from stride.trainers.gang import under_torchrun
 
     rank, world_size, _ = gang_rank()
-    if rank != 0 and world_size > 1 and not dist.is_initialized():
+    if rank != 0 and world_size > 1 and under_torchrun() and not dist.is_initialized():
         record_for_torchrun(f"stride: error: {e}")  # torchrun's report names it if this rank is the first to go
         time.sleep(QUIET_RANK_WAIT_S)
     error_line(e)

@@ -107,6 +107,7 @@ def check_scaling(cfg, local_world_size: int, cores: int) -> None:
 
 
 def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which a container or taskset may narrow."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -349,7 +349,8 @@ def test_bad_inputs_are_refused_in_one_line(gang, project, unlabeled, tmp_path, 
     assert "holds files that stride predict did not write" in line
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     line = refusal(capsys, "eval", "--run", str(runs / "slow"))  # a task of the user's own: imported on consent only
-    assert "pass --task slow_task:SlowMLP (on PYTHONPATH) if you trust it, or --trust-remote-code" in line
+    assert ("pass --task slow_task:SlowMLP (found in the working directory or on PYTHONPATH) if you trust it, or "
+            "--trust-remote-code") in line
     line = refusal(capsys, "eval", "--run", str(runs / "ddp"), "--checkpoint", "best")
     assert "kept no best checkpoint" in line
     line = refusal(capsys, "predict", "--run", str(runs / "ddp"), "--data", str(unlabeled), "--out",

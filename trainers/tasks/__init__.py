@@ -35,7 +35,8 @@ def consent(name: str, named: str | None, trust_remote_code: bool, origin: str) 
     if name in BUILTIN or named == name or trust_remote_code:
         return
     raise ConfigError(f"{origin} names model.name ({name[:200]}), a module of your own that importing would run; "
-                      f"pass --task {name[:200]} (on PYTHONPATH) if you trust it, or --trust-remote-code")
+                      f"pass --task {name[:200]} (found in the working directory or on PYTHONPATH) if you trust it, or "
+                      f"--trust-remote-code")
 
 
 def task_class(name: str):

@@ -17,22 +17,21 @@ import shutil
 import sys
 from pathlib import Path
 
+import peft  # noqa: F401  (the test extra installs transformers and peft: a missing one is an error, not a skip)
+import pyarrow.parquet as pq
 import pytest
+import torch
+import transformers  # noqa: F401
+import yaml
 
 from conftest import REPO, run_cli_forked
 from test_examples import EXAMPLES, TORCHRUN, check, example, train
-
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
 
 EXPORT = str(REPO / "trainers" / "export.py")
 # The LoRA run of the fixture: 20 steps, a checkpoint every 10, both kept (the resume test starts from step 10).
 LORA_STEPS = ("train.max_steps=20", "train.eval_every_steps=20", "train.log_every_steps=10",
               "checkpoint.every_steps=10", "checkpoint.keep_last=2", "train.deterministic=true")
+GEN_TOKENS = 32  # generate.py's sampled text: long enough that the trained adapters change it from the base's
 LORA_PREPARE = ("--max-chars", "300000", "--steps", "30")  # small data, a briefly pretrained base: seconds
 
 
@@ -274,13 +273,37 @@ def test_lora_resume_on_a_changed_base_exits_2_naming_init_from(lora_run, tmp_pa
 @pytest.mark.slow
 def test_an_adapter_checkpoint_generates_on_its_base_and_refuses_a_full_export(lora_run, tmp_path):
     """generate.py rebuilds the frozen base from init.from, as training does, then the adapters; export.py without
-    --trainable-only exits 2 in one line instead of writing a 'full' file that lacks the base."""
-    folder, _ = lora_run
+    --trainable-only exits 2 in one line instead of writing a 'full' file that lacks the base. The adapters are
+    applied: sampled with the same seed, generate.py's text is the base's with the checkpoint's adapters, and not the
+    base's alone (greedy text would not tell them apart: both models of this short run repeat one token)."""
+    from safetensors.torch import load_file
+
+    from stride.trainers import checkpointing
+
+    folder, s = lora_run
     gen = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",
-                   "--prompt", "def ", "--tokens", "8", "--temperature", "0"], timeout=120, cwd=folder,
-                  env={"PYTHONPATH": str(folder)})
+                          "--prompt", "def ", "--tokens", str(GEN_TOKENS), "--temperature", "1", "--seed", "0"],
+                         timeout=120, cwd=folder, env={"PYTHONPATH": str(folder)})
     check(gen, "generate.py")
     assert gen.stdout.startswith("def ") and len(gen.stdout) > len("def \n")
+    with task_module(folder / "lora_task.py") as mod:
+        task = mod.LoRACausalLM(model_section(folder / "lora.yaml", mod.LoRACausalLM), None, s["facts"])
+        base = task.build_base()
+        missing, unexpected = base.load_state_dict(load_file(str(folder / "pretrained" / "model.safetensors")),
+                                                   strict=False)
+        assert not unexpected and missing == ["lm_head.weight"], (missing, unexpected)  # tied to wte
+        adapted = task.build_model()  # lora_B starts at 0: the base's output until the checkpoint's adapters load
+        adapted.load_state_dict(task.adapt_init_state(base.state_dict()), strict=False)
+        adapters = checkpointing.load_model_state(checkpoints(folder / "runs" / "lora")[-1])
+        assert sorted(adapters) == sorted(n for n, p in adapted.named_parameters() if "lora_" in n), sorted(adapters)
+        adapted.load_state_dict(adapters, strict=False)
+        texts = []
+        with torch.no_grad():
+            for model in (base, adapted):
+                torch.manual_seed(0)  # generate.py's --seed
+                texts.append(task.generate(model.eval(), "def ", GEN_TOKENS, 1.0))
+        base_text, adapted_text = texts
+    assert gen.stdout == adapted_text + "\n" and adapted_text != base_text, (gen.stdout, adapted_text, base_text)
     out = tmp_path / "full.safetensors"
     proc = run_cli_forked([EXPORT, str(folder / "runs" / "lora"), str(out)], timeout=120)
     assert proc.returncode == 2 and not out.exists(), proc.stderr[-2000:]

@@ -210,7 +210,7 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     project = tmp_path / "audio_clips"
     shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
     subprocess.run([PYTHON, "prepare.py", "--clips", "400"], cwd=project, check=True, capture_output=True, timeout=120)
-    common = ["--config", "audio_clips.yaml", "tracking.mlflow=false", "train.tokens_per_micro_batch=4",
+    common = ["--config", "audio_clips.yaml", "tracking.mlflow=false", "train.tokens_per_micro_batch=4.25",
               "train.log_every_steps=1", "train.eval_every_steps=100", "checkpoint.every_steps=8",
               "train.deterministic=true", "data.shuffle_window_rows=256"]
     cases = [{"label": "whole", "args": [*common, "run.name=whole", "train.max_steps=16"]},
@@ -220,10 +220,12 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     single = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     r = run_cli_forked([str(REPO / "trainers" / "torchrun.py"), *common, "run.name=cut", "train.max_steps=16",
-                        "train.tokens_per_micro_batch=8", "scaling.num_workers=1"], cwd=project,
+                        "train.tokens_per_micro_batch=8.5", "scaling.num_workers=1"], cwd=project,
                        env=dict(single, STRIDE_SAMPLE_LOG=str(tmp_path / "log_resumed")), timeout=300,
                        inherit_env=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # The data line says what a micro-batch is under a budget (a fraction of a second: manifests give durations).
+    assert "micro-batches of rows whose duration sums to at most 8.5 per worker x 1 workers" in r.stdout + r.stderr
 
     def batches(folder, name_filter):
         rows = [json.loads(x) for f in sorted(folder.glob("*")) for x in f.read_text().splitlines()]

@@ -21,12 +21,11 @@ import pytest
 from conftest import REPO, run_cli_forked
 from test_examples import check, example, train
 
-pytest.importorskip("transformers")
+import torch
+import transformers  # noqa: F401 - the test extra installs it: its absence is a failure, not a skip
+from safetensors import safe_open
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-from stride.trainers import checkpointing, export  # noqa: E402
+from stride.trainers import checkpointing, export
 
 EXPORT = str(REPO / "trainers" / "export.py")
 TASK = "hf_lm_task:HFCausalLM"

@@ -531,7 +531,7 @@ class Config(Section):
                                                "batch_size_per_worker x workers)")]
         for missing, what in needs:
             if missing:
-                raise ValueError(f"train.tokens_per_micro_batch ({budget}) needs {what}; set it, or remove "
+                raise ValueError(f"train.tokens_per_micro_batch ({budget:g}) needs {what}; set it, or remove "
                                  f"train.tokens_per_micro_batch")
         return self
 

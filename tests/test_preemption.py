@@ -260,7 +260,9 @@ def bench():
 
 @pytest.mark.slow
 def test_a_drained_node_checkpoints_before_its_deadline_and_the_run_resumes_from_it_on_the_other(bench, tmp_path):
-    r = bench.scenario(tmp_path)  # every process it starts is stopped by pid, whatever happens
+    # GCP's 30 s notice: the bench's 12 s was missed once with the suite's other stream loading both cores (the
+    # checkpoint landed 24 s after the notice), which proves nothing about the mechanism this test is for.
+    r = bench.scenario(tmp_path, deadline_s=30)  # every process it starts is stopped by pid, whatever happens
     log = r["job_log"]
     assert r["exit_code"] == 0, log[-3000:]
     # The drain was noticed, and the checkpoint is the notice's: not a periodic one (every 1000 steps), written

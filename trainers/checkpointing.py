@@ -320,8 +320,9 @@ def verify(folder: Path) -> str | None:
     """None when the checkpoint is complete, intact and contained, else what is wrong with it. Whoever can write the
     run folder can write meta.json too, so beyond the digests: meta.json's fields have their types
     (runfolder.CheckpointMeta); every file it lists is a regular file of this folder, checked with lstat before it
-    is opened (a FIFO never hangs, a device is never read); DCP's `.metadata` names only those files; and its bytes
-    items (the optimizer's hyperparameters) unpickle as plain values. Never raises for what it finds on disk."""
+    is opened (a FIFO never hangs, a device is never read); DCP's `.metadata` names only those files; its bytes
+    items (the optimizer's hyperparameters) unpickle as plain values; and its tensor items hold tensors of their
+    dtype and shape (no pickle payload, no other item's bytes). Never raises for what it finds on disk."""
     folder = Path(folder)
     st = runfolder.lstat_or_none(folder)
     if st is None or not stat.S_ISDIR(st.st_mode):
@@ -383,7 +384,7 @@ def _dcp_problem(folder: Path, files: dict[str, Any]) -> str | None:
         metadata = _read_dcp_metadata(folder / DCP_METADATA)
         if problem := _storage_problem(metadata, files):
             return problem
-        return _bytes_items_problem(folder, metadata)
+        return _bytes_items_problem(folder, metadata) or _tensor_items_problem(folder, metadata)
     except UnsafeCheckpointError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a pickle from a shared folder can fail in any way; it is only unusable
@@ -431,6 +432,44 @@ def _bytes_items_problem(folder: Path, metadata) -> str | None:
     return None
 
 
+def _tensor_items_problem(folder: Path, metadata) -> str | None:
+    """DCP reads each tensor item with torch.load(weights_only=True): a tensor item whose slice holds a pickle
+    payload, or another item's bytes, would fail there, inside a worker. Each slice is loaded here onto the meta
+    device (its pickle only, never its data: cheap at any size) and must be one tensor of the dtype and shape that
+    .metadata gives it, so that such a checkpoint is unusable (skipped on resume, refused by name) instead."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    for index, info in metadata.storage_data.items():
+        saved = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(saved, TensorStorageMetadata):
+            continue
+        path = folder / info.relative_path
+        with os.fdopen(runfolder.open_regular(path), "rb") as f:
+            try:
+                tensor = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
+                                    weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise _refused(path, f"{index.fqn}: {_unpickler_reason(e)}") from None
+            except Exception as e:  # noqa: BLE001 - bytes that are no torch.save'd tensor fail in any way
+                return f"{DCP_METADATA} places tensor {index.fqn} on bytes of {path.name} that hold no tensor " \
+                       f"({e.__class__.__name__})"
+        if problem := _chunk_problem(index, saved, tensor):
+            return f"{DCP_METADATA} places tensor {index.fqn} on bytes of {path.name} that hold {problem}"
+    return None
+
+
+def _chunk_problem(index, saved, tensor) -> str | None:
+    """What the loaded `tensor` is, when it is not the chunk of `saved` (TensorStorageMetadata) that `index` names."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"a {type(tensor).__name__}, not a tensor"
+    sizes = next((tuple(c.sizes) for c in saved.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+    if tensor.dtype != saved.properties.dtype or (sizes is not None and tuple(tensor.shape) != sizes):
+        return (f"a {str(tensor.dtype).removeprefix('torch.')} tensor of shape {tuple(tensor.shape)}, not its "
+                f"{str(saved.properties.dtype).removeprefix('torch.')} chunk of shape {sizes}")
+    return None
+
+
 # ---- reading: never an unrestricted unpickler ----
 
 from stride.errors import UnsafeCheckpointError  # noqa: E402, F401 - its home is stride/errors.py
@@ -460,7 +499,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _unpickler_reason(e: pickle.UnpicklingError) -> str:
     """torch.load(weights_only=True)'s refusal, without its long advice: the class it would not build."""
-    return str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:")[-1]
+    elif text.startswith("Weights only load failed"):  # a legacy (not zip) pickle: the advice, then the refusal
+        paragraphs = [p for p in text.split("\n\n") if p.strip()]
+        text = paragraphs[1] if len(paragraphs) > 1 else text
+    return text.strip().splitlines()[0][:200]
 
 
 def _read_dcp_metadata(path: Path):
@@ -543,6 +588,10 @@ def load_sharded(folder: Path, state: dict[str, Any], process_group=None) -> Non
         refused = [err for err in _errors(e) if isinstance(err, (UnsafeCheckpointError, RunFolderError))]
         if refused:
             raise UnsafeCheckpointError(str(refused[0])) from None
+        # DCP's own torch.load(weights_only=True) of a tensor item refused a pickle: the folder changed since
+        # verify() (time of check, time of use)
+        if pickled := next((err for err in _errors(e) if isinstance(err, pickle.UnpicklingError)), None):
+            raise _refused(Path(folder), _unpickler_reason(pickled)) from None
         raise
 
 

@@ -5,6 +5,7 @@ cluster has. No trainer code here: a config object is read for its `scaling` sec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -190,7 +191,9 @@ def init_ray(log_to_driver: bool = True) -> bool:
     logging_config = ray.LoggingConfig(log_level="WARNING")
     if address:
         try:
-            ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config, log_to_driver=log_to_driver)
+            with _workers_without_working_directory():
+                ray.init(address=address, runtime_env=runtime_env, logging_config=logging_config,
+                         log_to_driver=log_to_driver)
         except Exception as e:  # noqa: BLE001 - turn connection problems into one line
             # The port answered (checked above), so the cluster is there and refused us: in practice a missing or
             # wrong token (Ray says only "Failed to connect"), or a client of another Ray version.
@@ -204,8 +207,10 @@ def init_ray(log_to_driver: bool = True) -> bool:
         return False
     # The embedded cluster is this machine: as many CPUs as it has cores, so a gang that needs more is refused
     # (exit 2) instead of oversubscribing the cores.
-    ctx = ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1", runtime_env=runtime_env,
-             logging_config=logging_config, configure_logging=True, log_to_driver=log_to_driver)
+    with _workers_without_working_directory():
+        ctx = ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1",
+                       runtime_env=runtime_env, logging_config=logging_config, configure_logging=True,
+                       log_to_driver=log_to_driver)
     _start_watchdog(ctx.address_info["session_dir"])
     _propagate_address()
     _drop_known_ray_noise()
@@ -213,6 +218,20 @@ def init_ray(log_to_driver: bool = True) -> bool:
         # stderr: stdout of tools that embed Ray this way (the doctor's table or JSON) stays theirs alone.
         print(f"stride: Ray dashboard http://{ctx.dashboard_url} (while this run lasts)", file=sys.stderr, flush=True)
     return True
+
+
+@contextlib.contextmanager
+def _workers_without_working_directory():
+    """ray.init run from the standard library's folder. Ray puts the driver's working directory first on every
+    worker's sys.path (ray/_private/worker.py, SCRIPT_MODE): a numpy.py planted beside a run folder would be imported
+    by every worker of `stride eval` run there. The standard library's folder is on the path anyway, and only its
+    owner writes it, on every node; a user's own modules reach the workers through STRIDE_TASK_PATH, appended."""
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.__file__))
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 _watchdogs: list = []  # the embedded Rays' watchdogs, and the pipe ends whose closing (this process's end) wakes them

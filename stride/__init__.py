@@ -15,7 +15,29 @@ machine without Ray or pydantic).
 
 from __future__ import annotations
 
-from pathlib import Path
+import os as _os
+import sys as _sys
+
+
+def _started_as_stride_module() -> bool:
+    """Whether this interpreter was started as `python -m stride...` (stride, stride.trainers.eval, ...)."""
+    argv = getattr(_sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            return i + 1 < len(argv) and argv[i + 1].split(".")[0] == "stride"
+        if arg.startswith("-m"):
+            return arg[2:].split(".")[0] == "stride"
+    return False
+
+
+# `python -m` puts the working directory first on sys.path, ahead of the standard library and every installed
+# package: a numpy.py or argparse.py beside a run folder someone else wrote would be imported by the command that
+# reads it. This runs before Stride imports anything else (the `stride` executable and the scripts never have
+# the working directory there; a user's own modules are found through stride/user_code.py, appended).
+if _started_as_stride_module() and _sys.path and _sys.path[0] in ("", _os.getcwd()):
+    del _sys.path[0]
+
+from pathlib import Path  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parent.parent
 if (_ROOT / "trainers" / "__init__.py").is_file() and str(_ROOT) not in __path__:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate_command(args) -> int:
     from stride.trainers import gang, trained
-    from stride.trainers.runfolder import atomic_write_text
+    from stride.trainers.runfolder import atomic_write_text, make_folder, refuse_link
 
     t0 = time.time()
     run = trained.open_run(args)
@@ -122,13 +122,13 @@ def evaluate_command(args) -> int:
     if gang.rank0():
         print(f"stride: evaluating {run.checkpoint} (step {run.meta.get('step')}) on {spec.num_rows} rows of "
               f"{args.data or 'the validation split'}", flush=True)
+    path = make_folder(run.run_dir / "eval") / f"{name}.json"  # planted links are refused now, not written through
+    refuse_link(path)
     metrics, where = gang.run_job(run, evaluate_job, plan, f"eval-{name}")
     if metrics is None:  # a torchrun rank other than 0
         return 0
     record = {"checkpoint": str(run.checkpoint.resolve()), "step": run.meta.get("step"), "data": args.data or "validation",
               "rows": spec.num_rows, **where, "wall_s": time.time() - t0, "metrics": metrics, **metrics}
-    path = run.run_dir / "eval" / f"{name}.json"
-    path.parent.mkdir(exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
     shown = " ".join(f"{k} {v:.6g}" for k, v in metrics.items() if isinstance(v, float))
     print(f"stride: eval: {shown}")

@@ -6,6 +6,7 @@ torchrun started this process. A job is `job(cfg, env, plan) -> dict`, plain PyT
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 from stride.datasets.splits import DataSpec
 from stride.errors import DataError, TrainingError, UsageError
+from stride.trainers.runfolder import make_folder, refuse_link
 
 Job = Callable[..., dict[str, Any]]
 
@@ -47,9 +49,11 @@ def run_job(run, job: Job, plan, name: str, before: Callable[[], None] | None = 
     does first, once (prepare an output folder); under torchrun rank 0 does it and every rank raises its refusal."""
     if under_torchrun():
         return _on_torchrun(run.cfg, job, plan, before)
+    jobs = run.run_dir.resolve() / ".jobs"
+    refuse_link(jobs)  # before anything is written: a planted link would take Ray's records (and their removal) away
     if before is not None:
         before()
-    return _on_ray(run.cfg, job, plan, run.run_dir.resolve() / ".jobs", name)
+    return _on_ray(run.cfg, job, plan, jobs, name)
 
 
 def _on_rank0(fn: Callable[[], None], rank: int, world_size: int) -> None:
@@ -99,15 +103,18 @@ def _on_ray(cfg, job: Job, plan, storage: Path, name: str) -> tuple[dict[str, An
     from stride.trainers.driver import _error_line, _worker_data_error
     from stride.trainers.ray_worker import job_per_worker
 
+    make_folder(storage)  # a real folder, or refused (a link planted since the check above)
     quiet_ray_env()
     init_ray()
     num_workers, use_gpu, res = resolve_scaling(cfg)
     print(f"stride: {num_workers} {'GPU' if use_gpu else 'CPU'} worker(s); cluster {res['CPU']:g} CPUs, "
           f"{res['GPU']:g} GPUs, {res['nodes']} node(s)", flush=True)
-    # Ray Train keeps its own records of a run under storage/name: a job's are of no use afterwards, and an earlier
-    # job's left there would be taken for a run to resume.
+    # Ray Train keeps its own records of a run under storage/name: a job's are of no use afterwards, and removed. The
+    # run folder is shared storage: .jobs must be a real folder (a planted link would send Ray's writes, and the
+    # removal, elsewhere), and the job's name is new each time (nothing can be planted under it in advance, and an
+    # earlier job's records are never taken for a run to resume).
+    name = f"{name}-{secrets.token_hex(4)}"
     folder = storage / name
-    shutil.rmtree(folder, ignore_errors=True)
     trainer = TorchTrainer(
         job_per_worker, train_loop_config={"cfg": cfg.to_dict(), "plan": plan, "job": job},
         torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),

@@ -16,7 +16,7 @@ part the failure cut short, so every row is written exactly once. `<out>/_predic
 from __future__ import annotations
 
 import json
-import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -127,9 +127,18 @@ def arrow_column(values: np.ndarray) -> pa.Array:
 
 
 def write_part(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    """The part, whole or not at all, through the no-follow writer (a link planted at its name is refused)."""
+    from stride.trainers.runfolder import atomic_write_bytes
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+# What stride predict writes in --out, and all that --force or a resume ever removes: the parts, a part a killed
+# attempt was writing (runfolder.temp_name's names, and the <pid>.tmp ones of earlier versions), the markers.
+OURS = re.compile(r"part-\d{6}\.parquet|\.part-\d{6}\.parquet\.[0-9a-f-]+\.tmp|" + re.escape(MANIFEST))
+UNFINISHED = re.compile(r"\.part-\d{6}\.parquet\.[0-9a-f-]+\.tmp")
 
 
 # ---- the driver: the output folder, the gang, the manifest ----
@@ -166,29 +175,46 @@ def keep_columns_arg(text: str) -> tuple[str, ...]:
 
 def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
     """Make `out` ready; True when it resumes an unfinished prediction of the same job. An output that exists is
-    refused (UsageError) unless it is that, or --force replaces (starts over) an earlier prediction. A folder that
-    holds anything else is never emptied."""
+    refused (UsageError) unless it is that, or --force replaces (starts over) an earlier prediction. Only the files
+    stride predict writes are ever removed (OURS): a folder that holds anything else is never emptied."""
     if not out.exists():
         out.mkdir(parents=True)
         return False
     if not out.is_dir():
         raise UsageError(f"--out ({out}) exists and is not a folder; pass a new folder")
-    ours = (out / JOB).is_file()
+    from stride.trainers.runfolder import refuse_unless_regular
+
+    ours = refuse_unless_regular(out / JOB) is not None  # a link, a folder or a FIFO of that name: refused
     if not ours and any(out.iterdir()):
         raise UsageError(f"--out ({out}) exists and holds files that stride predict did not write; pass a new folder")
-    earlier = json.loads((out / JOB).read_text()) if ours else None
+    earlier = read_job(out) if ours and not force else None
     if ours and earlier == identity and not (out / MANIFEST).exists() and not force:
-        for f in out.glob(".part-*"):  # a part a killed attempt was writing: never renamed into place
-            f.unlink()
+        remove_ours(out, UNFINISHED)  # parts a killed attempt was writing: never renamed into place
         return True
     if not force and ours:
         what = "a finished prediction" if (out / MANIFEST).exists() else "an unfinished prediction of other inputs"
         raise UsageError(f"--out ({out}) exists and holds {what}; pass a new folder, or --force to replace it")
-    for f in out.iterdir():  # an earlier prediction's files only (checked above); JOB last, so it stays "ours"
-        if f.name == MANIFEST or f.name.startswith(("part-", ".part-")):
-            f.unlink()
-    (out / JOB).unlink(missing_ok=True)  # an empty folder has none
+    remove_ours(out, OURS)
+    (out / JOB).unlink(missing_ok=True)  # last, so that the folder stays marked as ours until it is clean
     return False
+
+
+def read_job(out: Path) -> Any:
+    """The record of the prediction in `out` (JOB), or a one-line refusal if it is not one Stride wrote."""
+    from stride.trainers.runfolder import read_json
+
+    try:
+        return read_json(out / JOB)
+    except (OSError, ValueError) as e:  # RunFolderError (a link, a FIFO) is a StrideError and goes up as it is
+        raise UsageError(f"--out ({out}): {JOB} is not a record stride predict wrote ({type(e).__name__}: "
+                         f"{str(e)[:200]}); pass a new folder, or --force to replace the earlier prediction") from None
+
+
+def remove_ours(out: Path, names: re.Pattern) -> None:
+    """Unlink the entries of `out` whose whole name matches `names` (unlink removes a link, never its target)."""
+    for f in out.iterdir():
+        if names.fullmatch(f.name):
+            f.unlink()
 
 
 def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import PYTHON, REPO, run_cli
 from forked_cli import digest
 from services import unavailable
 from test_run_folder_code import corrupt_pages
@@ -151,6 +151,9 @@ def finished(tmp_path_factory) -> Path:
     summary["config"]["model"]["name"] = "planted:Task"
     (planted / "summary.json").write_text(json.dumps(summary))
     (tmp / "runs" / "planted.py").write_text(f"open({str(tmp / 'pwned')!r}, 'w').write('ran')\n")
+    (tmp / "predicted-damaged").mkdir()
+    (tmp / "predicted-damaged" / ".stride-predict.json").write_text('{"run": "/r", "checkp')
+    (tmp / "predicted-damaged" / "part-000000.parquet").write_text("a part")
     shutil.copytree(tmp / "data", tmp / "damaged")
     corrupt_pages(tmp / "damaged" / "train" / "part-0000.parquet")
     plant_hostile_runs(tmp)
@@ -282,6 +285,9 @@ OTHER_CASES = [
     (["-m", "stride.ray_cluster.doctor", "--bogus"], "unrecognized arguments: --bogus; see"),
     (["-m", "stride.ray_cluster.local", "restart"], "invalid choice: 'restart'"),
     (["ray_cluster/node.py", "restart"], "node.py: error: expected start|stop|status STATE_DIR"),
+    # Issue 42: predict's record of an earlier prediction in --out, damaged.
+    (["trainers/prediction.py", "--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/data/val", "--out",
+      "{tmp}/predicted-damaged"], "predicted-damaged): .stride-predict.json is not a record stride predict wrote"),
 ]
 
 
@@ -416,6 +422,9 @@ TAMPER = {
     "summary-checkpoint-outside": _summary_fields(checkpoint=lambda outside: str(outside / "other-checkpoint")),
     "summary-config-list": _summary_fields(config=[1, 2]),
     "lock-held": lambda run, outside: _plant_live_lock(run),
+    # Issue 42: links where the commands after training write (eval's results, Ray's records of a job).
+    "eval-link": _link("eval", "eval-elsewhere"),
+    "jobs-link": _link(".jobs", "jobs-elsewhere"),
 }
 
 
@@ -462,6 +471,10 @@ def plant_hostile_runs(tmp: Path) -> None:
     shutil.copy(run / LAST / "meta.json", outside / "meta-copy.json")
     shutil.copy(run / "summary.json", outside / "summary-copy.json")
     shutil.copytree(run / "checkpoint_00000002", outside / "other-checkpoint")
+    (outside / "eval-elsewhere").mkdir()  # what eval would replace through a planted eval link
+    (outside / "eval-elsewhere" / f"{LAST}.json").write_text("victim")
+    (outside / "jobs-elsewhere" / f"eval-{LAST}").mkdir(parents=True)  # what a job once removed through .jobs
+    (outside / "jobs-elsewhere" / f"eval-{LAST}" / "victim.txt").write_text("victim")
     for case, tamper in TAMPER.items():
         copy = tmp / "hostile" / case / "runs" / "tabular_mlp"
         shutil.copytree(run, copy, symlinks=True)
@@ -480,6 +493,15 @@ def _resume(launcher: str):
         return [launcher, "--config", "trainers/configs/tabular_mlp.yaml", f"run.storage_path={{tmp}}/hostile/{case}/runs",
                 "train.max_steps=6", "train.epochs=null", "checkpoint.every_steps=2"]
     return argv
+
+
+def _eval(case: str) -> list[str]:
+    return ["trainers/evaluation.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
+
+
+def _predict(case: str) -> list[str]:
+    return ["trainers/prediction.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--data", "{tmp}/data/val",
+            "--out", f"{{tmp}}/predicted-{case}"]
 
 
 def _generate(case: str) -> list[str]:
@@ -507,6 +529,8 @@ HOSTILE_CASES = (
         ("summary-link", "summary.json"), ("summary-status-number", "status (5)"),
         ("summary-checkpoint-outside", "other-checkpoint"), ("summary-config-list", "config ([1, 2])"),
         ("shard-fifo", "__0_0.distcp is a FIFO"), ("metadata-traversal", "../checkpoint_00000002/__0_0.distcp")]]
+    + [("eval-link", _eval, "tabular_mlp/eval is a symlink"), ("jobs-link", _eval, "tabular_mlp/.jobs is a symlink"),
+       ("jobs-link", _predict, "tabular_mlp/.jobs is a symlink")]
 )
 
 
@@ -536,3 +560,56 @@ def test_a_full_disk_is_refused_before_training(finished, full_disk, results):
 def test_the_sweep_covers_at_least_150_distinct_inputs():
     assert len({tuple(o) for o, _ in MAIN_CASES}) + len({tuple(a) for a, _ in OTHER_CASES}) + len(
         {(c, cmd(c)[0]) for c, cmd, _ in HOSTILE_CASES}) + 1 >= 150  # + the full disk
+
+
+# ---- Issue 42: no command imports a module planted in the working directory, however it is started ----
+# Each command is given a mistake it refuses (exit 2, one line) after its imports, from a folder holding modules
+# named like what every command imports; a planted module, once imported, leaves a mark and ends the process.
+
+PLANTED = ("argparse", "numpy", "yaml", "torch")
+COMMANDS = {
+    "train": ["--config", "{tmp}/missing.yaml"],
+    "eval": ["--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/missing"],
+    "predict": ["--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/missing", "--out", "{tmp}/predicted-planted"],
+    "export": ["--run", "{tmp}/runs/tabular_mlp", "--out", "{tmp}/notes"],
+    "generate": ["--run", "{tmp}/missing"],
+    "sweep": ["--config", "{tmp}/missing.yaml", "--print-space"],
+    "doctor": ["--num-workers", "0"],
+    "prepare": ["tabular", "--out", "{tmp}/data", "--rows", "100"],
+}
+SPELLINGS = {"stride": lambda: [str(Path(PYTHON).with_name("stride"))], "python -m stride": lambda: [PYTHON, "-m", "stride"]}
+
+
+@pytest.fixture(scope="module")
+def from_a_planted_folder(finished) -> dict[tuple[str, str], dict]:
+    """Every command in both spellings, run from finished/planted (fresh interpreters: a forked one has its imports
+    already), two at a time."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    planted = finished / "planted"
+    planted.mkdir(exist_ok=True)
+    for name in PLANTED:
+        (planted / f"{name}.py").write_text(
+            f"open({str(finished.parent / f'pwned-{name}')!r}, 'w').write('ran')\nraise SystemExit('planted {name}')\n")
+    before = digest(finished)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+
+    def one(key):
+        spelling, command = key
+        argv = [*SPELLINGS[spelling](), command, *[a.format(tmp=finished) for a in COMMANDS[command]]]
+        r = subprocess.run(argv, cwd=planted, env=env, capture_output=True, text=True, timeout=300)
+        return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+
+    keys = [(s, c) for s in SPELLINGS for c in COMMANDS]
+    with ThreadPoolExecutor(2) as pool:
+        got = dict(zip(keys, pool.map(one, keys)))
+    after = digest(finished)
+    return {k: {**r, "files": after} for k, r in got.items()} | {"before": before}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_command_imports_a_module_from_the_working_directory(finished, from_a_planted_folder, spelling, command):
+    check(from_a_planted_folder[(spelling, command)], "error", from_a_planted_folder["before"])
+    assert not list(finished.parent.glob("pwned-*")), "a planted module was imported"

@@ -18,6 +18,9 @@ from stride.datasets.formats import DataError, FileLayout, PartReader, first_lin
 PART_ROWS = 4096  # lines per part: the same granularity as prepare.py's Parquet row groups
 PART_BYTES = 8 << 20  # and a bound on a part's bytes, so that long lines (inline blobs) keep parts small
 SCAN_BYTES = 16 << 20  # read at a time while looking for newlines
+# pyarrow's text readers take a part as one block, and a block's size is a 32-bit int: a longer part (one line,
+# since PART_BYTES bounds the rest) cannot be parsed at all, so it is refused by name instead of overflowing.
+MAX_PART_BYTES = (1 << 31) - 2
 
 
 def line_extents(path: str, start: int = 0) -> Iterator[tuple[int, int, int]]:
@@ -56,6 +59,16 @@ def line_extents(path: str, start: int = 0) -> Iterator[tuple[int, int, int]]:
             yield part_start, size - part_start, first
     finally:
         f.close()
+
+
+def read_part(f, path: str, key: str, offset: int, length: int, first: int) -> bytes:
+    """The bytes of one part, read on the driver to learn its rows; a part too long to parse is a DataError naming
+    its line (checked before reading: such a line would cost its size in memory first)."""
+    if length > MAX_PART_BYTES:
+        raise DataError(f"{key}: {path} line {first} is {length:,} bytes long, over the {MAX_PART_BYTES:,} a line may "
+                        f"hold; split that row, or keep large values as files named by a file column "
+                        f"(docs/data.md) or in Parquet")
+    return f.read_at(length, offset)
 
 
 def bad_line(data: bytes, first: int, check: Callable[[bytes], str | None], row: int | None = None) -> tuple[int, str]:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.csv as pc
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines
+from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines, read_part
 
 
 def _parse(data: bytes, names: list[str], types: dict[str, pa.DataType] | None = None,
@@ -62,7 +62,7 @@ class Csv(Format):
         with open_input(path) as f:
             names, start = _header(f, path, key)
             for offset, length, first in line_extents(path, start):
-                data = f.read_at(length, offset)
+                data = read_part(f, path, key, offset, length, first)
                 try:
                     table = _parse(data, names)
                 except pa.ArrowException as e:

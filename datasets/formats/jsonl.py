@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.json as pj
 
 from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
-from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines
+from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines, read_part
 
 
 def _parse(data: bytes, schema: pa.Schema | None = None) -> pa.Table:
@@ -36,7 +36,7 @@ class JsonLines(Format):
         extents, rows, schemas = [], [], []
         with open_input(path) as f:
             for offset, length, first in line_extents(path):
-                data = f.read_at(length, offset)
+                data = read_part(f, path, key, offset, length, first)
                 try:
                     table = _parse(data)
                 except pa.ArrowException as e:

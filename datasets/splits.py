@@ -188,13 +188,29 @@ def read_layouts(files: list[str], key: str, cache: Path | None = None) -> tuple
     try:
         schema = pa.unify_schemas([lay.schema for lay in layouts], promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
-        raise DataError(f"{key}: the files' column types disagree ({first_line(e)}); give every file the same "
-                        f"types") from None
+        raise DataError(_type_clash(layouts, key) or f"{key}: the files' column types disagree ({first_line(e)}); "
+                        f"give every file the same types") from None
     # Text files are parsed to the split's types, so that every file's rows come out alike.
     layouts = [dataclasses.replace(lay, schema=schema) if formats()[lay.format].cached else lay for lay in layouts]
     if not any(layout.num_rows for layout in layouts):
         raise DataError(f"{key}: the files hold no rows; point it at a non-empty data set")
     return tuple(layouts), schema
+
+
+def _type_clash(layouts: list[FileLayout], key: str) -> str | None:
+    """The first column whose type cannot be widened across the files (numbers in one, text in another), naming
+    both files: a CSV file whose column is all text beside files where it is numbers ends here."""
+    first = layouts[0]
+    for name in first.schema.names:
+        for layout in layouts[1:]:
+            a, b = first.schema.field(name).type, layout.schema.field(name).type
+            try:
+                pa.unify_schemas([pa.schema([pa.field(name, a)]), pa.schema([pa.field(name, b)])],
+                                 promote_options="permissive")
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                return (f"{key}: column {name!r} is {b} in {layout.path} but {a} in {first.path}; give the column one "
+                        f"type in every file (fix the values of the file that differs)")
+    return None
 
 
 def open_split(data_cfg, split: str, cache: Path | None = None) -> DataSplit:

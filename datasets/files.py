@@ -10,6 +10,10 @@ type already holds the bytes (Parquet with the bytes inline) and is passed throu
 Before training the driver checks that every referenced file exists, with the same pool, up to CHECK_FILES files
 (a stat each; an object store's a request each): a missing file is one line naming it and the manifest row. Past
 that, a missing file fails the step that reaches it, with the same line.
+
+With `data.file_root` set, a path must lie inside that folder once links are followed (a manifest someone else
+wrote may name /etc/shadow, or ../../ out of its folder): the check above refuses a path outside it by its row, and
+the workers check each file again as they read it (a link may have changed since). A URI is outside any folder.
 """
 
 from __future__ import annotations
@@ -54,7 +58,34 @@ def resolve(table: pa.Table, columns: tuple[str, ...], manifest: str) -> pa.Tabl
     return table
 
 
-def read_file(path: str) -> bytes:
+def outside(path: str, root: str | None) -> bool:
+    """True when a root is set and `path`, links followed, does not lie in it (`root` is already resolved)."""
+    if root is None:
+        return False
+    return "://" in path or not _within(os.path.realpath(path), root)
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def real_root(root) -> str | None:
+    """data.file_root with its own links followed: what every path is compared with."""
+    return None if root is None else os.path.realpath(os.path.expanduser(str(root)))
+
+
+def outside_message(key: str, path: str, where: str, root: str) -> str:
+    return (f"{key}: {path} ({where}) is outside data.file_root ({root}); fix that row of the manifest, or set "
+            f"data.file_root to a folder that holds the files it should read")
+
+
+class OutsideRoot(Exception):
+    """A file path outside data.file_root, found as a worker went to read it."""
+
+
+def read_file(path: str, root: str | None = None) -> bytes:
+    if outside(path, root):
+        raise OutsideRoot(path)
     if "://" in path:
         fs, p = pafs.FileSystem.from_uri(path)
         with fs.open_input_stream(p) as f:
@@ -66,9 +97,10 @@ def read_file(path: str) -> bytes:
 class FileFetcher:
     """Replaces a frame's file columns (paths) by the files' bytes, `threads` files at a time."""
 
-    def __init__(self, columns: tuple[str, ...], threads: int, where):
+    def __init__(self, columns: tuple[str, ...], threads: int, where, root: str | None = None):
         self.columns = columns
         self.where = where  # sample id -> "row N of <manifest>", for messages
+        self.root = real_root(root)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stride-files") if columns else None
 
     def fetch(self, frame: Frame) -> Frame:
@@ -78,11 +110,16 @@ class FileFetcher:
         for name in self.columns:
             i = frame.names.index(name)
             paths = arrays[i]
-            futures = [self._pool.submit(read_file, p) for p in paths]
+            futures = [self._pool.submit(read_file, p, self.root) for p in paths]
             out = np.empty(len(paths), dtype=object)
             for j, f in enumerate(futures):
                 try:
                     out[j] = f.result()
+                except OutsideRoot:
+                    for rest in futures[j:]:
+                        rest.cancel()
+                    raise DataError(outside_message(name, paths[j], self.where(int(frame.sample_id[j])),
+                                                    self.root)) from None
                 except (OSError, pa.ArrowException) as e:
                     for rest in futures[j:]:
                         rest.cancel()
@@ -110,10 +147,11 @@ def row_of(layouts: tuple[FileLayout, ...], has_sample_id: bool):
     return where
 
 
-def check_files(split, columns: tuple[str, ...], threads: int) -> float:
-    """Every referenced file of the split exists (a stat each, `threads` at a time), up to CHECK_FILES: else one
-    DataError naming the first missing file and its manifest row. Returns the files' mean bytes per row (of the
-    rows checked): what a row weighs in memory once its files are read."""
+def check_files(split, columns: tuple[str, ...], threads: int, root=None) -> float:
+    """Every referenced file of the split exists (a stat each, `threads` at a time), up to CHECK_FILES, and lies in
+    `root` (data.file_root) when it is set: else one DataError naming the first such file and its manifest row.
+    Returns the files' mean bytes per row (of the rows checked): what a row weighs in memory once its files are read."""
+    root = real_root(root)
     checked = rows_checked = total = 0
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stride-check") as pool:
         for layout in split.layouts:
@@ -122,6 +160,7 @@ def check_files(split, columns: tuple[str, ...], threads: int) -> float:
             for table in single.batches(list(columns), rows=65536):
                 for name in columns:
                     paths = resolve(table.select([name]), (name,), layout.path).column(0).to_pylist()
+                    check_inside(paths, root, split.key, name, row, layout.path, pool)
                     for j, size in enumerate(pool.map(_size, paths)):
                         total += size or 0
                         if size is None:
@@ -134,6 +173,18 @@ def check_files(split, columns: tuple[str, ...], threads: int) -> float:
                 if checked >= CHECK_FILES:
                     return total / rows_checked
     return total / rows_checked if rows_checked else 0.0
+
+
+def check_inside(paths: list[str | None], root: str | None, key: str, column: str, row: int, manifest: str,
+                 pool: ThreadPoolExecutor) -> None:
+    """Every path of a batch lies in `root` (None: no root set); else a DataError naming the first that does not.
+    `row`: the batch's first row's number in its manifest, less one. Links are followed by the pool's threads (a few
+    system calls a path, as the existence check's stat)."""
+    if root is None:
+        return
+    for j, (path, out) in enumerate(zip(paths, pool.map(lambda p: p is not None and outside(p, root), paths))):
+        if out:
+            raise DataError(outside_message(key, path, f"column {column}, row {row + j + 1} of {manifest}", root))
 
 
 def _size(path: str | None) -> int | None:

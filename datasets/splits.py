@@ -52,6 +52,7 @@ class DataSpec:
     length_column: str | None = None  # data.length_column: bucketing (datasets/bucketing.py), padding_fraction
     row_bytes: float = 0.0  # a row's mean size in memory, its referenced files included: bounds the window in bytes
     origin: str | None = None  # what named the files, for messages (a command's --data); None: data.<split>_path
+    file_root: str | None = None  # data.file_root: the folder file columns' paths must lie in (datasets/files.py)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -306,7 +307,8 @@ def split_spec(cfg, task, split: DataSplit, columns: tuple[str, ...] | None = No
     if has_id:
         check_sample_ids(split)
     references = file_columns(task, columns, split)
-    file_bytes = check_files(split, references, cfg.data.file_read_threads) if references else 0.0
+    root = str(cfg.data.file_root) if cfg.data.file_root is not None else None
+    file_bytes = check_files(split, references, cfg.data.file_read_threads, root) if references else 0.0
     lengths = (check_length_column(split, cfg.data.length_column, cfg.train.tokens_per_micro_batch)
                if split.name == "train" else None)
     read = columns + ((SAMPLE_ID,) if has_id else ())
@@ -315,7 +317,7 @@ def split_spec(cfg, task, split: DataSplit, columns: tuple[str, ...] | None = No
     return DataSpec(read, has_id, split.num_rows, split.layouts, split.blocks, split.name, references,
                     cfg.data.file_read_threads, tuple(src for src, _ in split.sources),
                     pa.schema([split.schema.field(c) for c in typed]), lengths, row_bytes,
-                    None if split.key.startswith("data.") else split.key)
+                    None if split.key.startswith("data.") else split.key, root)
 
 
 def check_length_column(split: DataSplit, column: str | None, budget: float | None = None) -> str | None:

@@ -409,4 +409,5 @@ def eval_sources(spec: DataSpec, rank: int, world_size: int, batch: int) -> Iter
 
 def fetcher(spec: DataSpec) -> FileFetcher:
     """The reader of the files the spec's file columns reference (none: fetch() passes frames through)."""
-    return FileFetcher(spec.file_columns, spec.file_read_threads, row_of(spec.layouts, spec.has_sample_id))
+    return FileFetcher(spec.file_columns, spec.file_read_threads, row_of(spec.layouts, spec.has_sample_id),
+                       spec.file_root)

@@ -25,7 +25,7 @@ ONE_SOURCE = {
     "run": {"name": "every_key", "storage_path": "some/runs", "seed": 7, "lock_stale_s": 30.0},
     "data": {"train_path": "d/train", "val_path": "d/val", "shuffle_window_rows": 1000, "read_ahead_windows": 3,
              "pipeline": "thread", "pipeline_timeout_s": 60.0, "length_column": "n",
-             "shuffle_window_bytes": 1 << 21, "file_read_threads": 4},
+             "shuffle_window_bytes": 1 << 21, "file_read_threads": 4, "file_root": "d/files"},
     "init": {"from": "weights/model.safetensors", "strict": False, "include": ["^blocks"], "exclude": ["head"],
              "rename": [["^", "m."]]},
     "model": {"name": "char_gpt", "n_layers": 2, "n_heads": 2, "width": 32, "context": 16, "vocab_size": 128,

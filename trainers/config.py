@@ -127,6 +127,7 @@ class DataSection(Section):
                                       "holds at most this many bytes of rows (the data's mean row size, referenced "
                                       "files included), whatever shuffle_window_rows says")
     file_read_threads: int = Field(16, ge=1, le=256, description="Threads per worker (and on the driver, for the existence check) reading the files a task's file_columns reference: I/O, so more than the cores pay (docs/data.md)")
+    file_root: Path | None = Field(None, description="A folder that every path in a task's file_columns must lie in, after links are followed (a path outside it is refused, naming the row); set it for a manifest someone else wrote. null: paths are read wherever they point (docs/data.md)")
 
 
     @model_validator(mode="after")

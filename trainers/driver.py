@@ -26,9 +26,11 @@ def prepare(cfg: Config, num_workers: int | None = None):
     Raises ConfigError/DataError (one line, exit 2) before any worker starts. `num_workers`: the world size when
     the launcher knows it (torchrun); else the config's."""
     from stride.trainers.callbacks import build as build_callbacks
+    from stride.trainers.lifecycle import check_storage_outside_data
     from stride.trainers.step import check_optimizer
     from stride.trainers.tasks import make_task
 
+    check_storage_outside_data(cfg)  # before the data is read: the layout cache would be written into it
     sinks.preflight(cfg)  # a tracker whose package is missing: refused now, not warned about on every worker
     task = make_task(cfg)
     build_callbacks(cfg, task)  # each imported and built once here: a mistake is one line, before any worker

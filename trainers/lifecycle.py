@@ -8,6 +8,7 @@ anything is written), then `open_run` (the storage, the run folder's lock, the r
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import re
@@ -54,6 +55,45 @@ def check_storage(cfg) -> Path:
     """The run folder, created and proven writable (and, in a Ray job, not in its temporary working dir)."""
     check_job_storage(cfg)
     return ensure_writable(cfg.run_dir, "run.storage_path", cfg.run.storage_path)
+
+
+def check_storage_outside_data(cfg) -> None:
+    """A run folder that a data path reads would be read back as data by the next run (its meta.json is JSON Lines
+    to the reader), and the run's layout cache would be written into the user's data: refuse it (exit 2) before
+    anything is read or written."""
+    run_dir = os.path.realpath(cfg.run_dir)
+    for key, path in data_paths(cfg):
+        if _reads(path, run_dir):
+            raise UsageError(f"run.storage_path ({cfg.run.storage_path}) puts the run folder {run_dir} inside {key} "
+                             f"({path}), so the next run would read its files as data; set run.storage_path=<a folder "
+                             f"outside the data, e.g. ./runs>")
+
+
+def data_paths(cfg) -> list[tuple[str, str]]:
+    """(config key, path) of every local data path of the config: the splits' paths and their sources'."""
+    named = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "val_path")]
+    named += [(f"data.{split} ({src.name})", src.path) for split in ("train", "val") for src in getattr(cfg.data, split) or ()]
+    return [(key, p) for key, p in named if p and "://" not in p]
+
+
+# What a run writes that a data path could take for data (JSON and JSON Lines), relative to its folder.
+RUN_FILES = ("meta.json", "summary.json", "metrics.jsonl", "checkpoint_0/meta.json")
+
+
+def _reads(path: str, run_dir: str) -> bool:
+    """Whether data path `path` (a folder, file or glob, as datasets/splits.resolve_files reads it) would read files
+    of the run folder `run_dir` (links followed). A glob is matched as if its wildcards crossed folders: a pattern
+    that could reach the run's JSON files is refused even where only `**` would."""
+    path = os.path.abspath(os.path.expanduser(path))
+    cut = min((path.index(ch) for ch in "*?[" if ch in path), default=None)
+    if cut is not None:
+        prefix = os.path.dirname(path[:cut])
+        pattern = os.path.realpath(prefix) + path[len(prefix):]
+        return any(fnmatch.fnmatchcase(os.path.join(run_dir, f), pattern) for f in RUN_FILES)
+    if os.path.isfile(path):
+        return False
+    folder = os.path.realpath(path)
+    return run_dir == folder or run_dir.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _in_uploaded_working_dir() -> bool:

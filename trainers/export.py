@@ -19,9 +19,11 @@ The optimizer state is not exported (resume from the checkpoint folder for that)
 the step, the model name and the checkpoint it came from. An existing output file is never overwritten unless --force;
 a folder is never replaced (--format hf: see below).
 
-The safetensors format reads only tensors (through the checkpoint's allow-list) and meta.json: it imports no task, so
-no module a run folder names runs, and it needs neither --task nor --trust-remote-code. It does not put the working
-directory on sys.path either.
+The safetensors format reads only tensors (through the checkpoint's allow-list), meta.json and the run's summary.json:
+it imports no task, so no module a run folder names runs, and it needs neither --task nor --trust-remote-code. It
+does not put the working directory on sys.path either. As `stride eval` does (trained.py), it exports only a checkpoint
+of the run's own task (its meta.json's model.name is the summary.json's; a --task given must be it too), and a best
+checkpoint that summary.json names only from inside the run folder.
 
 --format hf writes a folder that `transformers.AutoModel*.from_pretrained` loads: the run's task is rebuilt from its
 summary.json (config and data facts) as `stride eval` and `stride predict` rebuild it (trainers/trained.py): a task of
@@ -78,19 +80,45 @@ def resolve(folder: Path, name: str = "checkpoint") -> Path:
     return folder
 
 
-def best_of(run: Path, flag: str = "--best") -> Path:
-    """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it."""
-    from stride.trainers import runfolder
+def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
+    """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it: inside the run folder,
+    as eval takes it (trained.best_named). `label`: the argument that gave `run`."""
+    from stride.trainers import runfolder, trained
 
     try:
-        best = (runfolder.read_summary(run / "summary.json").get("best_checkpoints") or [None])[0]
+        summary = runfolder.read_summary(run / "summary.json")
     except (OSError, ValueError, runfolder.RunFolderError):
-        best = None
+        summary = {}
+    best = trained.best_named(run, summary, flag, label)
     if best is None:
         raise ExportError(f"{flag}: run folder ({run}) names no best checkpoint in its summary.json (it ran without "
                           f"checkpoint.keep_best, or has not finished); export its newest checkpoint (without "
                           f"{flag}) or a checkpoint folder instead")
-    return Path(best["checkpoint"])
+    return best
+
+
+def run_folder_of(checkpoint: Path) -> Path | None:
+    """The run folder that holds `checkpoint` (its parent; a kept best one's grandparent), when it has a
+    summary.json; None for a checkpoint folder on its own."""
+    parent = checkpoint.parent
+    run = parent.parent if parent.name == checkpointing.BEST else parent
+    return run if (run / "summary.json").is_file() else None
+
+
+def check_task(ckpt: Path, meta: dict, run_dir: Path | None, task: str | None, name: str, label: str) -> None:
+    """Another task's checkpoint is not exported as the run's: its model.name must be the one the run's
+    summary.json names (as eval requires, trained.check_same_task), and a --task must name that task too, though
+    safetensors imports none. `name`, `label`: the arguments that gave `ckpt` and `run_dir`."""
+    from stride.trainers import trained
+
+    if run_dir is None:  # a checkpoint folder on its own: its meta.json is all there is to match
+        if task is not None and task != meta.get("model"):
+            raise ExportError(f"--task ({task[:200]}) is not the task of {name} ({ckpt}), model.name "
+                              f"({meta.get('model')}); pass --task {meta.get('model')}, or no --task")
+        return
+    summary = trained.read_summary(run_dir, label)
+    trained.check_named_task(run_dir, summary, task, label)
+    trained.check_same_task(trained.run_model_name(run_dir, summary, label), ckpt, meta, "checkpoint")
 
 
 def cast(weights: dict, dtype: str) -> dict:
@@ -124,10 +152,12 @@ def checkpoint_weights(ckpt: Path, ema: bool) -> dict:
 
 
 def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False,
-           dtype: str = "fp32", name: str = "checkpoint") -> dict:
+           dtype: str = "fp32", name: str = "checkpoint", task: str | None = None, run_dir: Path | None = None,
+           run_label: str = "checkpoint's run folder") -> dict:
     """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
     the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them.
-    `name`: the argument that gave `checkpoint`, for the error lines."""
+    `name`: the argument that gave `checkpoint`, for the error lines. `task`, `run_dir` (default: the run folder
+    holding the checkpoint), `run_label`: see check_task."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -137,8 +167,9 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
         raise ExportError(f"out ({out}) exists; pass another path, or --force to replace it")
     check_out_parent(out)
     ckpt = resolve(checkpoint, name)
-    weights = checkpoint_weights(ckpt, ema)
     meta = checkpointing.read_meta(ckpt)
+    check_task(ckpt, meta, run_dir or run_folder_of(ckpt), task, name, run_label)
+    weights = checkpoint_weights(ckpt, ema)
     if meta.get("trainable_only") and not trainable_only:
         raise ExportError(f"checkpoint ({ckpt}) holds only the trainable parameters (checkpoint.trainable_only): "
                           f"its frozen base is init.from's ({(meta.get('init') or {}).get('from')}); pass "
@@ -185,8 +216,8 @@ def check_out_folder(out: Path, force: bool) -> None:
     check_out_parent(out)
 
 
-def hf_model_of(checkpoint: Path, ema: bool, task: str | None, trust_remote_code: bool, label: str):
-    """The run's task rebuilt from the checkpoint's run folder (its summary.json), its model with the checkpoint's
+def hf_model_of(checkpoint: Path, run_dir: Path, ema: bool, task: str | None, trust_remote_code: bool, label: str):
+    """The run's task rebuilt from the run folder `run_dir` (its summary.json), its model with the checkpoint's
     weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). The task is found as eval and predict find
     it (trained.run_config). `label` names the run folder's argument."""
     from stride.errors import UsageError
@@ -195,11 +226,11 @@ def hf_model_of(checkpoint: Path, ema: bool, task: str | None, trust_remote_code
     from stride.trainers.generate import trained_model
     from stride.trainers.tasks import make_task
 
-    run_dir = checkpoint.parent
     try:
         summary = trained.read_summary(run_dir, label)
         cfg = trained.run_config(run_dir, summary, task, trust_remote_code, label=label)  # before reading weights
         meta = checkpointing.read_meta(checkpoint)
+        trained.check_same_task(cfg.model.name, checkpoint, meta, "checkpoint")  # before its facts build the run's task
         built = make_task(cfg, meta.get("facts") or summary.get("facts"))
         trained.check_fits(cfg, built, checkpoint, meta)
         model = trained_model(built, cfg, checkpoint, checkpoint_weights(checkpoint, ema))
@@ -242,15 +273,17 @@ def write_folder(model, out: Path) -> None:
 
 
 def export_hf(checkpoint: Path, out: Path, force: bool = False, ema: bool = False, dtype: str = "fp32",
-              task: str | None = None, trust_remote_code: bool = False, name: str = "checkpoint") -> dict:
+              task: str | None = None, trust_remote_code: bool = False, name: str = "checkpoint",
+              run_dir: Path | None = None, run_label: str = "checkpoint's run folder") -> dict:
     """Write `checkpoint`'s model as a Hugging Face folder `out` (save_pretrained, safetensors); returns what was
-    written. The task comes from the summary.json of the checkpoint's run folder (`name`: the argument that gave
-    `checkpoint`, for the error lines)."""
+    written. The task comes from the summary.json of `run_dir` (default: the checkpoint's run folder); `name` and
+    `run_label`: the arguments that gave `checkpoint` and `run_dir`, for the error lines."""
     import torch
 
     check_out_folder(out, force)
     ckpt = resolve(checkpoint, name)
-    model = hf_model_of(ckpt, ema, task, trust_remote_code, "--run" if name == "--run" else "checkpoint's run folder")
+    run_dir = run_dir or run_folder_of(ckpt) or ckpt.parent  # no summary.json there: refused by name
+    model = hf_model_of(ckpt, run_dir, ema, task, trust_remote_code, run_label)
     model.to(getattr(torch, DTYPES[dtype]))  # nn.Module.to(dtype) casts floating-point tensors only
     write_folder(model, out)
     meta = checkpointing.read_meta(ckpt)
@@ -291,7 +324,7 @@ def parse_args(argv: list[str] | None, prog: str):
                     help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
     ap.add_argument("--task", metavar="MODULE:CLASS",
                     help="--format hf: import this task of your own (from the working directory or PYTHONPATH); "
-                         "must be the run's model.name")
+                         "must be the run's model.name (safetensors: checked, never imported)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="--format hf: import whatever task module the run's summary.json names (it runs its code)")
     args = ap.parse_args(argv)
@@ -314,26 +347,36 @@ def parse_args(argv: list[str] | None, prog: str):
 
 
 def main(argv: list[str] | None = None, prog: str = "python trainers/export.py") -> int:
+    from stride.errors import StrideError
+
     args = parse_args(argv, prog)
     try:
-        if args.run is not None:
-            if not (args.run / "summary.json").is_file():
-                raise ExportError(f"--run ({args.run}) has no summary.json; pass a run folder such as runs/char_gpt, "
-                                  f"or a checkpoint folder as CHECKPOINT")
-            name, out = ("--checkpoint best" if args.which == "best" else "--run"), args.out_path
-            source = best_of(args.run, name) if args.which == "best" else args.run
-        else:
-            name, out = ("--best" if args.best else "checkpoint"), args.out
-            source = best_of(args.checkpoint) if args.best else args.checkpoint
-        if args.format == "hf":
-            info = export_hf(source, out, args.force, args.ema, args.dtype, args.task, args.trust_remote_code, name)
-        else:
-            info = export(source, out, args.force, args.trainable_only, args.ema, args.dtype, name)
-    except ExportError as e:
+        info = export_command(args)
+    except StrideError as e:  # ExportError, and eval's refusals (trained.py): one line, exit 2
         error_line(e)
-        return EXIT_USAGE
+        return e.exit_code
     print(json.dumps(info))
     return 0
+
+
+def export_command(args) -> dict:
+    """What main does after parsing: the checkpoint the arguments name, exported."""
+    run_dir, run_label = args.run, ("--run" if args.run is not None else "checkpoint's run folder")
+    if args.run is not None:
+        if not (args.run / "summary.json").is_file():
+            raise ExportError(f"--run ({args.run}) has no summary.json; pass a run folder such as runs/char_gpt, "
+                              f"or a checkpoint folder as CHECKPOINT")
+        name, out = ("--checkpoint best" if args.which == "best" else "--run"), args.out_path
+        source = best_of(args.run, name, "--run") if args.which == "best" else args.run
+    else:
+        name, out = ("--best" if args.best else "checkpoint"), args.out
+        source = best_of(args.checkpoint) if args.best else args.checkpoint
+        run_dir = args.checkpoint if args.best else None
+    if args.format == "hf":
+        return export_hf(source, out, args.force, args.ema, args.dtype, args.task, args.trust_remote_code, name,
+                         run_dir, run_label)
+    return export(source, out, args.force, args.trainable_only, args.ema, args.dtype, name, args.task, run_dir,
+                  run_label)
 
 
 if __name__ == "__main__":

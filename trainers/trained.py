@@ -59,6 +59,7 @@ def open_run(args) -> TrainedRun:
     cfg = run_config(run_dir, summary, args.task, args.trust_remote_code, args.overrides)
     checkpoint = pick_checkpoint(run_dir, summary, args.checkpoint)
     meta = checkpointing.read_meta(checkpoint)
+    check_same_task(cfg.model.name, checkpoint, meta)  # before its facts build the run's task
     task = make_task(cfg, meta.get("facts") or summary.get("facts"))
     check_fits(cfg, task, checkpoint, meta)
     return TrainedRun(run_dir.resolve(), summary, cfg, task, checkpoint.resolve(), meta)  # workers run elsewhere
@@ -73,15 +74,30 @@ def run_config(run_dir: Path, summary: dict, task: str | None, trust_remote_code
     `run_dir`."""
     from stride.trainers.tasks import consent
 
-    name = ((summary.get("config") or {}).get("model") or {}).get("name")
-    if not isinstance(name, str):
-        raise UsageError(f"{label} ({run_dir}): summary.json has no config.model.name; pass the folder of a run that "
-                         f"trained")
+    name = run_model_name(run_dir, summary, label)
     consent(name, task, trust_remote_code, str(run_dir / "summary.json"))
     raw = apply_overrides(summary["config"], list(overrides))
     # The run is where it is now, whatever folder it was started from.
     raw["run"] = {**raw.get("run", {}), "storage_path": str(run_dir.resolve().parent), "name": run_dir.resolve().name}
     return build_config(raw, origin=f"{run_dir / 'summary.json'}")
+
+
+def run_model_name(run_dir: Path, summary: dict, label: str = "--run") -> str:
+    """The run's task, config.model.name of its summary.json (`label` names the argument that gave `run_dir`)."""
+    name = ((summary.get("config") or {}).get("model") or {}).get("name")
+    if not isinstance(name, str):
+        raise UsageError(f"{label} ({run_dir}): summary.json has no config.model.name; pass the folder of a run that "
+                         f"trained")
+    return name
+
+
+def check_named_task(run_dir: Path, summary: dict, task: str | None, label: str = "--run") -> None:
+    """A --task given to a command that imports no task (export --format safetensors) must still be the run's:
+    consent's refusal of another task, without its import rule (nothing is imported here)."""
+    from stride.trainers.tasks import consent
+
+    if task is not None:
+        consent(run_model_name(run_dir, summary, label), task, True, str(run_dir / "summary.json"))
 
 
 def read_summary(run_dir: Path, label: str = "--run") -> dict[str, Any]:
@@ -106,28 +122,62 @@ def pick_checkpoint(run_dir: Path, summary: dict, which: str) -> Path:
             raise UsageError(f"--run ({run_dir}) has no complete checkpoint; train it first, or pass --checkpoint PATH")
         return newest
     if which == "best":
-        best = (summary.get("best_checkpoints") or [None])[0]
+        best = best_named(run_dir, summary)
         if best is None:
             raise UsageError(f"--checkpoint best: --run ({run_dir}) kept no best checkpoint (it trained without "
                              f"checkpoint.keep_best); pass --checkpoint last or a checkpoint folder")
-        which = best["checkpoint"]
-    folder = Path(which)
+        return usable(best, f"--checkpoint best: {best_field(run_dir)} ({best})")
+    return usable(contained(run_dir, Path(which), f"--checkpoint ({which})"), f"--checkpoint ({which})")
+
+
+def best_field(run_dir: Path) -> str:
+    return f"{run_dir / 'summary.json'} best_checkpoints[0].checkpoint"
+
+
+def best_named(run_dir: Path, summary: dict, flag: str = "--checkpoint best", label: str = "--run") -> Path | None:
+    """The best kept checkpoint (checkpoint.keep_best) that the run's summary.json names, or None when it names
+    none. Whoever can write the run folder writes summary.json too: the folder it names must lie inside the run
+    folder (contained), never elsewhere. `flag` and `label` name the arguments, for the error line."""
+    best = (summary.get("best_checkpoints") or [None])[0]
+    if best is None:
+        return None
+    named = best.get("checkpoint") if isinstance(best, dict) else None
+    if not isinstance(named, str):
+        raise UsageError(f"{flag}: {best_field(run_dir)} ({str(named)[:200]}) is not a folder name; pass "
+                         f"--checkpoint last or a checkpoint folder of the run")
+    return contained(run_dir, Path(named), f"{flag}: {best_field(run_dir)} ({named[:200]})", label)
+
+
+def contained(run_dir: Path, folder: Path, named: str, label: str = "--run") -> Path:
+    """`folder`, when it lies inside the run folder `run_dir` with links resolved (a link inside the run cannot lead
+    out of it); else UsageError (exit 2). `named`: where `folder` came from and its value; `label`: the argument that
+    gave `run_dir`."""
     if not os.path.realpath(folder).startswith(os.path.realpath(run_dir) + os.sep):
-        raise UsageError(f"--checkpoint ({which}) lies outside --run ({run_dir}); pass a checkpoint folder of the run, "
-                         f"or the run folder that holds it")
-    if problem := checkpointing.verify(folder):
-        raise UsageError(f"--checkpoint ({which}) is unusable ({problem}); pass last, best or a complete checkpoint "
-                         f"folder of the run")
+        raise UsageError(f"{named} lies outside {label} ({run_dir}); pass a checkpoint folder of the run, or the run "
+                         f"folder that holds it")
     return folder
+
+
+def usable(folder: Path, named: str) -> Path:
+    """`folder`, a complete checkpoint that verifies; else UsageError naming it (`named`) and what is wrong."""
+    if problem := checkpointing.verify(folder):
+        raise UsageError(f"{named} is unusable ({problem}); pass last, best or a complete checkpoint folder of the run")
+    return folder
+
+
+def check_same_task(run_name: str, checkpoint: Path, meta: dict, label: str = "--checkpoint") -> None:
+    """A checkpoint of another task than the run's (`run_name`, its config.model.name) is refused before that
+    task is built from the checkpoint's facts or given its weights. `label`: the argument that gave `checkpoint`."""
+    if meta.get("model") != run_name:
+        raise UsageError(f"{label} ({checkpoint}) holds model.name {meta.get('model')}, not the run's {run_name}; pass a "
+                         f"checkpoint of this run")
 
 
 def check_fits(cfg: Config, task, checkpoint: Path, meta: dict) -> None:
     """A checkpoint of another task, or of this task with other model settings, is refused before any worker."""
     import torch
 
-    if meta.get("model") != cfg.model.name:
-        raise UsageError(f"--checkpoint ({checkpoint}) holds model.name {meta.get('model')}, not the run's "
-                         f"{cfg.model.name}; pass a checkpoint of this run")
+    check_same_task(cfg.model.name, checkpoint, meta)
     with torch.device("meta"):
         model = task.build_model()
     saved = checkpointing.saved_model_shapes(checkpoint)

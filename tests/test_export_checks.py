@@ -186,3 +186,18 @@ def test_a_resume_skips_a_checkpoint_whose_tensor_item_is_a_pickle_and_says_why(
     assert f"resumed from {run / 'checkpoint_00000002'} at step 2" in r.stdout + r.stderr
     assert json.loads((run / "summary.json").read_text())["global_step"] == 6
     assert not (finished / "outside" / "pwned").exists()
+
+
+def test_export_of_a_run_passes_over_a_tampered_newest_checkpoint_and_says_why(finished, tmp_path, capsys):
+    """--run (last): the newest checkpoint that verifies, as a resume takes it, with the one passed over named."""
+    run = tampered(finished, tmp_path, tensor_item_payload)
+    out = tmp_path / "m.safetensors"
+    capsys.readouterr()
+    assert export.main(["--run", str(run), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["checkpoint"] == str(run / "checkpoint_00000002") and out.exists()
+    assert captured.err.splitlines() == [
+        f"stride: warning: checkpoint {LAST} ({run / LAST}/__0_0.distcp holds more than tensors (model.net.0.weight: "
+        f"Trying to load unsupported GLOBAL posix.system whose module posix is blocked.); it was not loaded. Move that "
+        f"checkpoint folder away if you did not write it, or use another run.name) is unusable; exporting "
+        f"checkpoint_00000002 instead"], captured.err

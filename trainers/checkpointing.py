@@ -659,11 +659,13 @@ def _mtime(folder: Path) -> float | None:
         return None
 
 
-def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> Path | None:
+def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None,
+                    using: str = "resuming from") -> Path | None:
     """The checkpoint folder with the highest step whose contents verify: the one to resume from, whoever wrote
     it. Ray's own pointer is not enough: a driver killed between a checkpoint's write and Ray's registration of
     it leaves a complete checkpoint that Ray does not know. Torn or corrupted folders are skipped; `warn` gets one
-    line naming those newer than the folder returned."""
+    line naming those newer than the folder returned, each with its reason, and what is done instead (`using`:
+    "resuming from", "exporting")."""
     candidates, bad = [], []
     for folder in Path(run_dir).glob("checkpoint_*"):
         # lstat: a symlinked folder is listed as unusable (verify says why), never followed
@@ -686,7 +688,7 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None) -> 
     since = (_mtime(newest) or float("-inf")) if newest else float("-inf")
     skipped = [f"{folder.name} ({problem})" for mtime, folder, problem in sorted(bad) if mtime >= since]
     if skipped and warn is not None:
-        warn(f"checkpoint {'; '.join(skipped)} is unusable; resuming from "
+        warn(f"checkpoint {'; '.join(skipped)} is unusable; {using} "
              f"{newest.name if newest else 'the start (no complete checkpoint)'} instead")
     return newest
 

@@ -70,14 +70,21 @@ def resolve(folder: Path, name: str = "checkpoint") -> Path:
                           f"runs/char_gpt/checkpoint_00000600, or a run folder")
     is_run = any(folder.glob("checkpoint_*")) or (folder / "summary.json").is_file()
     if not (folder / checkpointing.META).exists() and is_run:
-        newest = checkpointing.newest_complete(folder)
+        skipped: list[str] = []
+        newest = checkpointing.newest_complete(folder, skipped.append, "exporting")
         if newest is None:
             raise ExportError(f"{name} ({folder}) is a run folder without a complete checkpoint; train it first")
+        for line in skipped:  # a newer checkpoint passed over, and why: not the one the user may expect
+            warn_line(line)
         return newest
     if problem := checkpointing.verify(folder):
         raise ExportError(f"{name} ({folder}) is unusable ({problem}); pass a complete checkpoint folder, "
                           f"or the run folder to take its newest complete one")
     return folder
+
+
+def warn_line(line: str) -> None:
+    print(f"stride: warning: {line}", file=sys.stderr, flush=True)
 
 
 def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:

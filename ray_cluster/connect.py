@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 from stride.errors import UsageError  # noqa: E402, F401 - its home is stride/errors.py
+from stride.ray_cluster import ray_edge  # noqa: E402
 
 
 def _auth_env_for_embedded() -> None:
@@ -119,24 +120,8 @@ KNOWN_RAY_NOISE = ("github.com/ray-project/ray/issues/53727",)
 
 
 def _drop_known_ray_noise() -> None:
-    """Filter KNOWN_RAY_NOISE out of the worker output Ray prints on this driver (every other line is kept). Ray
-    2.60 prints it through one handler of its stdstream dispatcher, "ray_print_logs"; another Ray leaves it as it is."""
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
-        return
-
-    def wrap(handler):
-        def drop(data):
-            lines = [ln for ln in data.get("lines", ()) if not any(k in ln for k in KNOWN_RAY_NOISE)]
-            if lines:
-                handler(dict(data, lines=lines))
-        drop.stride_filter = True
-        return drop
-
-    with dispatcher._lock:
-        dispatcher.handlers = [(name, h if name != "ray_print_logs" or getattr(h, "stride_filter", False) else wrap(h))
-                               for name, h in dispatcher.handlers]
+    """Filter KNOWN_RAY_NOISE out of the worker output Ray prints on this driver (every other line is kept)."""
+    ray_edge.filter_worker_output(lambda line: not any(k in line for k in KNOWN_RAY_NOISE))
 
 
 def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -162,12 +147,7 @@ def _propagate_address() -> None:
     import ray
 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    try:  # Ray 2.60: the env vars the Train controller copies to itself and to every worker
-        from ray.train.v2._internal import constants
-
-        constants.ENV_VARS_TO_PROPAGATE.add("RAY_ADDRESS")
-    except (ImportError, AttributeError):
-        pass
+    ray_edge.propagate_env_var("RAY_ADDRESS")
 
 
 def init_ray(log_to_driver: bool = True) -> bool:
@@ -181,9 +161,8 @@ def init_ray(log_to_driver: bool = True) -> bool:
     elif os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
         os.environ.setdefault("RAY_AUTH_MODE", "token")  # a token given is a token meant to be sent
     import ray
-    from ray._raylet import Config as RayletConfig
 
-    RayletConfig.initialize("")  # re-read RAY_AUTH_MODE in case ray was imported before it was set
+    ray_edge.reread_auth_mode()  # in case ray was imported before RAY_AUTH_MODE was set
     env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
                                            "RAY_TRAIN_ENABLE_PRINT_PATCH") if k in os.environ}
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))

@@ -109,9 +109,9 @@ def down(config_path: str) -> None:
         raise UpDownError(f"stopping Ray failed on {', '.join(failed)} (output above); the nodes stay marked "
                           f"running; fix and run down again")
     # As `ray down` does: mark the nodes terminated in the cluster state file of the local provider.
-    from ray.autoscaler._private.providers import _get_node_provider
+    from stride.ray_cluster.ray_edge import node_provider as provider_of
 
-    node_provider = _get_node_provider(provider, config["cluster_name"])
+    node_provider = provider_of(provider, config["cluster_name"])
     node_provider.terminate_nodes(node_provider.non_terminated_nodes({}))
 
 

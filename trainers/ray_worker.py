@@ -4,7 +4,6 @@ checkpoints through Ray's storage, Prometheus gauges, Ray's preemption notices),
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -33,16 +32,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray
     import ray.train
     import ray.train.torch
-    from ray.train.v2._internal.execution import context as train_context
-    from ray.train.v2._internal.execution import storage as train_storage
 
-    # Ray logs one INFO line per report and per checkpoint (loggers named after their files); Stride's say more.
-    train_context.logger.setLevel(logging.WARNING)
-    train_storage.logger.setLevel(logging.WARNING)
-    # A checkpoint whose write failed (a full disk) fails Ray's upload thread, which logs the traceback here and
-    # raises it into the training thread: it ends the run in the driver's one line (and the summary's error_detail),
-    # not in 40 more lines beside it.
-    train_context.logger.addFilter(lambda record: record.exc_info is None)
+    from stride.ray_cluster.ray_edge import quiet_train_loggers
+
+    quiet_train_loggers()
     ctx = ray.train.get_context()
     cfg = from_dict(config["cfg"])
     plan: RunPlan = config["plan"]

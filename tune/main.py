@@ -398,7 +398,7 @@ def print_table(trials: list[dict], metric: str) -> None:
 def route_worker_logs(path: Path) -> None:
     """Every trial's workers print Stride's per-step log lines and Ray Train's own; with several trials at once
     that floods the console. They go to <sweep>/worker.log instead; the console gets one line per trial result."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    from stride.ray_cluster.ray_edge import RAY_PRINT_LOGS, route_worker_output
 
     out = open(path, "a", buffering=1)
 
@@ -406,8 +406,7 @@ def route_worker_logs(path: Path) -> None:
         prefix = f"({data.get('actor_name') or data.get('task_name') or 'worker'} pid={data.get('pid')})"
         out.write("".join(f"{prefix} {line}\n" for line in data.get("lines", [])))
 
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("stride_sweep_log", write)
+    route_worker_output("stride_sweep_log", write, replace=RAY_PRINT_LOGS)
 
 
 def install_sigterm() -> list[int]:

@@ -167,8 +167,10 @@ def usable(folder: Path, named: str) -> Path:
 
 def check_same_task(run_name: str, checkpoint: Path, meta: dict, label: str = "--checkpoint") -> None:
     """A checkpoint of another task than the run's (`run_name`, its config.model.name) is refused before that
-    task is built from the checkpoint's facts or given its weights. `label`: the argument that gave `checkpoint`."""
-    if meta.get("model") != run_name:
+    task is built from the checkpoint's facts or given its weights. `label`: the argument that gave `checkpoint`.
+    A meta.json that records no model (the earlier state.pt format) has nothing to compare: eval's shape check
+    (check_fits) still applies, and export of it reads only tensors."""
+    if meta.get("model") is not None and meta.get("model") != run_name:
         raise UsageError(f"{label} ({checkpoint}) holds model.name {meta.get('model')}, not the run's {run_name}; pass a "
                          f"checkpoint of this run")
 

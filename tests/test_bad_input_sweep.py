@@ -109,6 +109,15 @@ MAIN_CASES = [
     (["run.seed=" + "x" * 5000], "... (5002 characters)) must be a valid integer"),
     (["run.seed=" + "7" * 5000], "Exceeds the limit (4300 digits)"),
     (["model.hidden_sizes={{a: 1, a: 2}}"], "key 'a' appears twice in one mapping"),  # {{ }}: main_argv formats
+    # Issue 42: a storage path inside the data, a damaged CSV cell, a CSV column of text beside numbers, a 2 GiB line.
+    (["run.storage_path={tmp}/data/train/runs"], "inside data.train_path ("),
+    (["run.storage_path={tmp}/data/val"], "inside data.val_path ("),
+    (["data.train_path={tmp}/files/damaged_cell.csv", "data.val_path=null"],
+     "damaged_cell.csv line 1501 column 'f7' holds '0.1.2'"),
+    (["data.train_path={tmp}/files/csv_mixed", "data.val_path=null", "run.storage_path={tmp}/../mixed_runs"],
+     "column 'f7' is string in"),
+    (["data.train_path={tmp}/../huge_line/train.jsonl", "data.val_path=null"],
+     "train.jsonl line 2 is 2,147,483,724 bytes long, over the 2,147,483,646"),
 ]
 
 
@@ -145,6 +154,7 @@ def finished(tmp_path_factory) -> Path:
     (tmp / "loop" / "b").symlink_to(tmp / "loop" / "a")
     (tmp / "tasks").mkdir()
     (tmp / "tasks" / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    plant_bad_data(tmp)
     planted = tmp / "runs" / "planted"
     planted.mkdir()
     summary = json.loads((tmp / "runs" / "tabular_mlp" / "summary.json").read_text())
@@ -158,6 +168,48 @@ def finished(tmp_path_factory) -> Path:
     corrupt_pages(tmp / "damaged" / "train" / "part-0000.parquet")
     plant_hostile_runs(tmp)
     return tmp
+
+
+def plant_bad_data(tmp: Path) -> None:
+    """Issue 42: a damaged CSV cell, a CSV file whose column is text beside one of numbers, a 2 GiB line (a sparse file
+    outside the watched folder: the digests would read it after every case), manifests outside data.file_root."""
+    import wave
+
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp / "data" / "train").drop_columns(["sample_id"])
+    pacsv.write_csv(table, tmp / "files" / "damaged_cell.csv")
+    text = (tmp / "files" / "damaged_cell.csv").read_text().splitlines()
+    cells = text[1500].split(",")
+    cells[table.column_names.index("f7")] = "0.1.2"
+    text[1500] = ",".join(cells)
+    (tmp / "files" / "damaged_cell.csv").write_text("\n".join(text) + "\n")  # line 1501 holds f7 = 0.1.2
+    (tmp / "files" / "csv_mixed").mkdir()
+    pacsv.write_csv(table.slice(0, 100), tmp / "files" / "csv_mixed" / "a.csv")
+    words = table.slice(100, 100).set_column(table.column_names.index("f7"), "f7", pa.array(["word"] * 100))
+    pacsv.write_csv(words, tmp / "files" / "csv_mixed" / "b.csv")  # f7 all text here, numbers in a.csv
+    huge = tmp.parent / "huge_line" / "train.jsonl"
+    huge.parent.mkdir()
+    huge.write_bytes(b'{"f0": 1.0, "label": 0}\n')
+    os.truncate(huge, (2 << 30) + 100)  # sparse: line 2 is 2 GiB of zero bytes on no disk
+    clips = tmp / "files" / "clips"
+    clips.mkdir()
+    with wave.open(str(clips / "a.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(b"\0\0" * 800)
+    (clips / "link.wav").symlink_to(tmp / "notes" / "todo.txt")
+    pq.write_table(pa.table({"path": ["a.wav", "../../notes/todo.txt"], "label": [0, 1], "duration": [0.1, 0.1]}),
+                   clips / "dotdot.parquet")  # Parquet: no layout cache is written before the refusal
+    pq.write_table(pa.table({"path": ["a.wav", "link.wav"], "label": [0, 1], "duration": [0.1, 0.1]}),
+                   clips / "link.parquet")
+    shutil.copy(REPO / "examples" / "audio_clips" / "clips_task.py", tmp / "tasks" / "clips_task.py")
+    (tmp / "files" / "clips.yaml").write_text(
+        "run: {name: clips}\nmodel: {name: clips_task:Clips}\n"
+        "train: {batch_size_per_worker: 1, max_steps: 2, epochs: null}\nscaling: {num_workers: 1}\n")
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +337,11 @@ OTHER_CASES = [
     (["-m", "stride.ray_cluster.doctor", "--bogus"], "unrecognized arguments: --bogus; see"),
     (["-m", "stride.ray_cluster.local", "restart"], "invalid choice: 'restart'"),
     (["ray_cluster/node.py", "restart"], "node.py: error: expected start|stop|status STATE_DIR"),
+    # Issue 42: a manifest naming a file outside data.file_root, by ../ and by a planted link.
+    (["trainers/torchrun.py", "--config", "{tmp}/files/clips.yaml", "data.train_path={tmp}/files/clips/dotdot.parquet",
+      "data.val_path=null", "data.file_root={tmp}/files/clips"], "(column path, row 2 of"),
+    (["trainers/torchrun.py", "--config", "{tmp}/files/clips.yaml", "data.train_path={tmp}/files/clips/link.parquet",
+      "data.val_path=null", "data.file_root={tmp}/files/clips"], "is outside data.file_root"),
     # Issue 42: predict's record of an earlier prediction in --out, damaged.
     (["trainers/prediction.py", "--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/data/val", "--out",
       "{tmp}/predicted-damaged"], "predicted-damaged): .stride-predict.json is not a record stride predict wrote"),

@@ -70,7 +70,8 @@ def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
 
     from stride.trainers import blocks
     from stride.trainers.config import load_config
-    from stride.trainers.step import Precision, build_optimizer, train_step
+    from stride.trainers.optim import build_optimizer
+    from stride.trainers.step import Precision, train_step
     from stride.trainers.tasks import make_task
 
     torch.set_num_threads(1)

@@ -181,7 +181,7 @@ def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: boo
     layers, width, heads, context, _ = shape
     torch.manual_seed(0)  # both loops start from the same weights
     raw = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0).to(device)
-    # The same parameter groups as stride.trainers.step.build_optimizer (which needs the pydantic config).
+    # The same parameter groups as stride.trainers.optim.build_optimizer (which needs the pydantic config).
     decay = [p for p in raw.parameters() if p.dim() >= 2]
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},

@@ -19,6 +19,7 @@ from typing import Any, Callable
 # (module, attribute): what the functions below use.
 PRIVATE_NAMES = (
     ("ray.train.v2._internal.execution.context", "logger"),
+    ("ray.train.v2._internal.execution.context", "get_train_context"),
     ("ray.train.v2._internal.execution.storage", "logger"),
     ("ray.train.v2._internal.constants", "ENV_VARS_TO_PROPAGATE"),
     ("ray._private.ray_logging", "global_worker_stdstream_dispatcher"),
@@ -60,6 +61,19 @@ def quiet_train_loggers() -> None:
     context.logger.setLevel(logging.WARNING)
     storage.logger.setLevel(logging.WARNING)
     context.logger.addFilter(lambda record: record.exc_info is None)
+
+
+def preemption_info():
+    """This worker's copy of Ray Train's preemption notice (Ray 2.60: its PreemptionWatcher sees a node of the gang
+    drained with reason preemption and gives every worker the notice, mark_preempt), with preempted_node_ids and
+    deadline_ms; None without one. An attribute read: no barrier, unlike ray.train.get_preemption_info(), so the
+    loop asks it at every step and agrees with one all-reduce."""
+    from ray.train.v2._internal.execution import context
+
+    try:
+        return context.get_train_context().preemption_context.preemption_info
+    except AttributeError:  # a Ray without the watcher
+        return None
 
 
 def stdstream_dispatcher() -> Any | None:

@@ -126,7 +126,7 @@ def _to_earlier_format(folder, cfg_args) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from stride.trainers.config import load_config
-    from stride.trainers.step import build_optimizer, build_scheduler
+    from stride.trainers.optim import build_optimizer, build_scheduler
     from stride.trainers.tasks import make_task
 
     meta = checkpointing.read_meta(folder)

@@ -12,10 +12,10 @@ import torch
 
 from conftest import REPO, read_jsonl
 from stride.trainers import config as config_module
-from stride.trainers import step as step_module
+from stride.trainers import optim as optim_module
 from stride.trainers.config import ConfigError, load_config
 from stride.trainers.models import MLP
-from stride.trainers.step import SCHEDULES, build_optimizer, build_scheduler, check_optimizer, lr_factor
+from stride.trainers.optim import SCHEDULES, build_optimizer, build_scheduler, check_optimizer, cosine_factor
 from stride.trainers.task import Task
 
 TABULAR = REPO / "trainers/configs/tabular_mlp.yaml"
@@ -82,7 +82,7 @@ def lrs_seen(cfg, total_steps: int, steps: int) -> list[float]:
 
 def test_config_and_step_name_the_same_schedules_and_optimizers():
     assert set(config_module.SCHEDULES) == set(SCHEDULES)
-    assert set(config_module.BUILTIN_OPTIMIZERS) == set(step_module.BUILTIN_OPTIMIZERS)
+    assert set(config_module.BUILTIN_OPTIMIZERS) == set(optim_module.BUILTIN_OPTIMIZERS)
 
 
 def test_the_default_schedule_is_the_old_cosine_bitwise():
@@ -90,7 +90,7 @@ def test_the_default_schedule_is_the_old_cosine_bitwise():
     assert cfg.optim.schedule == "cosine"
     for warmup, total, floor in ((0, 1, 0.0), (1, 1, 0.1), (5, 40, 0.05), (10, 110, 0.1), (50, 30, 0.3), (3, 1000, 1.0)):
         for s in range(total + 20):
-            assert lr_factor(s, warmup, total, floor) == old_lr_factor(s, warmup, total, floor), (warmup, total, floor, s)
+            assert cosine_factor(s, warmup, total, floor) == old_lr_factor(s, warmup, total, floor), (warmup, total, floor, s)
     c = cfg.optim
     expected = [c.lr * old_lr_factor(s, c.warmup_steps, 60, c.min_lr_ratio) for s in range(60)]
     assert lrs_seen(cfg, 60, 60) == expected  # ==: bitwise, not approximately
@@ -199,7 +199,7 @@ def test_a_users_own_optimizer_class_from_the_working_directory(user_folder):
 @pytest.mark.parametrize("overrides, says", [
     (["optim.name=adam2"], ["optim.name ('adam2')", "adamw, adam, sgd, adafactor", "optim.name=torch.optim:RAdam"]),
     (['optim.name=":RAdam"'], ["optim.name (':RAdam')", "<module>:<Class>"]),
-    (["optim.schedule=step"], ["optim.schedule ('step')", "'wsd'", "'inverse_sqrt'"]),
+    (["optim.schedule=step"], ["optim.schedule ('step')", "wsd, inverse_sqrt", "<module>:<function>"]),
     (["optim.decay_fraction=0"], ["optim.decay_fraction (0)", "greater than 0"]),
     (["optim.decay_fraction=1.5"], ["optim.decay_fraction (1.5)", "less than or equal to 1"]),
     (["optim.kwargs={lr: 0.1}"], ["optim.kwargs", "sets lr", "use optim.lr"]),
@@ -320,3 +320,35 @@ def test_a_non_default_optimizer_and_schedule_resume_bitwise(tmp_path, tabular_d
     summaries = [json.loads((folder / "summary.json").read_text()) for folder in (run, tmp_path / "full")]
     assert summaries[0]["restarts"] == 1 and summaries[1]["restarts"] == 0  # it did resume, from step 10
     assert summaries[0]["param_checksums"] == summaries[1]["param_checksums"]
+
+
+def test_a_schedule_of_the_users_own(tmp_path, monkeypatch):
+    """optim.schedule: "<module>:<function>" found as optim.name's classes are; a name that is no function, a
+    function that fails or returns no multiplier, is refused on the driver in one line naming optim.schedule."""
+    (tmp_path / "my_schedules.py").write_text(
+        "def halves(step, warmup_steps, total_steps, min_lr_ratio, decay_fraction):\n"
+        "    return 0.5 ** (step // 10)\n"
+        "def broken(step, *rest):\n    return 1 / (step - 50) if step == 50 else 1.0\n"
+        "def nan(step, *rest):\n    return float('nan')\n"
+        "class NotAFunction:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(REPO / "trainers/configs/tabular_mlp.yaml", ["optim.schedule=my_schedules:halves",
+                                                                  "optim.warmup_steps=0", "optim.lr=0.1"])
+    check_optimizer(cfg)
+    model = MLP(4, [8], 2)
+    optimizer = build_optimizer(cfg, model, 1)
+    scheduler = build_scheduler(cfg, optimizer, 100)
+    seen = []
+    for _ in range(25):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == [0.1 * 0.5 ** (s // 10) for s in range(25)]
+    for name, why in [("NotAFunction", "is not a function"), ("broken", "failed at step 50 of 100 (ZeroDivisionError"),
+                      ("nan", "returned nan at step 0 of 100"), ("missing", "module my_schedules has no missing")]:
+        bad = load_config(REPO / "trainers/configs/tabular_mlp.yaml", [f"optim.schedule=my_schedules:{name}"])
+        with pytest.raises(ConfigError, match=r"optim\.schedule") as e:
+            check_optimizer(bad)
+        assert why in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match=r"optim.schedule \('step'\)"):
+        load_config(REPO / "trainers/configs/tabular_mlp.yaml", ["optim.schedule=step"])

@@ -111,23 +111,29 @@ def test_ranks_agree_on_a_preemption_one_of_them_heard_with_the_earliest_deadlin
     assert r0["preemption"] == [["n1"], 150.0] and r1["preemption"] == [["n1"], 150.0]
 
 
-def test_the_ray_edge_reads_this_workers_own_copy_of_rays_notice():
-    """trainers/ray_worker.py: Ray's PreemptionInfo (set on every worker by the watcher) as a Preemption, no barrier."""
+def test_the_ray_edge_reads_this_workers_own_copy_of_rays_notice(monkeypatch):
+    """trainers/ray_worker.py: Ray's PreemptionInfo (set on every worker by the watcher, read through
+    ray_cluster/ray_edge.py) as a Preemption, no barrier."""
+    import importlib
     from types import SimpleNamespace
 
     from ray.train.v2.api.preemption import PreemptionInfo
 
     from stride.trainers.ray_worker import preemption_notice
 
-    def context(info):
-        worker = SimpleNamespace(preemption_context=SimpleNamespace(preemption_info=info))
-        return SimpleNamespace(get_train_context=lambda: worker)
+    context = importlib.import_module("ray.train.v2._internal.execution.context")  # what ray_edge reads
 
-    assert preemption_notice(context(None)) is None
+    def notice(info):
+        worker = SimpleNamespace(preemption_context=SimpleNamespace(preemption_info=info))
+        monkeypatch.setattr(context, "get_train_context", lambda: worker)
+        return preemption_notice()
+
+    assert notice(None) is None
     info = PreemptionInfo(deadline_ms=1_800_000_000_500, preempted_node_to_ranks={"b": [1], "a": [0]})
-    assert preemption_notice(context(info)) == Preemption(("a", "b"), 1_800_000_000.5)
-    assert preemption_notice(context(PreemptionInfo(None, {"a": [0]}))) == Preemption(("a",), None)
-    assert preemption_notice(SimpleNamespace(get_train_context=lambda: object())) is None  # a Ray without it
+    assert notice(info) == Preemption(("a", "b"), 1_800_000_000.5)
+    assert notice(PreemptionInfo(None, {"a": [0]})) == Preemption(("a",), None)
+    monkeypatch.setattr(context, "get_train_context", lambda: object())  # a Ray without the watcher
+    assert preemption_notice() is None
 
 
 def test_the_driver_drops_rays_known_noise_and_keeps_every_other_line(monkeypatch):

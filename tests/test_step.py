@@ -9,7 +9,8 @@ import torch
 from conftest import REPO
 from stride.trainers.config import load_config
 from stride.trainers.models import MLP, CharGPT
-from stride.trainers.step import Precision, build_optimizer, build_scheduler, lr_factor, resolve_precision, train_step
+from stride.trainers.optim import build_optimizer, build_scheduler, cosine_factor
+from stride.trainers.step import Precision, resolve_precision, train_step
 
 
 def ce(model, batch):
@@ -20,13 +21,13 @@ def ce(model, batch):
 
 
 def test_lr_warmup_then_cosine_to_min_ratio():
-    f = [lr_factor(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(110)]
+    f = [cosine_factor(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(110)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a < b for a, b in zip(f[:9], f[1:10]))          # linear warm-up rises
     assert all(a >= b for a, b in zip(f[10:], f[11:]))         # cosine never rises
     assert f[60] == pytest.approx(0.1 + 0.9 * 0.5)             # half way through the decay
-    assert lr_factor(110, 10, 110, 0.1) == pytest.approx(0.1)  # ends at min_lr_ratio
-    assert lr_factor(500, 10, 110, 0.1) == pytest.approx(0.1)  # and stays there
+    assert cosine_factor(110, 10, 110, 0.1) == pytest.approx(0.1)  # ends at min_lr_ratio
+    assert cosine_factor(500, 10, 110, 0.1) == pytest.approx(0.1)  # and stays there
 
 
 def test_scheduler_drives_the_optimizer_lr():

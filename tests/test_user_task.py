@@ -44,7 +44,7 @@ RAY_STEPS = 1000
 # The run cut after 10 steps on 2 workers and resumed on 1 (test_two_worker_checkpoint_resumes_on_one_worker_...).
 ELASTIC = ["checkpoint.every_steps=10", "train.log_every_steps=2", "train.eval_every_steps=100"]
 RAY_ARGS = [f"train.max_steps={RAY_STEPS}", "train.batch_size_per_worker=128", "checkpoint.every_steps=100",
-            "train.log_every_steps=10", "train.eval_every_steps=100"]
+            "train.log_every_steps=10", "train.eval_every_steps=100", "optim.schedule=signal_task:half_by_the_end"]
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -169,6 +169,9 @@ def test_two_ray_workers_train_the_users_task(ray_run):
     assert f"val_accuracy {s['val_accuracy']:.4f}" in ray_run["stdout"]  # the driver's final line names it
     assert s["param_checksums"][0] == s["param_checksums"][1]  # DDP replicas hold identical weights
     assert s["param_bytes_per_worker"] == [PARAM_BYTES, PARAM_BYTES]
+    # optim.schedule from the project's own module, on every worker: lr 3e-3 x its multiplier at each logged step.
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(run / "metrics.jsonl") if "lr" in r}
+    assert lrs and all(lr == pytest.approx(3e-3 * (1 - 0.5 * step / RAY_STEPS)) for step, lr in lrs.items()), lrs
 
 
 @pytest.mark.slow

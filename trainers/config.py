@@ -184,10 +184,12 @@ class OptimSection(Section):
     momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="sgd momentum")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
     reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
-    schedule: Literal[SCHEDULES] = Field("cosine", description="lr schedule after the warm-up: cosine (to min_lr_ratio "
-                                         "at the last step), linear (likewise), constant (the peak lr), wsd (the peak lr, "
-                                         "then linear to min_lr_ratio over the last decay_fraction of training), "
-                                         "inverse_sqrt (peak x sqrt(warmup_steps / n) at step n, never below min_lr_ratio)")
+    schedule: str = Field("cosine", description="lr schedule after the warm-up: cosine (to min_lr_ratio at the last "
+                          "step), linear (likewise), constant (the peak lr), wsd (the peak lr, then linear to "
+                          "min_lr_ratio over the last decay_fraction of training), inverse_sqrt (peak x "
+                          "sqrt(warmup_steps / n) at step n, never below min_lr_ratio), or \"<module>:<function>\" of "
+                          "your own: f(step, warmup_steps, total_steps, min_lr_ratio, decay_fraction) -> the peak lr's "
+                          "multiplier")
     warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps before the schedule")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr (constant: unused)")
     decay_fraction: float = Field(0.1, allow_inf_nan=False, gt=0.0, le=1.0, description="schedule=wsd: the last fraction of "
@@ -202,11 +204,21 @@ class OptimSection(Section):
     @classmethod
     def _optimizer_name(cls, v: str) -> str:
         # Only the form is checked here; whether the class imports and takes optim.kwargs is checked on the driver
-        # (stride.trainers.step.check_optimizer), which may run a user's module.
+        # (stride.trainers.optim.check_optimizer), which may run a user's module.
         module, colon, name = v.partition(":")
         if v not in BUILTIN_OPTIMIZERS and not (colon and module and name):
             raise ValueError(f"is neither {', '.join(BUILTIN_OPTIMIZERS)} nor \"<module>:<Class>\"; use e.g. "
                              f"optim.name=adamw or optim.name=torch.optim:RAdam")
+        return v
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_name(cls, v: str) -> str:
+        # The form only, as for optim.name: the function is imported and called on the driver (optim.check_optimizer).
+        module, colon, name = v.partition(":")
+        if v not in SCHEDULES and not (colon and module and name):
+            raise ValueError(f"is neither {', '.join(SCHEDULES)} nor \"<module>:<function>\"; use e.g. "
+                             f"optim.schedule=cosine or optim.schedule=my_schedules:step_decay")
         return v
 
     @field_validator("kwargs")

@@ -27,7 +27,7 @@ def prepare(cfg: Config, num_workers: int | None = None):
     the launcher knows it (torchrun); else the config's."""
     from stride.trainers.callbacks import build as build_callbacks
     from stride.trainers.lifecycle import check_storage_outside_data
-    from stride.trainers.step import check_optimizer
+    from stride.trainers.optim import check_optimizer
     from stride.trainers.tasks import make_task
 
     check_storage_outside_data(cfg)  # before the data is read: the layout cache would be written into it
@@ -71,7 +71,7 @@ def check_model(cfg: Config, task) -> None:
 
     from stride.trainers import checkpointing, pretrained
     from stride.trainers.config import ConfigError
-    from stride.trainers.step import resolve_groups
+    from stride.trainers.optim import resolve_groups
 
     with torch.device("meta"):
         model = task.build_model()

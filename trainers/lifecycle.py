@@ -134,7 +134,8 @@ def check_resume(cfg, run_dir: Path, task) -> None:
 
     from stride.trainers import checkpointing
 
-    newest = checkpointing.newest_complete(run_dir)
+    # An unusable newer checkpoint (torn, tampered) is passed over: said here, once, with the reason.
+    newest = checkpointing.newest_complete(run_dir, lambda line: print(f"stride: warning: {line}", flush=True))
     if newest is None:
         return
     with torch.device("meta"):  # shapes only: no memory for the weights

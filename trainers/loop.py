@@ -34,8 +34,9 @@ from stride.trainers.config import Config, check_batch_fits, global_batch_size, 
 from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest,
                                       TrainingError, reseed)
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
-from stride.trainers.step import (Freezer, Precision, StepResult, TrainMetrics, all_reduce_mean_many, build_optimizer,
-                                  build_scheduler, evaluate, logged_lrs, resolve_groups, resolve_precision, train_step)
+from stride.trainers.optim import Freezer, build_optimizer, build_scheduler, logged_lrs, resolve_groups
+from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_reduce_mean_many, evaluate, resolve_precision,
+                                  train_step)
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 

@@ -10,18 +10,15 @@ from typing import Any
 
 from stride.trainers import checkpointing, telemetry
 from stride.trainers.config import from_dict
-from stride.trainers.loop import RunPlan, WorkerEnv, log, run
+from stride.trainers.loop import RunPlan, WorkerEnv, run
 from stride.trainers.policies import Preemption
 
 
-def preemption_notice(train_context) -> Preemption | None:
-    """This worker's copy of Ray Train's preemption notice (Ray 2.60: its PreemptionWatcher sees a node of the gang
-    drained with reason preemption and gives every worker the notice, mark_preempt). An attribute read: no barrier,
-    unlike ray.train.get_preemption_info(), so the loop asks it at every step and agrees with one all-reduce."""
-    try:
-        info = train_context.get_train_context().preemption_context.preemption_info
-    except AttributeError:  # a Ray without the watcher
-        return None
+def preemption_notice() -> Preemption | None:
+    """This worker's copy of Ray Train's preemption notice (ray_edge.preemption_info), as the loop's Preemption."""
+    from stride.ray_cluster.ray_edge import preemption_info
+
+    info = preemption_info()
     if info is None:
         return None
     return Preemption(tuple(info.preempted_node_ids), info.deadline_ms / 1000.0 if info.deadline_ms else None)
@@ -43,7 +40,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     def latest_checkpoint() -> Path | None:
         # Not ray.train.get_checkpoint(): Ray's pointer misses a checkpoint written but never registered (driver
         # killed in between), and run.storage_path is a local (or shared) folder that every worker reads.
-        return checkpointing.newest_complete(Path(plan.run_dir), log.warning if ctx.get_world_rank() == 0 else None)
+        return checkpointing.newest_complete(Path(plan.run_dir))  # what it passes over: lifecycle.check_resume
 
     def report(metrics: dict[str, Any], written: Future | None) -> None:
         if written is None or ctx.get_world_rank() != 0:
@@ -86,7 +83,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         stream_factory=stream_factory,
         node=ray.get_runtime_context().get_node_id(),
         # A node announced as preempted: checkpoint at the next step, then wait for Ray to restart the gang from it.
-        preempted=lambda: preemption_notice(train_context),
+        preempted=preemption_notice,
     )
     return run(cfg, env, plan)
 

@@ -32,7 +32,7 @@ from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
 from stride.trainers import checkpointing, lifecycle, runlock  # noqa: E402
 from stride.trainers.config import load_config  # noqa: E402
 from stride.trainers.driver import prepare  # noqa: E402
-from stride.trainers.loop import WorkerEnv, log, plan_run, run  # noqa: E402
+from stride.trainers.loop import WorkerEnv, plan_run, run  # noqa: E402
 from stride.trainers.policies import clear_stop_request  # noqa: E402
 
 
@@ -209,7 +209,7 @@ def train(config: str, overrides: list[str]) -> int:
         prune_checkpoints(run_dir, cfg.checkpoint.keep_last)
 
     def latest_checkpoint() -> Path | None:
-        return checkpointing.newest_complete(run_dir, log.warning if rank == 0 else None)
+        return checkpointing.newest_complete(run_dir)  # what it passes over, the driver said (lifecycle.check_resume)
 
     def progress_bar(**kwargs):
         from tqdm import tqdm

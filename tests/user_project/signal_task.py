@@ -107,3 +107,11 @@ class SignalTask(Task):
 
     def metrics(self, model, batch):
         return {"accuracy": (model(batch["x"]).argmax(-1) == batch["y"]).float()}
+
+
+def half_by_the_end(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
+    """An lr schedule of the project's own (optim.schedule: signal_task:half_by_the_end): the built-in warm-up, then
+    linear from the peak to half of it at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return 1.0 - 0.5 * min(step, total_steps) / total_steps

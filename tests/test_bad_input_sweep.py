@@ -452,6 +452,50 @@ def _summary_fields(**fields):
     return tamper
 
 
+def _summary_model(name: str):
+    """summary.json's config names another task than its checkpoints hold (theirs: mlp)."""
+    def tamper(run: Path, outside: Path) -> None:
+        summary = json.loads((run / "summary.json").read_text())
+        summary["config"]["model"] = {"name": name}
+        (run / "summary.json").write_text(json.dumps(summary))
+    return tamper
+
+
+def _tensor_item_payload(run: Path, outside: Path) -> None:
+    """The last checkpoint's first model tensor item pointed at a pickle payload appended to its shard (`touch
+    outside/pwned` if unpickled freely), digests forged; .metadata holds only DCP's classes (the allow-list passes)."""
+    import pickle
+
+    ckpt = run / LAST
+    payload = b"cposix\nsystem\n(V" + f"touch {outside / 'pwned'}".encode() + b"\ntR."
+    shard = ckpt / "__0_0.distcp"
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + payload)
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in md.storage_data if i.fqn.startswith("model."))
+    md.storage_data[index].offset, md.storage_data[index].length = offset, len(payload)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    _rehash(ckpt, "__0_0.distcp")
+    _rehash(ckpt, ".metadata")
+
+
+def _tensor_item_on_bytes(run: Path, outside: Path) -> None:
+    """The last checkpoint's first model tensor item pointed at the optimizer's lr (a bytes item: a pickled float)."""
+    import pickle
+
+    ckpt = run / LAST
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    lr = next(i for i in md.storage_data if i.fqn.endswith(".lr"))
+    weight = next(i for i in md.storage_data if i.fqn.startswith("model."))
+    md.storage_data[weight] = md.storage_data[lr]
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    _rehash(ckpt, ".metadata")
+
+
+_BEST_OUTSIDE = _summary_fields(best_checkpoints=lambda outside: [
+    {"checkpoint": str(outside / "other-checkpoint"), "step": 2, "val_loss": 1.0}])
+
+
 TAMPER = {
     "shard-link": _link(f"{LAST}/__0_0.distcp", "shard-copy.distcp"),  # the same bytes: its digest matches
     "shard-fifo": _replace(f"{LAST}/__0_0.distcp", lambda path, outside: os.mkfifo(path)),
@@ -482,6 +526,16 @@ TAMPER = {
     # Issue 42: links where the commands after training write (eval's results, Ray's records of a job).
     "eval-link": _link("eval", "eval-elsewhere"),
     "jobs-link": _link(".jobs", "jobs-elsewhere"),
+    # Issue 42: export held to eval's checks (checkpoints inside the run, the run's task), tampered tensor items.
+    "summary-best-outside": _BEST_OUTSIDE,
+    "summary-best-outside-hf": _BEST_OUTSIDE,
+    "summary-other-task": _summary_model("char_gpt"),
+    "summary-other-task-run": _summary_model("char_gpt"),
+    "summary-other-task-hf": _summary_model("char_gpt"),
+    "task-other": lambda run, outside: None,
+    "task-other-hf": lambda run, outside: None,
+    "tensor-item-payload": _tensor_item_payload,
+    "tensor-item-on-bytes": _tensor_item_on_bytes,
 }
 
 
@@ -552,6 +606,13 @@ def _resume(launcher: str):
     return argv
 
 
+def _export_run(*flags: str):
+    def argv(case: str) -> list[str]:
+        return ["trainers/export.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--out",
+                f"{{tmp}}/{case}.safetensors", *flags]
+    return argv
+
+
 def _eval(case: str) -> list[str]:
     return ["trainers/evaluation.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
 
@@ -588,6 +649,20 @@ HOSTILE_CASES = (
         ("shard-fifo", "__0_0.distcp is a FIFO"), ("metadata-traversal", "../checkpoint_00000002/__0_0.distcp")]]
     + [("eval-link", _eval, "tabular_mlp/eval is a symlink"), ("jobs-link", _eval, "tabular_mlp/.jobs is a symlink"),
        ("jobs-link", _predict, "tabular_mlp/.jobs is a symlink")]
+    + [("summary-best-outside", _export_run("--checkpoint", "best"), "/outside/other-checkpoint) lies outside --run"),
+       ("summary-best-outside-hf", _export_run("--checkpoint", "best", "--format", "hf"),
+        "/outside/other-checkpoint) lies outside --run"),
+       ("summary-other-task", _export, "holds model.name mlp, not the run's char_gpt"),
+       ("summary-other-task-run", _export_run(), "holds model.name mlp, not the run's char_gpt"),
+       ("summary-other-task-hf", _export_run("--format", "hf"), "holds model.name mlp, not the run's char_gpt"),
+       ("task-other", _export_run("--task", "other:Task"), "--task (other:Task) is not the task"),
+       ("task-other-hf", _export_run("--task", "other:Task", "--format", "hf"), "--task (other:Task) is not the task"),
+       ("tensor-item-payload", _export,
+        "__0_0.distcp holds more than tensors (model.net.0.weight: Trying to load unsupported GLOBAL posix.system"),
+       ("tensor-item-payload", _generate,
+        "__0_0.distcp holds more than tensors (model.net.0.weight: Trying to load unsupported GLOBAL posix.system"),
+       ("tensor-item-on-bytes", _export,
+        "places tensor model.net.0.weight on bytes of __0_0.distcp that hold a float, not a tensor")]
 )
 
 

@@ -14,7 +14,7 @@ memory the other left in the heap. Each rank builds the same char_gpt, shards it
 * gather (the format before issue 15): `get_state_dict(full_state_dict=True, cpu_offload=True)` gathers the whole
   model and optimizer onto rank 0, which copies it (staging, so training may go on) and writes one state.pt with
   torch.save. Training is blocked for the gather and the copy; the write ran in Ray's upload thread.
-* dcp (now): trainers/checkpointing.py's CheckpointWriter. Every rank stages its own shards (blocked), DCP writes
+* dcp (now): trainers/run/checkpointing.py's CheckpointWriter. Every rank stages its own shards (blocked), DCP writes
   one file per rank in a background thread, rank 0 hashes every file and writes meta.json last.
 
 Per rank: peak RSS above the rank's resident memory just before the checkpoint (sampled every 5 ms by a thread),
@@ -73,7 +73,8 @@ def gather_checkpoint(model, optimizer, folder: Path, rank: int) -> tuple[float,
     import torch
     import torch.distributed as dist
 
-    from stride.trainers import checkpointing, fsdp
+    from stride.trainers import fsdp
+    from stride.trainers.run import checkpointing
 
     t0 = time.perf_counter()
     model_state, optim_state = fsdp.full_state_dict(model, optimizer)  # a collective: every rank sends its shards
@@ -121,7 +122,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from stride.trainers import checkpointing, fsdp
+    from stride.trainers import fsdp
+    from stride.trainers.run import checkpointing
     from stride.trainers.models import CharGPT
 
     torch.set_num_threads(1)

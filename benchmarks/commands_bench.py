@@ -66,7 +66,7 @@ def hand(argv: list[str]) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.config import from_dict
     from stride.trainers.tasks import make_task
 

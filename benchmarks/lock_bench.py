@@ -5,7 +5,7 @@
 The same short training loop (trainers/configs/tabular_mlp.yaml's model and batch: an MLP of 256 x 256 units, 64 rows
 a step, AdamW, one thread: a fraction of a millisecond a step, so that a fixed cost per step shows as much as it can)
 runs in chunks of steps that alternate between two variants, while a real run lock is held on a temporary run folder
-(trainers/runlock.py):
+(trainers/run/lock.py):
 
 * lock: the loop's real fence, `Fence.still_holds()`, at every log step (every 50 steps, tabular_mlp.yaml's
   train.log_every_steps), and a heartbeat, `RunLock.beat()`, every 0.25 s, called inline in the training thread (the
@@ -39,7 +39,7 @@ def measure(reps: int = 5, chunks: int = 200, chunk_steps: int = LOG_EVERY) -> d
     """Every repetition: `chunks` chunks of `chunk_steps` steps per variant, interleaved. Returns the raw runs."""
     import torch
 
-    from stride.trainers import runlock
+    from stride.trainers.run import lock as runlock
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -564,7 +564,7 @@ def _plant_live_lock(run: Path) -> None:
     sbatch of one config."""
     import socket
 
-    from stride.trainers import runlock
+    from stride.trainers.run import lock as runlock
 
     (run / runlock.LOCK).write_text(json.dumps({
         "token": "0" * 32, "fence": 1, "host": socket.gethostname(), "pid": os.getpid(),

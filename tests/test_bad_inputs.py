@@ -85,7 +85,7 @@ def test_unwritable_storage_path_names_the_key(tmp_path, tabular_data):
 
 def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabular_data):
     """Resuming run.name with other model.* settings names the tensor that differs; the checkpoint survives."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.config import load_config
     from stride.trainers.models import MLP
 
@@ -237,7 +237,7 @@ def _plant(folder: Path, marker: Path, fmt: str) -> tuple[Path, str]:
 
     import torch
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.models import MLP
 
     meta = {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0}
@@ -271,7 +271,7 @@ def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_
     if fmt == "dcp":
         # DCP's .metadata fails verify() (the allow-list reads it): a resume skips it like any unusable checkpoint,
         # with a warning naming it, and loads nothing of it (proven here without training a run: no Ray in this tier).
-        from stride.trainers import checkpointing
+        from stride.trainers.run import checkpointing
 
         warnings: list[str] = []
         assert checkpointing.newest_complete(storage / "tabular_mlp", warnings.append) is None
@@ -305,7 +305,7 @@ def test_a_pickled_object_inside_a_dcp_shard_is_refused(tmp_path):
     and its default planner loads them with weights_only=False; Stride's planner with weights_only=True."""
     import torch.distributed.checkpoint as dcp
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     marker = tmp_path / "pwned"
     dcp.save({"optim": {"lr": _Payload(marker)}}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"), no_dist=True)

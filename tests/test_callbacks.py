@@ -232,7 +232,7 @@ def test_a_tasks_own_callbacks_run_after_the_configs(project, tabular_data):
 
 
 def test_a_failing_callback_ends_the_run_in_one_line_naming_it_and_keeps_the_checkpoint(project, tabular_data):
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     r = train(project, tabular_data, "run.name=boom", "train.max_steps=40", "train.callbacks=[my_callbacks:Boom]")
     assert r.returncode == 1
@@ -348,7 +348,7 @@ def test_ema_under_fsdp_resumes_on_one_rank_and_equals_bitwise_the_average_of_th
 
 def complete_step(run: Path) -> float:
     """The step of the run's newest complete checkpoint; -inf while there is none (or it is being pruned)."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     try:
         done = checkpointing.newest_complete(run)
@@ -368,7 +368,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
     from safetensors.torch import load_file
 
     from conftest import descendants, gone, kill_pids, wait_for_step
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from test_sinks import scalars
 
     common = ["train.ema={decay: 0.9, eval: both}", "train.strategy=fsdp", "tracking.sinks=[tensorboard]",

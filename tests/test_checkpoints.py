@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl
-from stride.trainers import checkpointing
+from stride.trainers.run import checkpointing
 from stride.trainers.torchrun import main as torchrun_main
 
 
@@ -90,7 +90,7 @@ def test_a_rewrite_of_the_same_step_unmarks_the_stale_folder_first(tmp_path, mon
 
     import torch.distributed.checkpoint as dcp
 
-    from stride.trainers.torchrun import complete_checkpoints
+    from stride.trainers.run.retention import complete_checkpoints
 
     older, folder = checkpointing.checkpoint_folder(tmp_path, 1), checkpointing.checkpoint_folder(tmp_path, 2)
     writer = checkpointing.CheckpointWriter(0)

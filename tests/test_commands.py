@@ -414,7 +414,8 @@ def test_a_run_folder_is_opened_alike_by_train_and_torchrun(tmp_path, tabular_da
     or storage that cannot be written, is the same one line and exit 2 from `stride train` and the torchrun launcher
     (here one rank, in process), and the checkpoint is left as it was."""
     from stride.commands import main
-    from stride.trainers import checkpointing, torchrun
+    from stride.trainers import torchrun
+    from stride.trainers.run import checkpointing
     from stride.trainers.models import MLP
 
     storage = tmp_path / "runs"

@@ -18,7 +18,7 @@ import torch
 
 from conftest import REPO, read_jsonl, run_cli, run_cli_forked
 from services import unavailable
-from stride.trainers import checkpointing
+from stride.trainers.run import checkpointing
 
 STEPS, EVERY = 30, 10
 
@@ -160,7 +160,7 @@ def test_the_driver_repairs_an_empty_or_torn_ray_snapshot_before_fit(tmp_path, m
 def test_a_truncated_train_snapshot_is_repaired(tmp_path):
     # Ray Train rewrites checkpoint_manager_snapshot.json in place; a sweep killed mid-write leaves it empty and
     # the trial could never start again.
-    from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+    from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
 
     good = json.dumps({"ray_version": "2.60.0", "checkpoint_results": []})
     (tmp_path / SNAPSHOT).write_text(good)
@@ -178,7 +178,7 @@ def test_a_repair_never_restores_a_copy_that_names_a_deleted_checkpoint(tmp_path
     """The copy lags Ray by one checkpoint, and Ray may have deleted the oldest checkpoint it names by the time the
     sweep is killed (seen in CI): Ray Train would then refuse the run folder for good. The newer copy a kill left
     complete but not renamed is used instead; with neither usable, the snapshot is moved aside."""
-    from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+    from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
 
     def snapshot(*steps):
         return json.dumps({"ray_version": "2.60.0",

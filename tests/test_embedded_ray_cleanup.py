@@ -16,7 +16,7 @@ import pytest
 
 from conftest import PYTHON, REPO, auth_folders, descendants, kill_pids
 from stride.ray_cluster import connect
-from stride.trainers import runlock
+from stride.trainers.run import lock as runlock
 
 
 def _alive(pid: int) -> bool:

@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO, run_cli
 
 from stride.errors import UsageError
-from stride.trainers import checkpointing, export, trained
+from stride.trainers import export, trained
+from stride.trainers.run import checkpointing
 
 LAST = "checkpoint_00000004"
 CONFIG = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml")]

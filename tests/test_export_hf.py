@@ -25,7 +25,8 @@ import torch
 import transformers  # noqa: F401 - the test extra installs it: its absence is a failure, not a skip
 from safetensors import safe_open
 
-from stride.trainers import checkpointing, export
+from stride.trainers import export
+from stride.trainers.run import checkpointing
 
 EXPORT = str(REPO / "trainers" / "export.py")
 TASK = "hf_lm_task:HFCausalLM"

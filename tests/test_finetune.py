@@ -82,7 +82,7 @@ def runs(project, encoder, tmp_path_factory):
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     return checkpointing.load_model_state(run / f"checkpoint_{step:08d}")
 
@@ -241,7 +241,7 @@ def test_a_trainable_only_run_saves_only_what_trains_and_refuses_a_changed_base(
     changes, a resume exits 2 in one line and the checkpoints stay as they were."""
     from safetensors.torch import load_file, save_file
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.torchrun import main as torchrun_main
 
     base = tmp_path / "base.safetensors"
@@ -337,7 +337,7 @@ def test_on_cuda_mixed_precision_keeps_the_frozen_layers_bitwise_and_loads_init_
                                                                                     tmp_path, precision):
     """On a GPU, under autocast (bf16) and the GradScaler (fp16): init.from lands on the device, the frozen layers end
     bitwise equal to the file, the rest trains with finite losses."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.torchrun import main as torchrun_main
 
     extra = (f"init.from={mlp_source['file']}", "optim.groups=[{match: '^net\\.0\\.', freeze: true}]",

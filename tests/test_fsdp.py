@@ -16,7 +16,8 @@ import torch
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
 
-from stride.trainers import checkpointing, fsdp
+from stride.trainers import fsdp
+from stride.trainers.run import checkpointing
 
 # Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
 CLUSTER_STREAM_FIXTURES = {"runs"}

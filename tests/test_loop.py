@@ -5,8 +5,9 @@ import json
 import pytest
 
 from conftest import REPO, read_jsonl
-from stride.trainers import checkpointing
-from stride.trainers.torchrun import complete_checkpoints, main as torchrun_main
+from stride.trainers.run import checkpointing
+from stride.trainers.run.retention import complete_checkpoints
+from stride.trainers.torchrun import main as torchrun_main
 
 
 def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data):

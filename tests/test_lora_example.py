@@ -278,7 +278,7 @@ def test_an_adapter_checkpoint_generates_on_its_base_and_refuses_a_full_export(l
     base's alone (greedy text would not tell them apart: both models of this short run repeat one token)."""
     from safetensors.torch import load_file
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     folder, s = lora_run
     gen = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",

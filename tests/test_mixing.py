@@ -195,7 +195,7 @@ def test_a_killed_and_resized_mixture_trains_every_micro_step_as_the_uninterrupt
     import torch
 
     from conftest import descendants, kill_pids, read_jsonl
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     project, mix = regression_mix
     cut_log = tmp_path / "cut_log"

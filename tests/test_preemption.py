@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl
-from stride.trainers import checkpointing, policies
+from stride.trainers import policies
+from stride.trainers.run import checkpointing
 from stride.trainers.policies import Preemption, StopRequest, request_stop
 
 CPU = torch.device("cpu")
@@ -185,7 +186,7 @@ def _announce_at(monkeypatch, step: int, deadline_s: float, then=None) -> None:
 
 
 def _steps(run) -> list[int]:
-    from stride.trainers.torchrun import complete_checkpoints
+    from stride.trainers.run.retention import complete_checkpoints
 
     return [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(run)]
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from stride.trainers import checkpointing
+from stride.trainers.run import checkpointing
 from stride.trainers import pretrained as pt
 from stride.trainers.config import ConfigError
 

@@ -32,7 +32,7 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     Ray's own pointer misses. Here every checkpoint of the run folder is one Ray never saw (written by the torchrun
     launcher), and Ray Train's own record of them is the empty file a full disk leaves (tests/test_disk_full.py):
     the Ray run starts anyway and resumes from the newest, at the same global batch on 2 workers instead of 1."""
-    from stride.trainers.checkpointing import SNAPSHOT
+    from stride.trainers.run.checkpointing import SNAPSHOT
     from stride.trainers.torchrun import main as torchrun_main
 
     small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10"]
@@ -113,7 +113,7 @@ def test_transient_storage_errors_on_two_ranks_are_retried(two_ranks):
     try (DCP reports it to all), not the run, and every checkpoint that lands is complete. Storage that stays broken
     ends the run with a message that names the path. The loop's own guarantee: 2 ranks under torchrun prove it
     (the Ray launcher runs the same loop)."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     out, run = torchrun_case(two_ranks, "flaky"), two_ranks["storage"] / "flaky"
     injected = two_ranks["injected"].read_text().splitlines()

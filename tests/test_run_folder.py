@@ -1,4 +1,4 @@
-"""A run folder is shared, untrusted storage (trainers/runfolder.py): nothing Stride writes there follows a link, and
+"""A run folder is shared, untrusted storage (trainers/run/folder.py): nothing Stride writes there follows a link, and
 nothing it reads back from there (checkpoints, meta.json, summary.json, metrics.jsonl) is trusted. In one process,
 no Ray: checkpoints are made with CheckpointWriter(rank=0), as tests/test_checkpoints.py makes them."""
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stride.trainers import checkpointing, runfolder
-from stride.trainers.runfolder import RunFolderError
+from stride.trainers.run import checkpointing
+from stride.trainers.run import folder as runfolder
+from stride.trainers.run.folder import RunFolderError
 
 STATE = {"model": {"w": torch.arange(6.0)}}
 

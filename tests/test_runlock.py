@@ -1,4 +1,4 @@
-"""One run at a time per run folder (trainers/runlock.py): the lock's acquire, refusal and takeover as functions, the
+"""One run at a time per run folder (trainers/run/lock.py): the lock's acquire, refusal and takeover as functions, the
 workers' fence, then torchrun runs of one run.name. The orphan of a killed Ray driver is another file's (Ray's)."""
 
 import json
@@ -14,7 +14,8 @@ import torch
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
 from stride.ray_cluster.connect import UsageError
-from stride.trainers import checkpointing, runlock
+from stride.trainers.run import checkpointing
+from stride.trainers.run import lock as runlock
 from stride.trainers.config import ConfigError, build_config
 
 

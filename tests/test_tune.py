@@ -514,7 +514,7 @@ def test_killed_sweep_of_a_users_task_resumes_without_rerunning_finished_trials(
     relative storage_path. SIGKILL the driver while the second trial trains (the first finished) and run the same
     command again: the finished trial is not run again, the killed one resumes from its checkpoint (through a
     truncated Ray Train snapshot) into the same MLflow child run, and the sweep completes both trials of the task."""
-    from stride.trainers.checkpointing import checkpoint_folder
+    from stride.trainers.run.checkpointing import checkpoint_folder
     from stride.tune.trial import SNAPSHOT, SNAPSHOT_COPY
 
     project = copy_user_project(tmp_path / "signal_project")

@@ -362,7 +362,7 @@ def _stop_at(proc: subprocess.Popen, metrics: Path, step: int, signum: int) -> s
 
 def _kill_driver_after_checkpoint(proc: subprocess.Popen, run: Path, after: int) -> str:
     """SIGKILL the driver once a periodic checkpoint past step `after` has landed (written in the background)."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -388,7 +388,7 @@ def test_sigterm_sigint_driver_sigkill_and_a_killed_worker_each_resume_exactly(p
     SIGKILLed driver (from the last periodic checkpoint), and a killed worker with scaling.max_failures=1 (Ray
     restarts the group from the last checkpoint, the run completes). Every logged loss, the evaluations after the
     last resume and the final weights are bitwise the uninterrupted run's, in one MLflow run."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     run, metrics = project / "runs" / "stopped", project / "runs" / "stopped" / "metrics.jsonl"
     args = ["run.name=stopped", *RAY_ARGS]

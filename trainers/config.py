@@ -69,7 +69,7 @@ class RunSection(Section):
     @field_validator("storage_path")
     @classmethod
     def _a_folder(cls, v: str) -> str:
-        # Checkpoints are verified and resumed from the folder itself (trainers/checkpointing.py), so an object
+        # Checkpoints are verified and resumed from the folder itself (trainers/run/checkpointing.py), so an object
         # store must be mounted; a URI here would silently become a local folder named "s3:".
         if "://" in v:
             raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "

@@ -69,7 +69,8 @@ def check_model(cfg: Config, task) -> None:
         return
     import torch
 
-    from stride.trainers import checkpointing, pretrained
+    from stride.trainers import pretrained
+    from stride.trainers.run import checkpointing
     from stride.trainers.config import ConfigError
     from stride.trainers.optim import resolve_groups
 
@@ -163,7 +164,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
     from stride.trainers.loop import plan_run
     from stride.trainers.ray_worker import train_loop_per_worker
 
@@ -207,7 +208,7 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
     """Fit one run on the connected Ray cluster. Returns (exit code, rank 0's summary fields)."""
     import ray.train
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     num_workers, use_gpu, _ = resolve_scaling(cfg)  # fail on impossible resources before reading any data
     if cfg.scaling.preflight:
@@ -273,7 +274,7 @@ def _worker_data_error(e: BaseException) -> bool:
 
 def _error_line(e: BaseException, run_dir: Path) -> str:
     """The one line a run that Ray Train failed ends with."""
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     controller_failure = getattr(e, "controller_failure", None)
     if controller_failure is not None and (full := checkpointing.persistent_storage_error(controller_failure)):

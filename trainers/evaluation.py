@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stride.trainers import checkpointing
+from stride.trainers.run import checkpointing
 from stride.trainers.ema import EMA
 from stride.trainers.loop import RunPlan, Trainer
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate_command(args) -> int:
     from stride.trainers import gang, trained
-    from stride.trainers.runfolder import atomic_write_text, make_folder, refuse_link
+    from stride.trainers.run.folder import atomic_write_text, make_folder, refuse_link
 
     t0 = time.time()
     run = trained.open_run(args)

@@ -51,7 +51,8 @@ if __name__ == "__main__":
     drop_working_directory_from_path()
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.trainers import checkpointing  # noqa: E402
+from stride.trainers.run import checkpointing  # noqa: E402
+from stride.trainers.run import retention
 
 EXIT_USAGE = 2
 # --dtype: the torch dtype floating-point tensors are written in (fp32: as Stride saves them).
@@ -90,7 +91,8 @@ def warn_line(line: str) -> None:
 def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
     """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it: inside the run folder,
     as eval takes it (trained.best_named). `label`: the argument that gave `run`."""
-    from stride.trainers import runfolder, trained
+    from stride.trainers import trained
+    from stride.trainers.run import folder as runfolder
 
     try:
         summary = runfolder.read_summary(run / "summary.json")
@@ -108,7 +110,7 @@ def run_folder_of(checkpoint: Path) -> Path | None:
     """The run folder that holds `checkpoint` (its parent; a kept best one's grandparent), when it has a
     summary.json; None for a checkpoint folder on its own."""
     parent = checkpoint.parent
-    run = parent.parent if parent.name == checkpointing.BEST else parent
+    run = parent.parent if parent.name == retention.BEST else parent
     return run if (run / "summary.json").is_file() else None
 
 

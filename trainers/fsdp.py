@@ -6,7 +6,7 @@ forward/backward and freed afterwards, then the root takes what is left (embeddi
 sharded on dim 0 over the data-parallel mesh, so a worker holds 1/world_size of the weights, of their gradients
 (reduce-scattered instead of all-reduced) and of the AdamW moments (the optimizer is built on the shards).
 
-Checkpoints are sharded (trainers/checkpointing.py: every rank writes its DTensor shards with DCP). What remains
+Checkpoints are sharded (trainers/run/checkpointing.py: every rank writes its DTensor shards with DCP). What remains
 here for checkpoints serves the earlier format, which still loads: `full_state_dict` gathers the full model and
 optimizer state on rank 0 (what that format saved; benchmarks/checkpoint_bench.py measures it against DCP), and
 `load_full_state_dict` broadcasts such a state from rank 0 and re-shards it; `optimizer_state_by_ids` /

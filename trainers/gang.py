@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from stride.datasets.splits import DataSpec
 from stride.errors import DataError, TrainingError, UsageError
-from stride.trainers.runfolder import make_folder, refuse_link
+from stride.trainers.run.folder import make_folder, refuse_link
 
 Job = Callable[..., dict[str, Any]]
 

@@ -39,7 +39,8 @@ import torch  # noqa: E402
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.ray_cluster.connect import UsageError  # noqa: E402
-from stride.trainers import checkpointing, runfolder  # noqa: E402
+from stride.trainers.run import checkpointing  # noqa: E402
+from stride.trainers.run import folder as runfolder
 from stride.trainers.config import ConfigError, from_dict  # noqa: E402
 from stride.trainers.tasks import consent, make_task, search_working_directory  # noqa: E402
 

@@ -21,10 +21,11 @@ from stride.errors import UsageError
 
 def open_run(cfg, task, instance: str):
     """A checked run's folder, opened the same way by every launcher: the storage is writable, no link is planted
-    where the run writes, the run folder's lock is taken (`instance` names its holder: trainers/runlock.py), and a
+    where the run writes, the run folder's lock is taken (`instance` names its holder: trainers/run/lock.py), and a
     checkpoint already there is of this task's model (it is resumed from). Each refusal is one UsageError line
     (exit 2) that leaves the folder as it was. Returns the held lock: release it (or use it in `with`) at the end."""
-    from stride.trainers import runfolder, runlock
+    from stride.trainers.run import folder as runfolder
+    from stride.trainers.run import lock as runlock
 
     run_dir = check_storage(cfg)
     runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before its lock is written
@@ -40,7 +41,7 @@ def open_run(cfg, task, instance: str):
 def ensure_writable(folder: Path, key: str, value) -> Path:
     """Create `folder` and prove a file can be written there; else a UsageError naming the config key."""
     try:
-        from stride.trainers import runfolder
+        from stride.trainers.run import folder as runfolder
 
         folder.mkdir(parents=True, exist_ok=True)
         probe = runfolder.temp_name(folder / ".write-test")  # created new: never written through a planted link
@@ -132,7 +133,7 @@ def check_resume(cfg, run_dir: Path, task) -> None:
     (another model.* setting under the same run.name)."""
     import torch
 
-    from stride.trainers import checkpointing
+    from stride.trainers.run import checkpointing
 
     # An unusable newer checkpoint (torn, tampered) is passed over: said here, once, with the reason.
     newest = checkpointing.newest_complete(run_dir, lambda line: print(f"stride: warning: {line}", flush=True))
@@ -157,8 +158,8 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     record: its summary goes beside it as summary.<status>.json. Returns the path written."""
     import json
 
-    from stride.trainers import runfolder
-    from stride.trainers.checkpointing import atomic_write_text
+    from stride.trainers.run import folder as runfolder
+    from stride.trainers.run.checkpointing import atomic_write_text
 
     path = run_dir / "summary.json"
     if not summary.get("final", summary.get("status") == "completed"):

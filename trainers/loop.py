@@ -27,7 +27,10 @@ from stride.datasets.mixing import order_for
 from stride.datasets.splits import DataError, DataSpec
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
 from stride.trainers import blocks as trainer_blocks
-from stride.trainers import checkpointing, fsdp, pretrained, runlock, sinks as run_sinks, telemetry
+from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
+from stride.trainers.run import checkpointing
+from stride.trainers.run import retention
+from stride.trainers.run import lock as runlock
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
 from stride.trainers.ema import EMA
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
@@ -90,7 +93,7 @@ class RunPlan:
     sample_log: str | None = None  # debugging aid: every rank logs the sample_ids it trains on (STRIDE_SAMPLE_LOG)
     data_pipeline: str = "thread"  # or "ray_data" (the driver's choice for data.pipeline)
     data_cpus_per_task: float = 1.0  # data.pipeline=ray_data: CPUs of each Ray Data task
-    run_lock_token: str | None = None  # the launcher's run lock (trainers/runlock.py); None: no lock, no fence
+    run_lock_token: str | None = None  # the launcher's run lock (trainers/run/lock.py); None: no lock, no fence
     init_sha256: str | None = None  # init.from's digest as the driver's check computed it; None: rank 0 hashes it
 
 
@@ -255,7 +258,7 @@ class Trainer:
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
         best = cfg.checkpoint.keep_best  # rank 0 keeps the best k beside the newest ones
-        self.best = (checkpointing.BestCheckpoints(self.run_dir, best.metric, best.mode, best.k)
+        self.best = (retention.BestCheckpoints(self.run_dir, best.metric, best.mode, best.k)
                      if best is not None and self.rank0 else None)
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group, self.written,
                                                      fence=self.fence.still_holds)
@@ -578,7 +581,7 @@ class Trainer:
     def _val_batch(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return to_device(self.task.transform(rows), self.env.device, self.cfg.model.name)
 
-    # ---- checkpoint: staged on the CPU now, written in the background (trainers/checkpointing.py) ----
+    # ---- checkpoint: staged on the CPU now, written in the background (trainers/run/checkpointing.py) ----
 
     def checkpoint(self, metrics: dict[str, Any]) -> Future:
         """Every rank stages its own shards (a CPU copy: what training waits for); they are written in the

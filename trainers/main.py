@@ -34,7 +34,8 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
-from stride.trainers import lifecycle, runlock  # noqa: E402
+from stride.trainers import lifecycle  # noqa: E402
+from stride.trainers.run import lock as runlock
 from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
                                     section_keys, to_yaml)
 from stride.trainers.driver import EXIT_FAILED, EXIT_OK, install_signal_handlers, prepare, train_on_ray  # noqa: E402

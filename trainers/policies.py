@@ -15,7 +15,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from stride.trainers import checkpointing, runfolder
+from stride.trainers.run import checkpointing
+from stride.trainers.run import folder as runfolder
 
 log = logging.getLogger("stride")
 

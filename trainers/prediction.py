@@ -128,7 +128,7 @@ def arrow_column(values: np.ndarray) -> pa.Array:
 
 def write_part(path: Path, table: pa.Table) -> None:
     """The part, whole or not at all, through the no-follow writer (a link planted at its name is refused)."""
-    from stride.trainers.runfolder import atomic_write_bytes
+    from stride.trainers.run.folder import atomic_write_bytes
 
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
@@ -182,7 +182,7 @@ def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
         return False
     if not out.is_dir():
         raise UsageError(f"--out ({out}) exists and is not a folder; pass a new folder")
-    from stride.trainers.runfolder import refuse_unless_regular
+    from stride.trainers.run.folder import refuse_unless_regular
 
     ours = refuse_unless_regular(out / JOB) is not None  # a link, a folder or a FIFO of that name: refused
     if not ours and any(out.iterdir()):
@@ -201,7 +201,7 @@ def prepare_output(out: Path, identity: dict[str, Any], force: bool) -> bool:
 
 def read_job(out: Path) -> Any:
     """The record of the prediction in `out` (JOB), or a one-line refusal if it is not one Stride wrote."""
-    from stride.trainers.runfolder import read_json
+    from stride.trainers.run.folder import read_json
 
     try:
         return read_json(out / JOB)
@@ -219,7 +219,7 @@ def remove_ours(out: Path, names: re.Pattern) -> None:
 
 def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dict[str, Any]:
     """Check that every block has its part, then write the manifest."""
-    from stride.trainers.runfolder import atomic_write_text
+    from stride.trainers.run.folder import atomic_write_text
 
     missing = [b for b in range(identity["blocks"]) if not (out / part_name(b)).exists()]
     if missing:
@@ -274,7 +274,7 @@ def predict_command(args) -> int:
     identity = job_identity(run, spec, keep)
 
     def open_output() -> None:  # once, before any worker reads the folder
-        from stride.trainers.runfolder import atomic_write_text
+        from stride.trainers.run.folder import atomic_write_text
 
         resumed = prepare_output(args.out, identity, args.force)
         atomic_write_text(args.out / JOB, json.dumps(identity, indent=1) + "\n")

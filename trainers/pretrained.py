@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from stride.trainers import checkpointing
+from stride.trainers.run import checkpointing
 from stride.trainers.config import ConfigError, quote, redact
 
 KINDS = "<a .safetensors file, a Hugging Face model folder, a .pt state dict or a Stride run folder>"

@@ -8,7 +8,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from stride.trainers import checkpointing, telemetry
+from stride.trainers import telemetry
+from stride.trainers.run import checkpointing
 from stride.trainers.config import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
 from stride.trainers.policies import Preemption

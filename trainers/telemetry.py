@@ -109,12 +109,12 @@ class Profiler:
 
     def _write_trace(self, out, trace) -> None:
         """torch's exporter opens its path as it finds it, links included: it writes into a private temporary
-        folder, and the trace goes into the run folder as every file Stride writes there (trainers/runfolder.py),
+        folder, and the trace goes into the run folder as every file Stride writes there (trainers/run/folder.py),
         in a profile/ folder that is a real folder, never a link."""
         import tempfile
         from pathlib import Path
 
-        from stride.trainers import runfolder
+        from stride.trainers.run import folder as runfolder
 
         runfolder.make_folder(Path(out))
         with tempfile.TemporaryDirectory(prefix="stride-profile-") as private:

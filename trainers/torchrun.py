@@ -29,7 +29,9 @@ import torch.distributed as dist  # noqa: E402
 
 from stride.errors import EXIT_FAILED, StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, gpu_shortfall  # noqa: E402
-from stride.trainers import checkpointing, lifecycle, runlock  # noqa: E402
+from stride.trainers import lifecycle  # noqa: E402
+from stride.trainers.run import checkpointing
+from stride.trainers.run import lock as runlock
 from stride.trainers.config import load_config  # noqa: E402
 from stride.trainers.driver import prepare  # noqa: E402
 from stride.trainers.loop import WorkerEnv, plan_run, run  # noqa: E402
@@ -37,7 +39,7 @@ from stride.trainers.policies import clear_stop_request  # noqa: E402
 
 
 # Retention is the checkpoint module's (the names kept here for their callers).
-from stride.trainers.checkpointing import complete_checkpoints, prune_checkpoints  # noqa: E402, F401
+from stride.trainers.run.retention import complete_checkpoints, prune_checkpoints  # noqa: E402
 
 
 # How long a rank other than 0 holds back an error it found before the gang started: every rank reads the same config

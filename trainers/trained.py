@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from stride.errors import ConfigError, UsageError
-from stride.trainers import checkpointing, runfolder
+from stride.trainers.run import checkpointing
+from stride.trainers.run import folder as runfolder
 from stride.trainers.config import Config, apply_overrides, build_config
 
 

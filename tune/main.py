@@ -481,7 +481,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
 
     from ray import tune
 
-    from stride.trainers.checkpointing import atomic_write_text
+    from stride.trainers.run.checkpointing import atomic_write_text
     from stride.trainers.sinks.mlflow_sink import default_uri
     from stride.tune.trial import run_trial
 

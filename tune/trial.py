@@ -18,8 +18,9 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from stride.trainers import lifecycle, runfolder
-from stride.trainers.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
+from stride.trainers import lifecycle
+from stride.trainers.run import folder as runfolder
+from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
 from stride.trainers.config import Config, build_config, global_micro_batch
 
 SUMMARY = "summary.json"
@@ -64,7 +65,7 @@ def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
     """The trial's summary.json, or None when there is none Stride would have written (absent, torn, untyped, a
-    link: trainers/runfolder.py)."""
+    link: trainers/run/folder.py)."""
     try:
         return runfolder.read_summary(run_dir / SUMMARY)
     except (OSError, ValueError, runfolder.RunFolderError):

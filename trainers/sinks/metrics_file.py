@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stride.trainers import checkpointing, runfolder
+from stride.trainers.run import checkpointing
+from stride.trainers.run import folder as runfolder
 from stride.trainers.sinks import RunInfo, Sink
 
 log = logging.getLogger("stride")
@@ -29,7 +30,7 @@ class MetricsFile:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        # The file is shared storage (trainers/runfolder.py): a link or a FIFO under its name is refused, never
+        # The file is shared storage (trainers/run/folder.py): a link or a FIFO under its name is refused, never
         # read from or written through.
         st = runfolder.refuse_unless_regular(path)
         if resume_step is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stride.trainers import runfolder
+from stride.trainers.run import folder as runfolder
 from stride.trainers.sinks import RunInfo, Sink
 
 FOLDER = "tensorboard"

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stride.trainers import runfolder
+from stride.trainers.run import folder as runfolder
 from stride.trainers.sinks import RunInfo, Sink
 
 

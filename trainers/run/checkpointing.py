@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from stride.trainers import runfolder
+from stride.trainers.run import folder as runfolder
 
 STATE = "state.pt"  # the earlier format's single file
 META = "meta.json"
@@ -44,9 +44,9 @@ DCP_METADATA = ".metadata"
 log = logging.getLogger("stride")
 
 
-# Written here first (trainers/runfolder.py: never through a link); tune/, the driver and the sinks import them from
+# Written here first (trainers/run/folder.py: never through a link); tune/, the driver and the sinks import them from
 # this module.
-from stride.trainers.runfolder import RunFolderError, atomic_write_bytes, atomic_write_text  # noqa: E402, F401
+from stride.trainers.run.folder import RunFolderError, atomic_write_bytes, atomic_write_text  # noqa: E402, F401
 
 
 from stride.errors import CheckpointWriteError  # noqa: E402, F401 - its home is stride/errors.py
@@ -133,7 +133,7 @@ class CheckpointWriter:
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
         self.rank, self.process_group, self.written = rank, process_group, written
-        self.fence = fence  # raises when this run no longer holds its run folder (trainers/runlock.py)
+        self.fence = fence  # raises when this run no longer holds its run folder (trainers/run/lock.py)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stride-checkpoint")
         self._pending: Future | None = None
 
@@ -239,7 +239,7 @@ def fresh_folder(folder: Path) -> None:
 
 def _no_follow_fs():
     """DCP's FileSystem, creating every file new (O_EXCL) and never through a link (O_NOFOLLOW), and reading only
-    regular files (trainers/runfolder.py). Built on use, as DCP's modules are imported (0.3 s) only then."""
+    regular files (trainers/run/folder.py). Built on use, as DCP's modules are imported (0.3 s) only then."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class NoFollowFileSystem(FileSystem):
@@ -695,6 +695,7 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None,
 
 # ---- Ray Train's own list of a run's checkpoints: never a reason a rerun cannot start ----
 
+
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run folder
 SNAPSHOT_COPY = ".stride-last-good-snapshot.json"  # a sweep's copy of the last readable one (tune/trial.py)
 
@@ -746,99 +747,6 @@ def repair_snapshot(run_dir: Path) -> str | None:
     snap.rename(aside)
     return (f"{snap} was unreadable (Ray was stopped while writing it) and no usable copy exists; moved it aside to "
             f"{aside.name}")
-
-
-BEST = "best"
-
-
-class BestCheckpoints:
-    """checkpoint.keep_best: the k checkpoints with the best `metric` (those written at evaluation steps), kept in
-    <run>/best/ beside keep_last's newest ones. Each is the checkpoint's files hard-linked (copied across
-    filesystems) into best/checkpoint_<step>, so the launcher's pruning of old checkpoints never takes them, and a
-    resumed run ranks what is on disk. Rank 0 offers each checkpoint once its write is complete."""
-
-    def __init__(self, run_dir: Path, metric: str, mode: str, k: int):
-        self.folder, self.metric, self.mode, self.k = Path(run_dir) / BEST, metric, mode, k
-
-    def _better(self, a: float, b: float) -> bool:
-        return a < b if self.mode == "min" else a > b
-
-    def _ranked_entry(self, folder: Path) -> tuple[float, int, Path] | None:
-        """(value, step, folder) from its meta.json (schema-checked), or None: not an evaluation step's, or not a
-        checkpoint. Only meta.json is read: best/'s folders appear by rename once their files are all linked, and
-        whoever loads one (export.py --best) verifies it."""
-        try:
-            meta = read_meta(folder)
-        except (OSError, ValueError, RunFolderError):
-            return None
-        value = (meta.get("metrics") or {}).get(self.metric)
-        if not isinstance(value, (int, float)) or value != value:  # missing, or NaN
-            return None
-        return float(value), meta["step"], folder
-
-    def ranked(self) -> list[tuple[float, int, Path]]:
-        """(value, step, folder) of the kept ones, best first (ties: the earlier step)."""
-        kept = [e for f in (self.folder.glob("checkpoint_*") if self.folder.is_dir() else ())
-                if f.is_dir() and not f.is_symlink() and (e := self._ranked_entry(f)) is not None]
-        return sorted(kept, key=lambda t: (t[0] if self.mode == "min" else -t[0], t[1]))
-
-    def offer(self, checkpoint: Path) -> None:
-        if (entry := self._ranked_entry(checkpoint)) is None:  # not an evaluation step's checkpoint
-            return
-        value = entry[0]
-        kept = self.ranked()
-        target = self.folder / checkpoint.name
-        if target.exists() or (len(kept) >= self.k and not self._better(value, kept[-1][0])):
-            return
-        runfolder.make_folder(self.folder)
-        staging = runfolder.temp_name(target)
-        staging.mkdir()
-        for f in checkpoint.iterdir():
-            if f.is_file() and not f.is_symlink():
-                try:
-                    os.link(f, staging / f.name)
-                except OSError:  # another filesystem, or no hard links there
-                    shutil.copy2(f, staging / f.name)
-        os.rename(staging, target)
-        for *_, worse in self.ranked()[self.k:]:
-            shutil.rmtree(worse, ignore_errors=True)
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [{"checkpoint": str(folder), "step": step, self.metric: value} for value, step, folder in self.ranked()]
-
-
-# ---- retention: checkpoint.keep_last (torchrun prunes here; Ray Train keeps num_to_keep of those it registered) ----
-
-import re  # noqa: E402
-
-OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)
-_verified: set[tuple[str, int]] = set()  # (folder, meta.json mtime) that verified: each read and hashed once
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The loop's checkpoints (checkpoint_<step>) that verify, oldest first. Anything else (folders Ray named, torn
-    writes, an unreadable meta.json) is never listed, so never pruned."""
-    found = []
-    for p in run_dir.glob("checkpoint_*"):
-        if not (p.is_dir() and OWN_CHECKPOINT.fullmatch(p.name)):
-            continue
-        try:
-            key = (str(p), (p / META).stat().st_mtime_ns)
-            if key not in _verified and verify(p) is None:
-                _verified.add(key)
-            if key in _verified:
-                found.append((read_meta(p)["step"], p))
-        except (OSError, ValueError, KeyError, runfolder.RunFolderError):
-            continue
-    return [p for _, p in sorted(found)]
-
-
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints of the loop's own (never a torn or foreign one)."""
-    import shutil
-
-    for old in complete_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def ray_checkpoint_config(keep_last: int):

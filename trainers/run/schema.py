@@ -1,5 +1,5 @@
 """The schemas of what Stride reads back from a run folder (meta.json, summary.json, metrics.jsonl lines), kept apart
-from trainers/runfolder.py so that the loop's lower modules import without pydantic (benchmarks/gpu.py runs on torch
+from trainers/run/folder.py so that the loop's lower modules import without pydantic (benchmarks/gpu.py runs on torch
 alone); runfolder loads them on first use."""
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ SCHEMAS = ("FileDigest", "CheckpointMeta", "Summary", "MetricsLine")
 
 def __getattr__(name: str):
     if name in SCHEMAS:  # pydantic only when a schema is used
-        from stride.trainers import runschema
+        from stride.trainers.run import schema as runschema
 
         return getattr(runschema, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -197,7 +197,7 @@ def __getattr__(name: str):
 
 def schema_problem(error) -> str:
     """One line from pydantic's ValidationError: the first field, its value and the rule."""
-    from stride.trainers.runschema import _quote
+    from stride.trainers.run.schema import _quote
 
     first = error.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "the file"
@@ -227,14 +227,14 @@ def validated(schema, data: Any, path: Path) -> dict[str, Any]:
 
 def read_summary(path: Path) -> dict[str, Any]:
     """summary.json, validated: ValueError (not JSON, or a field of the wrong type), OSError, RunFolderError."""
-    from stride.trainers.runschema import Summary
+    from stride.trainers.run.schema import Summary
 
     return validated(Summary, read_json(path), path)
 
 
 def metrics_line(line: str) -> dict[str, Any] | None:
     """One metrics.jsonl line parsed and validated; None when it is torn or untyped."""
-    from stride.trainers.runschema import MetricsLine
+    from stride.trainers.run.schema import MetricsLine
 
     try:
         record = json.loads(line)

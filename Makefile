@@ -41,7 +41,7 @@ data: $(STAMP) $(DATA)/pystdlib/train $(DATA)/tabular/train
 
 train: $(STAMP) $(DATA)/pystdlib/train
 	$(PY) trainers/main.py --config $(CONFIG) $(DATA_ARGS) $(ARGS)
-	@echo "Sample:  $(PY) trainers/generate.py --run runs/char_gpt --prompt 'def ' --tokens 200"
+	@echo "Sample:  $(VENV)/bin/stride generate --run runs/char_gpt --prompt 'def ' --tokens 200"
 
 # pytest's own script, not `python -m pytest`: that would put the checkout on sys.path, and its datasets/ would
 # hide Hugging Face `datasets` (Stride is imported as the installed `stride` package).

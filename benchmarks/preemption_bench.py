@@ -89,7 +89,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _complete_steps(run_dir: Path) -> list[int]:
     from stride.trainers.run import checkpointing
-    from stride.trainers.torchrun import complete_checkpoints
+    from stride.trainers.launch.torchrun import complete_checkpoints
 
     return [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(run_dir)] if run_dir.is_dir() else []
 

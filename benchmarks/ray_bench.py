@@ -5,7 +5,7 @@
 Started by run.py as one subprocess (its own process tree, an embedded Ray like `trainers/main.py` starts:
 stride.ray_cluster.connect.init_ray), so several measurements share one `ray.init()`:
 
-* ingest: the driver checks each Parquet set against its task (stride.trainers.driver.prepare: the task's inspect,
+* ingest: the driver checks each Parquet set against its task (stride.trainers.launch.ray.prepare: the task's inspect,
   the columns it reads); then ONE Ray Train worker takes turns, `passes` times, between (a) Stride's streaming path
   end to end from the files, the one the loop uses (datasets/stream.py TrainStream: row groups in the epoch's
   order, shuffled in windows, read ahead by READ_THREADS threads, cut into micro-batches of numpy arrays) and (b)
@@ -16,7 +16,7 @@ stride.ray_cluster.connect.init_ray), so several measurements share one `ray.ini
   pyarrow.json.read_json of each file (the task's columns, in the split's types, as Stride's reader parses them);
   its layout (the line index, datasets/index.py) is made on the driver by `prepare`, before any timing, as the
   Parquet footers are read there.
-* scaling: fits of Stride's own trainer (stride.trainers.driver.build_trainer, the real loop) with 1 and 2 workers
+* scaling: fits of Stride's own trainer (stride.trainers.launch.ray.build_trainer, the real loop) with 1 and 2 workers
   at the same per-worker batch, alternating within each repetition; benchmarks/run.py reads each run's
   metrics.jsonl.
 """
@@ -94,7 +94,7 @@ def ingest(spec: dict, storage: Path) -> dict:
 
     from stride.datasets.splits import cache_folder, open_split
     from stride.trainers.config import load_config
-    from stride.trainers.driver import prepare
+    from stride.trainers.launch.checks import prepare
 
     specs, settings, driver = {}, {}, {}
     for name, d in spec["ingest_sets"].items():
@@ -127,7 +127,8 @@ def ingest(spec: dict, storage: Path) -> dict:
 
 def scaling(spec: dict, storage: Path) -> dict:
     from stride.trainers.config import load_config
-    from stride.trainers.driver import build_trainer, prepare
+    from stride.trainers.launch.ray import build_trainer
+    from stride.trainers.launch.checks import prepare
 
     base = load_config(spec["config"], spec["overrides"])
     task, all_specs = prepare(base)

@@ -68,10 +68,3 @@ def record_for_torchrun(line: str) -> None:
             json.dump(data, f)
     except OSError:  # the report then says what it says without the file; the line is on stderr anyway
         pass
-
-
-def drop_working_directory_from_path() -> None:
-    """Take the working directory off the front of sys.path, where `python -m` and `python -c` put it: a command that
-    reads a run folder (generate.py) must not import a module someone planted beside it. PYTHONPATH stays."""
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        sys.path.pop(0)

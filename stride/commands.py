@@ -27,10 +27,10 @@ from stride.errors import EXIT_OK, EXIT_USAGE
 # name -> (module with main(argv), one line of help)
 COMMANDS = {
     "train": ("stride.trainers.main", "train a config (the default: `stride --config x.yaml` trains)"),
-    "eval": ("stride.trainers.evaluation", "evaluate a run's checkpoint on its validation split or other data"),
-    "predict": ("stride.trainers.prediction", "the task's per-sample outputs over a data set, as Parquet parts"),
-    "export": ("stride.trainers.export", "a checkpoint's weights as safetensors, or a Hugging Face folder"),
-    "generate": ("stride.trainers.generate", "sample text from a run whose task generates text"),
+    "eval": ("stride.trainers.commands.evaluate", "evaluate a run's checkpoint on its validation split or other data"),
+    "predict": ("stride.trainers.commands.predict", "the task's per-sample outputs over a data set, as Parquet parts"),
+    "export": ("stride.trainers.commands.export", "a checkpoint's weights as safetensors, or a Hugging Face folder"),
+    "generate": ("stride.trainers.commands.generate", "sample text from a run whose task generates text"),
     "sweep": ("stride.tune.main", "a Ray Tune sweep over a config's fields"),
     "doctor": ("stride.ray_cluster.doctor", "check a cluster (nodes, GPUs, storage, collectives)"),
     "prepare": ("stride.datasets.prepare", "prepare a data set (the default pystdlib corpus, text, tabular)"),

@@ -48,7 +48,7 @@ def import_shared() -> None:
     # torch.optim's first optimizer imports torch._dynamo (the driver's config check builds one): 2 s of each.
     import torch._dynamo  # noqa: F401
 
-    import stride.trainers.driver  # noqa: F401
+    import stride.trainers.launch.ray  # noqa: F401
     import stride.trainers.main  # noqa: F401
     import stride.trainers.task  # noqa: F401
     import stride.trainers.tasks  # noqa: F401

@@ -313,25 +313,25 @@ OTHER_CASES = [
     # Longer than local.MAX_TEMP_DIR_CHARS whatever pytest's temp folder is called (a short one would start a head).
     (["-m", "stride.ray_cluster.local", "start", "--temp-dir", "{tmp}/a-folder-name-too-long-for-ray-sockets"],
      "--temp-dir"),
-    (["trainers/export.py", "{tmp}/missing", "{tmp}/m.safetensors"], "checkpoint ({tmp}/missing)"),
-    (["trainers/export.py", "{tmp}/empty", "{tmp}/m.safetensors"], "checkpoint ({tmp}/empty)"),
-    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/data/train/part-0000.parquet"], "--force"),
-    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/missing/m.safetensors"], "does not exist"),
+    (["-m", "stride", "export", "{tmp}/missing", "{tmp}/m.safetensors"], "checkpoint ({tmp}/missing)"),
+    (["-m", "stride", "export", "{tmp}/empty", "{tmp}/m.safetensors"], "checkpoint ({tmp}/empty)"),
+    (["-m", "stride", "export", "{tmp}/runs/tabular_mlp", "{tmp}/data/train/part-0000.parquet"], "--force"),
+    (["-m", "stride", "export", "{tmp}/runs/tabular_mlp", "{tmp}/missing/m.safetensors"], "does not exist"),
     # Issue 27: hostile YAML files, code a run folder names, export to a folder or where it cannot write, and
     # argparse's usage errors, one line each.
     (["trainers/main.py", "--config", "{tmp}/files/duplicate.yaml"], "key 'max_steps' appears twice in one mapping"),
     (["trainers/main.py", "--config", "{tmp}/files/bomb.yaml"], "aliases expand to more than 1000000 values"),
     (["trainers/main.py", "--config", "{tmp}/files/small_bomb.yaml"], "characters)) must be a valid string"),
-    (["trainers/generate.py", "--run", "{tmp}/runs/planted"], "names model.name (planted:Task), a module of your own"),
-    (["-m", "stride.trainers.generate", "--run", "{tmp}/runs/planted", "--task", "other:Task"],
+    (["-m", "stride", "generate", "--run", "{tmp}/runs/planted"], "names model.name (planted:Task), a module of your own"),
+    (["-m", "stride", "generate", "--run", "{tmp}/runs/planted", "--task", "other:Task"],
      "--task (other:Task) is not the task"),
-    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "{tmp}/notes"], "out ({tmp}/notes) is a folder"),
-    (["trainers/export.py", "{tmp}/runs/tabular_mlp", "/proc/m.safetensors"], "out (/proc/m.safetensors)"),
+    (["-m", "stride", "export", "{tmp}/runs/tabular_mlp", "{tmp}/notes"], "out ({tmp}/notes) is a folder"),
+    (["-m", "stride", "export", "{tmp}/runs/tabular_mlp", "/proc/m.safetensors"], "out (/proc/m.safetensors)"),
     (["trainers/main.py", "--bogus"], "python trainers/main.py: error: unrecognized arguments: --bogus; see"),
     (["-m", "stride", "--bogus"], "unrecognized arguments: --bogus; see"),
     (["trainers/torchrun.py"], "the following arguments are required: --config; see"),
-    (["trainers/generate.py", "--run"], "argument --run: expected one argument; see"),
-    (["trainers/export.py"], "required: checkpoint, out; see"),
+    (["-m", "stride", "generate", "--run"], "argument --run: expected one argument; see"),
+    (["-m", "stride", "export"], "required: checkpoint, out; see"),
     (["tune/main.py", "--bogus"], "python tune/main.py: error: "),
     (["datasets/prepare.py", "tabular", "--rows", "many"], "argument --rows: invalid int value: 'many'; see"),
     (["-m", "stride.ray_cluster.doctor", "--bogus"], "unrecognized arguments: --bogus; see"),
@@ -343,7 +343,7 @@ OTHER_CASES = [
     (["trainers/torchrun.py", "--config", "{tmp}/files/clips.yaml", "data.train_path={tmp}/files/clips/link.parquet",
       "data.val_path=null", "data.file_root={tmp}/files/clips"], "is outside data.file_root"),
     # Issue 42: predict's record of an earlier prediction in --out, damaged.
-    (["trainers/prediction.py", "--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/data/val", "--out",
+    (["-m", "stride", "predict", "--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/data/val", "--out",
       "{tmp}/predicted-damaged"], "predicted-damaged): .stride-predict.json is not a record stride predict wrote"),
 ]
 
@@ -596,7 +596,7 @@ def plant_hostile_runs(tmp: Path) -> None:
 
 
 def _export(case: str) -> list[str]:
-    return ["trainers/export.py", f"{{tmp}}/hostile/{case}/runs/tabular_mlp/{LAST}", f"{{tmp}}/{case}.safetensors"]
+    return ["-m", "stride", "export", f"{{tmp}}/hostile/{case}/runs/tabular_mlp/{LAST}", f"{{tmp}}/{case}.safetensors"]
 
 
 def _resume(launcher: str):
@@ -608,22 +608,22 @@ def _resume(launcher: str):
 
 def _export_run(*flags: str):
     def argv(case: str) -> list[str]:
-        return ["trainers/export.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--out",
+        return ["-m", "stride", "export", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--out",
                 f"{{tmp}}/{case}.safetensors", *flags]
     return argv
 
 
 def _eval(case: str) -> list[str]:
-    return ["trainers/evaluation.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
+    return ["-m", "stride", "eval", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
 
 
 def _predict(case: str) -> list[str]:
-    return ["trainers/prediction.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--data", "{tmp}/data/val",
+    return ["-m", "stride", "predict", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp", "--data", "{tmp}/data/val",
             "--out", f"{{tmp}}/predicted-{case}"]
 
 
 def _generate(case: str) -> list[str]:
-    return ["trainers/generate.py", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
+    return ["-m", "stride", "generate", "--run", f"{{tmp}}/hostile/{case}/runs/tabular_mlp"]
 
 
 # (case, command, what the error line must name): a checkpoint named explicitly is refused (exit 2); a link where
@@ -666,6 +666,11 @@ HOSTILE_CASES = (
 )
 
 
+def command_name(argv: list[str]) -> str:
+    """`stride export` for ["-m", "stride", "export", ...], `torchrun` for ["trainers/torchrun.py", ...]."""
+    return argv[2] if argv[:2] == ["-m", "stride"] else Path(argv[0]).stem
+
+
 def hostile_argv(tmp: Path, case: str, command) -> list[str]:
     argv = [a.format(tmp=tmp) for a in command(case)]
     if argv[0] in ("trainers/torchrun.py", "trainers/main.py"):  # the common overrides first, the case's last
@@ -674,7 +679,7 @@ def hostile_argv(tmp: Path, case: str, command) -> list[str]:
 
 
 @pytest.mark.parametrize("case, command, names", HOSTILE_CASES,
-                         ids=[f"{Path(cmd(c)[0]).stem}-{c}" for c, cmd, _ in HOSTILE_CASES])
+                         ids=[f"{command_name(cmd(c))}-{c}" for c, cmd, _ in HOSTILE_CASES])
 def test_run_folders_written_by_someone_else_are_refused(finished, results, case, command, names):
     r = results[tuple(hostile_argv(finished, case, command))]
     check(r, names, results["before"])
@@ -691,7 +696,7 @@ def test_a_full_disk_is_refused_before_training(finished, full_disk, results):
 
 def test_the_sweep_covers_at_least_150_distinct_inputs():
     assert len({tuple(o) for o, _ in MAIN_CASES}) + len({tuple(a) for a, _ in OTHER_CASES}) + len(
-        {(c, cmd(c)[0]) for c, cmd, _ in HOSTILE_CASES}) + 1 >= 150  # + the full disk
+        {(c, command_name(cmd(c))) for c, cmd, _ in HOSTILE_CASES}) + 1 >= 150  # + the full disk
 
 
 # ---- Issue 42: no command imports a module planted in the working directory, however it is started ----

@@ -138,7 +138,8 @@ def _scaling_cfg(*overrides: str):
     (["scaling.num_workers=[3,4]", "train.batch_size_per_worker=60"], [_node(2)], ["scaling.num_workers (3)", "the cluster's 2 CPUs"]),  # elastic min
 ])
 def test_a_gang_the_cluster_cannot_hold_is_refused_naming_the_fix(overrides, nodes, must_name):
-    from stride.ray_cluster.connect import UsageError, plan_scaling
+    from stride.ray_cluster.connect import UsageError
+    from stride.trainers.launch.scaling import plan_scaling
 
     total = {"CPU": sum(n["Resources"]["CPU"] for n in nodes), "GPU": sum(n["Resources"]["GPU"] for n in nodes)}
     with pytest.raises(UsageError) as e:
@@ -149,7 +150,7 @@ def test_a_gang_the_cluster_cannot_hold_is_refused_naming_the_fix(overrides, nod
 
 
 def test_a_gang_that_fits_is_planned_and_auto_takes_what_the_cluster_has():
-    from stride.ray_cluster.connect import plan_scaling
+    from stride.trainers.launch.scaling import plan_scaling
 
     assert plan_scaling(_scaling_cfg("scaling.num_workers=2"), {"CPU": 2.0}, [_node(2)])[:2] == (2, False)
     assert plan_scaling(_scaling_cfg("scaling.num_workers=[1,4]", "train.batch_size_per_worker=60"), {"CPU": 2.0}, [_node(2)])[:2] == (1, False)
@@ -162,7 +163,7 @@ def test_a_gang_that_fits_is_planned_and_auto_takes_what_the_cluster_has():
 
 def test_ray_data_needs_cpus_beside_the_gang():
     from stride.ray_cluster.connect import UsageError
-    from stride.trainers.driver import choose_pipeline
+    from stride.trainers.launch.ray import choose_pipeline
 
     cfg = _scaling_cfg("data.pipeline=ray_data", "scaling.num_workers=2")
     with pytest.raises(UsageError, match=r"data.pipeline \(ray_data\) needs CPUs beside the worker gang.*"
@@ -292,8 +293,8 @@ def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_
         __import__("json").dumps({"config": {"model": {"name": "mlp", "hidden_sizes": [32]}},
                                   "facts": {"feature_columns": [f"f{i}" for i in range(16)], "label_column": "label",
                                             "num_classes": 4}, "checkpoint": str(ckpt)}))
-    for cli in (["trainers/generate.py", "--run", str(storage / "tabular_mlp")],
-                ["trainers/export.py", str(ckpt), str(tmp_path / "out.safetensors")]):
+    for cli in (["-m", "stride", "generate", "--run", str(storage / "tabular_mlp")],
+                ["-m", "stride", "export", str(ckpt), str(tmp_path / "out.safetensors")]):
         r = run_cli_forked(cli, timeout=120)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert len(r.stderr.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, read_jsonl, run_cli
 from stride.trainers import blocks
 from stride.trainers.models import CharGPT
-from stride.trainers.torchrun import main as torchrun_main
+from stride.trainers.launch.torchrun import main as torchrun_main
 
 
 def _args(tmp_path, data, name, *extra):

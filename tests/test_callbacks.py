@@ -187,8 +187,8 @@ def two_ranks(project, tabular_data, tmp_path_factory) -> dict:
 
 
 def export(run: Path, out: Path, *flags: str) -> None:
-    """trainers/export.py RUN OUT [flags], in this process."""
-    from stride.trainers.export import main
+    """trainers/commands/export.py RUN OUT [flags], in this process."""
+    from stride.trainers.commands.export import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

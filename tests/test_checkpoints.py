@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO, read_jsonl
 from stride.trainers.run import checkpointing
-from stride.trainers.torchrun import main as torchrun_main
+from stride.trainers.launch.torchrun import main as torchrun_main
 
 
 def _args(tmp_path, data, name, steps, *extra):

@@ -1,7 +1,7 @@
 """`stride <command>`: the dispatcher, `stride eval` and `stride predict` (docs/commands.md).
 
 The runs they read are trained, and the commands run, under one torchrun launch of 2 ranks (tests/torchrun_cases.py):
-eval and predict are the same job code on Ray and under torchrun (trainers/gang.py, run_job), so the gang mechanics
+eval and predict are the same job code on Ray and under torchrun (trainers/launch/jobs.py, run_job), so the gang mechanics
 are proven there, and one command on the shared Ray head proves the Ray edge: predict, the one with more of it (the
 driver's output folder prepared before the gang, each worker writing its parts, Ray Train's job records removed).
 What predict writes is checked against a forward pass of the exported weights (stride export), built in this process
@@ -208,7 +208,7 @@ def forward(run: Path, checkpoint: Path, rows: pa.Table, folder: Path, ema: bool
     import torch
     from safetensors.torch import load_file
 
-    from stride.trainers import export
+    from stride.trainers.commands import export
     from stride.trainers.config import from_dict
     from stride.trainers.tasks import make_task
 
@@ -387,7 +387,7 @@ def test_the_same_bad_config_gives_the_same_line_and_exit_code_from_train_torchr
     from tune_fixtures import write_sweep
 
     from stride.commands import main
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     bad = ["scaling.num_workers=1", "train.batch_size_per_worker=100000", "model.hidden_sizes=[32]"]
     args = tabular(tabular_data, tmp_path / "runs", "too_big", *bad)
@@ -414,7 +414,7 @@ def test_a_run_folder_is_opened_alike_by_train_and_torchrun(tmp_path, tabular_da
     or storage that cannot be written, is the same one line and exit 2 from `stride train` and the torchrun launcher
     (here one rank, in process), and the checkpoint is left as it was."""
     from stride.commands import main
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
     from stride.trainers.run import checkpointing
     from stride.trainers.models import MLP
 
@@ -445,7 +445,7 @@ def test_predict_output_rules(tmp_path):
     """An empty or new --out is used; the same unfinished job resumes; --force starts over (the earlier
     prediction's files only); a finished prediction or another job's needs --force; other files are never removed."""
     from stride.errors import UsageError
-    from stride.trainers.prediction import JOB, MANIFEST, prepare_output
+    from stride.trainers.commands.predict import JOB, MANIFEST, prepare_output
 
     job = {"run": "/r", "checkpoint": "/r/checkpoint_00000020", "data": ["/d.parquet"], "rows": 10, "blocks": 2}
     out = tmp_path / "out"
@@ -473,7 +473,7 @@ def test_predict_outputs_become_columns_whatever_their_type():
     a vector per row a fixed-size list."""
     import torch
 
-    from stride.trainers.prediction import arrow_column, as_numpy
+    from stride.trainers.commands.predict import arrow_column, as_numpy
 
     assert as_numpy(torch.tensor([1.5, 2.5], dtype=torch.bfloat16)).dtype == np.float32
     assert as_numpy(torch.tensor([1, 2])).dtype == np.int64

@@ -10,7 +10,7 @@ from stride.datasets.splits import DataError
 from stride.datasets.stream import concat_columns, eval_stream
 from stride.datasets.prepare import stdlib_files
 from stride.trainers.config import load_config
-from stride.trainers.driver import prepare
+from stride.trainers.launch.checks import prepare
 
 
 def cfg_for(train, val, *extra, base="tabular_mlp.yaml"):

@@ -20,7 +20,7 @@ from stride.datasets.frame import Frame
 from stride.datasets.splits import open_split, read_layouts, split_spec
 from stride.errors import UsageError
 from stride.trainers.config import build_config
-from stride.trainers.lifecycle import check_storage_outside_data
+from stride.trainers.launch.lifecycle import check_storage_outside_data
 
 TORCHRUN = ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "tracking.mlflow=false",
             "train.max_steps=2", "train.epochs=null"]

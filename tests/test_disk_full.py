@@ -18,6 +18,7 @@ import torch
 
 from conftest import REPO, read_jsonl, run_cli, run_cli_forked
 from services import unavailable
+from stride.errors import EXIT_OK
 from stride.trainers.run import checkpointing
 
 STEPS, EVERY = 30, 10
@@ -131,7 +132,7 @@ def test_the_driver_repairs_an_empty_or_torn_ray_snapshot_before_fit(tmp_path, m
     before fit(), and Stride still resumes from the newest complete checkpoint, found on disk."""
     from types import SimpleNamespace
 
-    from stride.trainers import driver
+    from stride.trainers.launch import ray as driver
     from stride.trainers.config import build_config
 
     cfg = build_config({"run": {"name": "r", "storage_path": str(tmp_path)}, "data": {"train_path": "x"},
@@ -140,7 +141,7 @@ def test_the_driver_repairs_an_empty_or_torn_ray_snapshot_before_fit(tmp_path, m
 
     class Trainer:
         def fit(self):  # what Ray Train's checkpoint manager reads first
-            snap = cfg.run_dir / checkpointing.SNAPSHOT
+            snap = cfg.run_dir / driver.SNAPSHOT
             seen.append(snap.read_text() if snap.exists() else None)
             return SimpleNamespace(return_value={"status": "completed"}, checkpoint=None)
 
@@ -151,16 +152,16 @@ def test_the_driver_repairs_an_empty_or_torn_ray_snapshot_before_fit(tmp_path, m
     cfg.run_dir.mkdir(parents=True)
     good = json.dumps({"ray_version": "2.60.0", "checkpoint_results": []})
     for left in ("", '{"ray_version": "2.6', good):
-        (cfg.run_dir / checkpointing.SNAPSHOT).write_text(left)
-        assert driver.train_on_ray(cfg, {}, {}, progress_bar=False)[0] == driver.EXIT_OK
+        (cfg.run_dir / driver.SNAPSHOT).write_text(left)
+        assert driver.train_on_ray(cfg, {}, {}, progress_bar=False)[0] == EXIT_OK
     assert seen == [None, None, good]  # the unreadable ones moved aside, a readable one left to Ray
-    assert len(list(cfg.run_dir.glob(f"{checkpointing.SNAPSHOT}.unreadable-*"))) >= 1
+    assert len(list(cfg.run_dir.glob(f"{driver.SNAPSHOT}.unreadable-*"))) >= 1
 
 
 def test_a_truncated_train_snapshot_is_repaired(tmp_path):
     # Ray Train rewrites checkpoint_manager_snapshot.json in place; a sweep killed mid-write leaves it empty and
     # the trial could never start again.
-    from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+    from stride.trainers.launch.ray import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
 
     good = json.dumps({"ray_version": "2.60.0", "checkpoint_results": []})
     (tmp_path / SNAPSHOT).write_text(good)
@@ -178,7 +179,7 @@ def test_a_repair_never_restores_a_copy_that_names_a_deleted_checkpoint(tmp_path
     """The copy lags Ray by one checkpoint, and Ray may have deleted the oldest checkpoint it names by the time the
     sweep is killed (seen in CI): Ray Train would then refuse the run folder for good. The newer copy a kill left
     complete but not renamed is used instead; with neither usable, the snapshot is moved aside."""
-    from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
+    from stride.trainers.launch.ray import SNAPSHOT, SNAPSHOT_COPY, repair_snapshot
 
     def snapshot(*steps):
         return json.dumps({"ray_version": "2.60.0",

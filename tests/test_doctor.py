@@ -145,7 +145,7 @@ def test_the_preflight_under_torchrun_checks_the_gangs_own_processes_and_fails_b
 
     from stride.ray_cluster.connect import UsageError
     from stride.ray_cluster.doctor import check_gang_in_place
-    from stride.trainers.driver import judge_preflight
+    from stride.trainers.launch.checks import judge_preflight
 
     storage = tmp_path / "runs"
     rows = check_gang_in_place(torch.device("cpu"), str(storage))

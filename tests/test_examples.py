@@ -91,7 +91,7 @@ def test_hf_causal_lm_example_learns_and_generates(tmp_path):
     # ln(1024) = 6.95 untrained; about 4.7 (0.68 of it) after 150 steps.
     assert s["val_loss"] <= 0.75 * s["initial_val_loss"], s
     # A task of the user's own: generate.py imports it only when named (--task), from PYTHONPATH (issue 27).
-    proc = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/hf_causal_lm", "--prompt", "def ",
+    proc = run_cli_forked(["-m", "stride", "generate", "--run", "runs/hf_causal_lm", "--prompt", "def ",
                     "--tokens", "30", "--temperature", "0.8", "--task", "hf_lm_task:HFCausalLM"], timeout=120, cwd=folder,
                    env={"PYTHONPATH": str(folder)})
     check(proc, "generate.py")

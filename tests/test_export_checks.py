@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO, run_cli
 
 from stride.errors import UsageError
-from stride.trainers import export, trained
+from stride.trainers.commands import export
+from stride.trainers.commands import trained
 from stride.trainers.run import checkpointing
 
 LAST = "checkpoint_00000004"
@@ -37,7 +38,7 @@ def overrides(data: Path, storage: Path) -> list[str]:
 def finished(tabular_data, tmp_path_factory) -> Path:
     """runs/tabular_mlp after 4 steps (checkpoints 2 and 4, best/checkpoint_00000004), and outside/ with a copy of its
     first checkpoint (what a planted summary points at)."""
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     tmp = tmp_path_factory.mktemp("export_checks")
     assert torchrun_main([*CONFIG, *overrides(tabular_data, tmp / "runs"), "train.max_steps=4"]) == 0

@@ -1,4 +1,4 @@
-"""export --format hf and --dtype (trainers/export.py): a real checkpoint of the hf_causal_lm example (4 steps, one
+"""export --format hf and --dtype (trainers/commands/export.py): a real checkpoint of the hf_causal_lm example (4 steps, one
 process, no Ray) becomes a transformers folder that `from_pretrained` loads with the checkpoint's logits; bf16 halves
 the bytes; what a user can fix is refused in one line, exit 2, with nothing written.
 
@@ -25,10 +25,10 @@ import torch
 import transformers  # noqa: F401 - the test extra installs it: its absence is a failure, not a skip
 from safetensors import safe_open
 
-from stride.trainers import export
+from stride.trainers.commands import export
 from stride.trainers.run import checkpointing
 
-EXPORT = str(REPO / "trainers" / "export.py")
+EXPORT = ["-m", "stride", "export"]
 TASK = "hf_lm_task:HFCausalLM"
 STEPS = 4
 
@@ -44,7 +44,7 @@ def lm(tmp_path_factory) -> Path:
 
 
 def train_mlp(data: Path, storage: Path, *overrides: str) -> Path:
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     assert torchrun_main(["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
                           f"data.val_path={data}/val", f"run.storage_path={storage}", "run.name=mlp",
@@ -75,9 +75,9 @@ def export_cli(folder: Path, *args, from_folder: bool = False) -> dict:
     forked child); its JSON line."""
     if from_folder:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        r = run_cli_forked([EXPORT, *map(str, args)], env=env, cwd=folder, inherit_env=False, timeout=300)
+        r = run_cli_forked([*EXPORT, *map(str, args)], env=env, cwd=folder, inherit_env=False, timeout=300)
     else:
-        r = run_cli_forked([EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
+        r = run_cli_forked([*EXPORT, *map(str, args)], env={"PYTHONPATH": str(folder)}, timeout=300)
     check(r, "export.py")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -237,7 +237,7 @@ def test_refused_in_one_line_and_nothing_written(lm, mlp, torn, tmp_path, capsys
 
 
 def test_a_task_without_hf_model_is_refused_by_the_command_without_a_traceback(mlp, tmp_path):
-    r = run_cli_forked([EXPORT, "--run", str(mlp), "--out", str(tmp_path / "hf"), "--format", "hf"], timeout=120)
+    r = run_cli_forked([*EXPORT, "--run", str(mlp), "--out", str(tmp_path / "hf"), "--format", "hf"], timeout=120)
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.splitlines() == ["stride: error: --format hf: the task mlp has no Hugging Face form; implement "
                                      "Task.hf_model, or export --format safetensors"], r.stderr

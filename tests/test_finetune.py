@@ -178,8 +178,8 @@ def mlp_source(tabular_data, tmp_path_factory) -> dict:
     """A 2-step tabular MLP run and its weights exported to safetensors: a source that fits the model."""
     from safetensors.torch import load_file
 
-    from stride.trainers.export import export
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.commands.export import export
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     tmp = tmp_path_factory.mktemp("mlp_source")
     assert torchrun_main(mlp_args(tabular_data, tmp, "src", 2)) == 0
@@ -194,7 +194,7 @@ def mlp_args(data: Path, storage: Path, name: str, steps: int, *extra: str) -> l
 
 
 def refused(capsys, args: list[str]) -> str:
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     capsys.readouterr()
     assert torchrun_main(args) == 2
@@ -242,7 +242,7 @@ def test_a_trainable_only_run_saves_only_what_trains_and_refuses_a_changed_base(
     from safetensors.torch import load_file, save_file
 
     from stride.trainers.run import checkpointing
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     base = tmp_path / "base.safetensors"
     shutil.copy(mlp_source["file"], base)
@@ -315,7 +315,7 @@ def test_the_drivers_check_keeps_init_froms_digest_for_plan_run_until_the_file_c
 def test_a_resume_never_reads_init_from_again(mlp_source, tabular_data, tmp_path):
     """The checkpoint holds everything: with the source deleted after the first start, the run resumes and ends as
     an uninterrupted one, and keeps the record of where its weights came from."""
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     source = tmp_path / "base.safetensors"
     shutil.copy(mlp_source["file"], source)
@@ -338,7 +338,7 @@ def test_on_cuda_mixed_precision_keeps_the_frozen_layers_bitwise_and_loads_init_
     """On a GPU, under autocast (bf16) and the GradScaler (fp16): init.from lands on the device, the frozen layers end
     bitwise equal to the file, the rest trains with finite losses."""
     from stride.trainers.run import checkpointing
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     extra = (f"init.from={mlp_source['file']}", "optim.groups=[{match: '^net\\.0\\.', freeze: true}]",
              "scaling.use_gpu=true", f"train.precision={precision}", "train.log_every_steps=1")

@@ -237,14 +237,14 @@ def test_ddp_checkpoint_resumes_under_fsdp(runs):
 
 @pytest.mark.slow
 def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp_path):
-    """trainers/export.py: the 2-rank FSDP checkpoint of the run's last step, as one file that loads without Stride
+    """trainers/commands/export.py: the 2-rank FSDP checkpoint of the run's last step, as one file that loads without Stride
     and into the task's model with load_state_dict: the run's final weights exactly."""
     from safetensors.torch import load_file
 
     from stride.trainers.models import CharGPT
 
     run, out = runs["storage"] / "fsdp", tmp_path / "model.safetensors"
-    r = run_cli_forked(["trainers/export.py", str(run), str(out)], timeout=120)  # a run folder: its newest checkpoint
+    r = run_cli_forked(["-m", "stride", "export", str(run), str(out)], timeout=120)  # a run folder: its newest checkpoint
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info["step"] == str(STEPS) and info["checkpoint"].endswith(f"checkpoint_{STEPS:08d}")
@@ -259,7 +259,7 @@ def test_export_consolidates_the_fsdp_shards_into_one_safetensors_file(runs, tmp
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     assert checksum == pytest.approx(summary(run)["param_checksums"][0], rel=1e-12)
     # An existing file is never overwritten without --force; the refusal is one line.
-    again = run_cli_forked(["trainers/export.py", str(run), str(out)], timeout=120)
+    again = run_cli_forked(["-m", "stride", "export", str(run), str(out)], timeout=120)
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
 
 
@@ -406,7 +406,7 @@ for every in (None, 2):
 assert len(grads[0]) == len(grads[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
 print(f"rank {rank} ok", flush=True)
 # As trainers/torchrun.py ends a rank: left to interpreter finalization, gloo's threads can abort a finished rank.
-from stride.trainers.torchrun import leave_gang
+from stride.trainers.launch.torchrun import leave_gang
 import os
 leave_gang()
 os._exit(0)
@@ -484,7 +484,7 @@ def test_mlp_under_fsdp_matches_ddp(runs):
 def test_both_launchers_share_one_gpu_rule():
     """ray_cluster.connect.gpu_shortfall: Ray's driver asks it of the cluster, trainers/torchrun.py of its node's
     CUDA devices (one per process)."""
-    from stride.ray_cluster.connect import gpu_shortfall
+    from stride.trainers.launch.scaling import gpu_shortfall
 
     assert gpu_shortfall(False, 4, 0) is None and gpu_shortfall("auto", 4, 0) is None  # the CPU: asked for, or allowed
     assert gpu_shortfall(True, 2, 2) is None and gpu_shortfall("auto", 1, 8) is None  # a GPU for each worker

@@ -17,7 +17,7 @@ JOB_IDENTITY = {"run": "/r", "checkpoint": "/r/checkpoint_00000020", "data": ["/
 def test_predict_force_replaces_only_what_predict_wrote(tmp_path):
     """--force over an earlier prediction removes its parts, a part a killed attempt left and its markers; a user's
     own files in the folder, part-* names included, stay byte for byte."""
-    from stride.trainers.prediction import JOB, MANIFEST, prepare_output
+    from stride.trainers.commands.predict import JOB, MANIFEST, prepare_output
 
     out = tmp_path / "out"
     out.mkdir()
@@ -32,7 +32,7 @@ def test_predict_force_replaces_only_what_predict_wrote(tmp_path):
 
 
 def test_a_resume_removes_only_the_parts_a_killed_attempt_left(tmp_path):
-    from stride.trainers.prediction import JOB, prepare_output
+    from stride.trainers.commands.predict import JOB, prepare_output
 
     out = tmp_path / "out"
     out.mkdir()
@@ -48,7 +48,7 @@ def test_a_resume_removes_only_the_parts_a_killed_attempt_left(tmp_path):
 def test_a_damaged_prediction_record_is_refused_in_one_line(tmp_path, record):
     """A .stride-predict.json that is not one predict wrote: a UsageError naming it (one line), nothing removed."""
     from stride.errors import UsageError
-    from stride.trainers.prediction import JOB, prepare_output
+    from stride.trainers.commands.predict import JOB, prepare_output
 
     out = tmp_path / "out"
     out.mkdir()
@@ -67,7 +67,7 @@ def test_a_damaged_prediction_record_is_refused_in_one_line(tmp_path, record):
 def test_a_prediction_record_that_is_a_link_is_refused(tmp_path):
     """A link planted as .stride-predict.json is neither read nor followed, even with --force."""
     from stride.errors import RunFolderError
-    from stride.trainers.prediction import JOB, prepare_output
+    from stride.trainers.commands.predict import JOB, prepare_output
 
     out, victim = tmp_path / "out", tmp_path / "victim.json"
     out.mkdir()
@@ -82,7 +82,7 @@ def test_a_prediction_record_that_is_a_link_is_refused(tmp_path):
 
 def test_a_part_is_never_written_through_a_planted_link(tmp_path):
     from stride.errors import RunFolderError
-    from stride.trainers.prediction import write_part
+    from stride.trainers.commands.predict import write_part
 
     import pyarrow as pa
 

@@ -77,9 +77,9 @@ def test_the_readmes_job_command_uploads_no_data_or_runs_and_passes_the_jobs_che
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
 
     from stride.errors import UsageError
-    from stride.trainers import lifecycle
+    from stride.trainers.launch import lifecycle
     from stride.trainers.config import load_config
-    from stride.trainers.driver import prepare
+    from stride.trainers.launch.checks import prepare
 
     project = tmp_path / "my_project"
     project.mkdir()
@@ -127,7 +127,7 @@ def test_an_init_from_in_the_jobs_copy_of_the_working_dir_is_refused(tmp_path, m
     deleted with the job (and a trainable_only run read its base from there again). Refused in one line naming
     init.from; an absolute path elsewhere or a URI is the fix, and outside a job the same relative path is fine."""
     from stride.errors import UsageError
-    from stride.trainers import lifecycle
+    from stride.trainers.launch import lifecycle
     from stride.trainers.config import load_config
 
     copy = tmp_path / "working_dir_files" / "_ray_pkg_1"

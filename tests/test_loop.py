@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO, read_jsonl
 from stride.trainers.run import checkpointing
 from stride.trainers.run.retention import complete_checkpoints
-from stride.trainers.torchrun import main as torchrun_main
+from stride.trainers.launch.torchrun import main as torchrun_main
 
 
 def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data):
@@ -254,7 +254,7 @@ def test_rerunning_a_finished_run_keeps_its_results_and_a_failed_rerun_never_rep
         assert again[key] == done[key], key  # was: train_loss/val_loss/val_accuracy null and restarts 1
 
     # What the Ray driver writes for a rerun that fails (status failed) goes beside the completed record.
-    from stride.trainers.driver import write_summary
+    from stride.trainers.launch.lifecycle import write_summary
 
     path = write_summary(tmp_path / "r", {"status": "failed", "error": "the storage is gone"})
     assert path.name == "summary.failed.json" and json.loads(summary.read_text()) == again
@@ -267,7 +267,7 @@ def test_a_resume_with_nothing_left_to_train_reports_the_runs_last_figures(tmp_p
     trial recorded at step 950 of 1000)."""
     import dataclasses
 
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     reports, real_run = [], torchrun.run
 

@@ -27,7 +27,7 @@ import yaml
 from conftest import REPO, run_cli_forked
 from test_examples import EXAMPLES, TORCHRUN, check, example, train
 
-EXPORT = str(REPO / "trainers" / "export.py")
+EXPORT = ["-m", "stride", "export"]
 # The LoRA run of the fixture: 20 steps, a checkpoint every 10, both kept (the resume test starts from step 10).
 LORA_STEPS = ("train.max_steps=20", "train.eval_every_steps=20", "train.log_every_steps=10",
               "checkpoint.every_steps=10", "checkpoint.keep_last=2", "train.deterministic=true")
@@ -176,7 +176,7 @@ def test_lora_yaml_loads_and_states_its_commands(tmp_path):
     assert "name: lora_task:LoRACausalLM" in proc.stdout and "trainable_only: true" in proc.stdout
     head = (EXAMPLES / "lora" / "lora.yaml").read_text().split("\nrun:")[0]
     for command in ("python prepare.py", "python -m stride --config lora.yaml", "trainers/torchrun.py --config lora.yaml",
-                    "export.py runs/lora adapters.safetensors --trainable-only"):
+                    "stride export runs/lora adapters.safetensors --trainable-only"):
         assert command in head, command
     assert (EXAMPLES / "lora" / "README.md").is_file()
 
@@ -220,7 +220,7 @@ def test_lora_exported_adapters_on_the_pretrained_base_are_the_trained_model(lor
 
     folder, s = lora_run
     out = tmp_path / "adapters.safetensors"
-    check(run_cli_forked([EXPORT, str(folder / "runs" / "lora"), str(out), "--trainable-only"], timeout=120), "export.py")
+    check(run_cli_forked([*EXPORT, str(folder / "runs" / "lora"), str(out), "--trainable-only"], timeout=120), "export.py")
     adapters = load_file(str(out))
     assert len(adapters) == 4 and all("lora_" in k for k in adapters), sorted(adapters)
     base_file = folder / "pretrained" / "model.safetensors"
@@ -281,7 +281,7 @@ def test_an_adapter_checkpoint_generates_on_its_base_and_refuses_a_full_export(l
     from stride.trainers.run import checkpointing
 
     folder, s = lora_run
-    gen = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",
+    gen = run_cli_forked(["-m", "stride", "generate", "--run", "runs/lora", "--task", "lora_task:LoRACausalLM",
                           "--prompt", "def ", "--tokens", str(GEN_TOKENS), "--temperature", "1", "--seed", "0"],
                          timeout=120, cwd=folder, env={"PYTHONPATH": str(folder)})
     check(gen, "generate.py")
@@ -305,6 +305,6 @@ def test_an_adapter_checkpoint_generates_on_its_base_and_refuses_a_full_export(l
         base_text, adapted_text = texts
     assert gen.stdout == adapted_text + "\n" and adapted_text != base_text, (gen.stdout, adapted_text, base_text)
     out = tmp_path / "full.safetensors"
-    proc = run_cli_forked([EXPORT, str(folder / "runs" / "lora"), str(out)], timeout=120)
+    proc = run_cli_forked([*EXPORT, str(folder / "runs" / "lora"), str(out)], timeout=120)
     assert proc.returncode == 2 and not out.exists(), proc.stderr[-2000:]
     assert "--trainable-only" in proc.stderr and "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -25,7 +25,7 @@ def make_train(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]
 
 
 def generate(tmp_path, tokens: int) -> str:
-    g = subprocess.run([PYTHON, "trainers/generate.py", "--run", str(tmp_path / "runs" / "char_gpt"), "--prompt", "def ",
+    g = subprocess.run([PYTHON, "-m", "stride", "generate", "--run", str(tmp_path / "runs" / "char_gpt"), "--prompt", "def ",
                         "--tokens", str(tokens)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert g.returncode == 0, g.stderr
     return g.stdout
@@ -43,7 +43,7 @@ def test_make_train_prepares_its_data_trains_and_prints_where_the_results_are(tm
     for what in ("summary", "metrics", "checkpoint", "mlflow"):
         assert re.search(rf"^stride: {what}\s+\S", r.stdout, re.M), what
     assert f"stride: summary     {tmp_path / 'runs' / 'char_gpt' / 'summary.json'}" in r.stdout
-    assert "Sample:" in r.stdout and "trainers/generate.py --run" in r.stdout
+    assert "Sample:" in r.stdout and "stride generate --run" in r.stdout
     sample = generate(tmp_path, 100)
     assert sample.startswith("def ") and len(sample) >= 50
 

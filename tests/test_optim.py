@@ -237,12 +237,12 @@ def test_bad_optimizers_are_refused_on_the_driver(user_folder, overrides, says):
 
 
 def test_the_driver_checks_the_optimizer_before_reading_the_data(monkeypatch):
-    """driver.prepare (Ray's driver and torchrun's) refuses a bad optimizer before the data is inspected."""
-    from stride.trainers import driver
+    """checks.prepare (Ray's driver and torchrun's) refuses a bad optimizer before the data is inspected."""
+    from stride.trainers.launch import checks
 
-    monkeypatch.setattr(driver, "inspect", lambda *a: pytest.fail("the data was read before the optimizer check"))
+    monkeypatch.setattr(checks, "inspect", lambda *a: pytest.fail("the data was read before the optimizer check"))
     with pytest.raises(ConfigError, match=r"optim.kwargs \(\{'foo': 1\}\)"):
-        driver.prepare(cfg_of("optim.kwargs={foo: 1}"))
+        checks.prepare(cfg_of("optim.kwargs={foo: 1}"))
 
 
 # ---- Task.configure_optimizer ----
@@ -297,7 +297,7 @@ def test_a_non_default_optimizer_and_schedule_resume_bitwise(tmp_path, tabular_d
     the losses, the logged lrs and the final weights equal the uninterrupted run's."""
     from test_checkpoints import _args, _losses
 
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     extra = ("optim.name=torch.optim:RAdam", "optim.kwargs={decoupled_weight_decay: true}", "optim.schedule=wsd",
              "optim.decay_fraction=0.5", "optim.warmup_steps=3", "optim.min_lr_ratio=0.2", "checkpoint.keep_last=5")

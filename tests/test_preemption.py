@@ -113,14 +113,14 @@ def test_ranks_agree_on_a_preemption_one_of_them_heard_with_the_earliest_deadlin
 
 
 def test_the_ray_edge_reads_this_workers_own_copy_of_rays_notice(monkeypatch):
-    """trainers/ray_worker.py: Ray's PreemptionInfo (set on every worker by the watcher, read through
+    """trainers/launch/ray_worker.py: Ray's PreemptionInfo (set on every worker by the watcher, read through
     ray_cluster/ray_edge.py) as a Preemption, no barrier."""
     import importlib
     from types import SimpleNamespace
 
     from ray.train.v2.api.preemption import PreemptionInfo
 
-    from stride.trainers.ray_worker import preemption_notice
+    from stride.trainers.launch.ray_worker import preemption_notice
 
     context = importlib.import_module("ray.train.v2._internal.execution.context")  # what ray_edge reads
 
@@ -169,7 +169,7 @@ def _args(tmp_path, data, *extra):
 
 def _announce_at(monkeypatch, step: int, deadline_s: float, then=None) -> None:
     """The torchrun edge's WorkerEnv, with a runtime that announces a preemption at `step`'s boundary."""
-    import stride.trainers.torchrun as torchrun
+    import stride.trainers.launch.torchrun as torchrun
     from stride.trainers.loop import WorkerEnv as real
 
     calls = {"n": 0}
@@ -196,7 +196,7 @@ def test_the_loop_checkpoints_at_the_notice_waits_and_a_restart_from_it_counts_a
     import time
 
     from stride.trainers.policies import TrainingError
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     # Ray ends the gang at the deadline: here the wait raises instead (the process is gone, the run failed so far).
     def torn_down(self, *a, **k):
@@ -229,7 +229,7 @@ def test_a_runtime_that_never_ends_the_gang_lets_it_train_on_and_a_stop_while_wa
         tmp_path, tabular_data, monkeypatch, capsys):
     import time
 
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     monkeypatch.setattr(policies, "PREEMPTION_OVERRUN_S", 0.0)
     _announce_at(monkeypatch, 7, time.time() - 1)  # the deadline passed, and nothing ended the gang

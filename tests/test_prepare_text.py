@@ -21,7 +21,7 @@ from conftest import REPO, run_cli, run_cli_forked
 from stride.datasets import prepare as P
 from stride.datasets.splits import DataError
 from stride.trainers.config import load_config
-from stride.trainers.driver import prepare as inspect_data
+from stride.trainers.launch.checks import prepare as inspect_data
 
 WORDS = ("the", "model", "reads", "text", "and", "learns", "which", "token", "comes", "next", "héllo", "wörld",
          "données", "ÿ", "✓", "数据", "def", "return", "(x)", "\t", "  ")
@@ -321,7 +321,7 @@ def test_char_gpt_trains_on_bpe_data_and_generates_text(tmp_path, bpe_data):
     assert s["status"] == "completed" and s["facts"]["tokenizer_vocab_size"] == 300
     assert s["val_loss"] < s["initial_val_loss"], s
     shutil.rmtree(data)  # generation needs only the run folder: the tokenizer travels in the facts
-    g = run_cli_forked([str(REPO / "trainers" / "generate.py"), "--run", str(run), "--prompt", "the model ", "--tokens", "40"],
+    g = run_cli_forked(["-m", "stride", "generate", "--run", str(run), "--prompt", "the model ", "--tokens", "40"],
                 timeout=120)
     assert g.returncode == 0, g.stderr[-3000:]
     assert g.stdout.startswith("the model ") and len(g.stdout) > len("the model ") + 20, g.stdout

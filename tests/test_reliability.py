@@ -32,8 +32,8 @@ def test_a_checkpoint_ray_never_registered_is_resumed_from(tmp_path, tabular_dat
     Ray's own pointer misses. Here every checkpoint of the run folder is one Ray never saw (written by the torchrun
     launcher), and Ray Train's own record of them is the empty file a full disk leaves (tests/test_disk_full.py):
     the Ray run starts anyway and resumes from the newest, at the same global batch on 2 workers instead of 1."""
-    from stride.trainers.run.checkpointing import SNAPSHOT
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.ray import SNAPSHOT
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     small = ["model.hidden_sizes=[32]", "checkpoint.every_steps=10", "train.log_every_steps=10"]
     assert torchrun_main(job_args(tabular_data, tmp_path, "unregistered", *small, "train.max_steps=20",

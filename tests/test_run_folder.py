@@ -138,7 +138,7 @@ def test_a_symlinked_checkpoint_folder_is_refused_written_through_never_and_skip
 
 
 def test_metrics_summary_and_the_stop_file_are_never_written_through_a_link(tmp_path, monkeypatch):
-    from stride.trainers.driver import write_summary
+    from stride.trainers.launch.lifecycle import write_summary
     from stride.trainers.policies import STOP_FILE, clear_stop_request, request_stop
     from stride.trainers.sinks.metrics_file import MetricsFile
 
@@ -233,7 +233,7 @@ def test_a_run_folder_under_a_symlinked_storage_path_is_fine(tmp_path):
 
 
 def test_the_launcher_exits_2_with_one_line_and_touches_nothing(tmp_path, tabular_data, capsys):
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     storage = tmp_path / "runs"
     (storage / "planted").mkdir(parents=True)
@@ -261,7 +261,7 @@ def _rewrite_metadata(folder: Path, relative_path: str) -> None:
 
 @pytest.mark.parametrize("outside", ["../checkpoint_00000010/__0_0.distcp", "{tmp}/run/checkpoint_00000010/__0_0.distcp"])
 def test_a_metadata_naming_a_file_outside_its_folder_fails_verify_is_skipped_and_refused(tmp_path, capsys, outside):
-    from stride.trainers.export import main as export_main
+    from stride.trainers.commands.export import main as export_main
 
     run = tmp_path / "run"
     older = _checkpoint(run, 10, {"model": {"w": torch.zeros(6)}})
@@ -283,7 +283,7 @@ def test_a_metadata_naming_a_file_outside_its_folder_fails_verify_is_skipped_and
 
 @pytest.mark.parametrize("plant", ["fifo", "/dev/zero"])
 def test_a_fifo_or_a_device_listed_in_meta_json_never_hangs_and_is_never_read(tmp_path, plant, capsys):
-    from stride.trainers.export import main as export_main
+    from stride.trainers.commands.export import main as export_main
 
     run = tmp_path / "run"
     older = _checkpoint(run, 10)
@@ -366,8 +366,8 @@ def test_metrics_lines_of_the_wrong_types_are_dropped_on_resume_with_the_torn_on
 
 
 def test_an_untyped_summary_counts_as_none_for_write_summary_and_exits_2_for_generate(tmp_path, capsys):
-    from stride.trainers.driver import write_summary
-    from stride.trainers.generate import main as generate_main
+    from stride.trainers.launch.lifecycle import write_summary
+    from stride.trainers.commands.generate import main as generate_main
 
     run = tmp_path / "run"
     run.mkdir()
@@ -381,7 +381,7 @@ def test_an_untyped_summary_counts_as_none_for_write_summary_and_exits_2_for_gen
 
 
 def test_generate_refuses_a_summary_checkpoint_outside_the_run(tmp_path, capsys):
-    from stride.trainers.generate import find_checkpoint
+    from stride.trainers.commands.generate import find_checkpoint
     from stride.ray_cluster.connect import UsageError
 
     run, other = tmp_path / "run", tmp_path / "other"

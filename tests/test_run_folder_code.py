@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_cli_forked
+from conftest import PYTHON, run_cli, run_cli_forked
 from stride.trainers.config import ConfigError
 
 PLANTED = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
@@ -34,11 +34,11 @@ def _one_line(r, code: int = 2) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["file", "module"])
+@pytest.mark.parametrize("how", ["executable", "module"])
 def test_generate_imports_no_module_a_run_folder_names_without_consent(tmp_path, how):
     run, marker = _tampered_run(tmp_path)
     # `python -m` puts the working directory first on sys.path: here it holds planted.py, and so does the run's parent.
-    cmd = ["-m", "stride.trainers.generate"] if how == "module" else [str(Path(__file__).parents[1] / "trainers" / "generate.py")]
+    cmd = ["-m", "stride", "generate"] if how == "module" else [str(Path(PYTHON).with_name("stride")), "generate"]
     for cwd in (tmp_path, tmp_path / "runs"):
         line = _one_line(run_cli([*cmd, "--run", str(run)], cwd=cwd, timeout=120))
         assert "model.name (planted:Task)" in line and "--task planted:Task" in line and "--trust-remote-code" in line
@@ -58,15 +58,14 @@ def test_generate_imports_no_module_a_run_folder_names_without_consent(tmp_path,
 
 def test_generate_needs_no_consent_for_a_built_in_task(tmp_path):
     run, marker = _tampered_run(tmp_path, "mlp")
-    line = _one_line(run_cli_forked(["trainers/generate.py", "--run", str(run)], timeout=120))
+    line = _one_line(run_cli_forked(["-m", "stride", "generate", "--run", str(run)], timeout=120))
     assert "has no complete checkpoint" in line and not marker.exists()
 
 
 def test_export_imports_no_task_module():
-    r = run_cli(["-c", "import sys; sys.argv = ['export.py', '/nonexistent', '/tmp/x.safetensors']; "
-                       "import runpy; runpy.run_path('trainers/export.py', run_name='__main__')"], timeout=120)
+    r = run_cli(["-m", "stride", "export", "/nonexistent", "/tmp/x.safetensors"], timeout=120)
     assert r.returncode == 2, r.stderr
-    r = run_cli(["-c", "import sys, stride.trainers.export; print(sorted(m for m in sys.modules if m.startswith('stride.trainers.task')))"],
+    r = run_cli(["-c", "import sys, stride.trainers.commands.export; print(sorted(m for m in sys.modules if m.startswith('stride.trainers.task')))"],
                 timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
@@ -107,7 +106,7 @@ def test_ray_trains_own_metrics_are_off_for_a_unicode_run_name(monkeypatch):
     from ray.train.v2._internal.constants import METRICS_ENABLED_ENV_VAR
     from ray.train.v2._internal.metrics.controller import ControllerMetrics
 
-    from stride.trainers.driver import ray_train_metrics_for
+    from stride.trainers.launch.ray import ray_train_metrics_for
 
     with pytest.raises(UnicodeEncodeError):
         metrics = ControllerMetrics.get_controller_metrics("lauf-größe-日本", "id")
@@ -159,7 +158,7 @@ def test_a_workers_data_error_is_recognised_through_rays_wrapping():
     from ray.train import WorkerGroupError
 
     from stride.datasets.splits import DataError
-    from stride.trainers.driver import _worker_data_error
+    from stride.trainers.launch.ray import _worker_data_error
 
     try:
         raise DataError("data.train_path: f.parquet could not be read")

@@ -122,7 +122,7 @@ def test_init_from_an_s3_uri_loads_what_the_local_file_loads(s3_server, tab_on_s
     assert r.returncode == 0, r.stderr[-3000:]
     weights = tmp_path / "weights"
     weights.mkdir()
-    e = run_cli_forked(["trainers/export.py", str(tmp_path / "runs" / "src"), str(weights / "mlp.safetensors")])
+    e = run_cli_forked(["-m", "stride", "export", str(tmp_path / "runs" / "src"), str(weights / "mlp.safetensors")])
     assert e.returncode == 0, e.stderr[-3000:]
     uri = s3_server.upload(weights, BUCKET, "init")
     summaries = []

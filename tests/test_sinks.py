@@ -189,8 +189,8 @@ def test_the_launcher_says_where_each_record_is_and_how_to_view_it(tmp_path, mon
 def test_the_loop_and_the_launchers_name_no_sink():
     """A sink is one module behind Sink: the code that runs a training names none of them."""
     names = re.compile(r"mlflow|tensorboard|wandb", re.IGNORECASE)
-    for path in ("trainers/loop.py", "trainers/driver.py", "trainers/main.py", "trainers/torchrun.py",
-                 "trainers/ray_worker.py", "trainers/telemetry.py", "trainers/step.py"):
+    for path in ("trainers/loop.py", "trainers/launch/ray.py", "trainers/main.py", "trainers/torchrun.py",
+                 "trainers/launch/ray_worker.py", "trainers/telemetry.py", "trainers/step.py"):
         hits = [ln for ln in (REPO / path).read_text().splitlines() if names.search(ln)]
         assert not hits, (path, hits)
 

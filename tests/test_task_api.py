@@ -121,7 +121,7 @@ def test_a_user_task_trains_in_one_process_and_reports_its_metric(project):
         checkpoint: {every_steps: 60}
         tracking: {mlflow: false}
         """))
-    from stride.trainers.torchrun import main as torchrun_main
+    from stride.trainers.launch.torchrun import main as torchrun_main
 
     assert torchrun_main(["--config", "line.yaml"]) == 0
     import line_task

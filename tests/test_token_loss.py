@@ -80,7 +80,7 @@ RANK_BATCHES = {0: [(10, 3), (11, 7)], 1: [(20, 0), (21, 6)]}
 def _ddp_rank(rank: int, world: int, init: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from stride.trainers.torchrun import leave_gang
+    from stride.trainers.launch.torchrun import leave_gang
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

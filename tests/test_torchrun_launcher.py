@@ -32,7 +32,7 @@ def error_lines(capsys) -> list[str]:
                                   "torchrun's elastic --nnodes MIN:MAX, or run on Ray"),
 ])
 def test_a_ray_only_scaling_setting_is_refused_under_torchrun_naming_what_to_use(override, line, tmp_path, capsys):
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     # The refusal comes before the data is read: the data paths here do not exist.
     assert torchrun.main(tabular(tmp_path / "no-data", tmp_path / "runs", override)) == 2
@@ -43,7 +43,7 @@ def test_a_ray_only_scaling_setting_is_refused_under_torchrun_naming_what_to_use
 def test_cpus_per_worker_must_fit_the_nodes_cores_and_the_defaults_pass():
     from stride.ray_cluster.connect import UsageError
     from stride.trainers.config import load_config
-    from stride.trainers.torchrun import check_scaling
+    from stride.trainers.launch.torchrun import check_scaling
 
     check_scaling(load_config(None, []), local_world_size=2, cores=2)  # the defaults: 1 CPU per rank
     check_scaling(load_config(None, ["scaling.cpus_per_worker=0.5", "scaling.max_failures=0"]), 4, 2)
@@ -76,7 +76,7 @@ def test_an_error_before_the_gang_is_shown_by_rank_0_and_named_in_torchruns_repo
     line, and torchrun's ChildFailedError report shows it as the failure's cause."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     error_file = tmp_path / "error.json"
     for k, v in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
@@ -101,7 +101,7 @@ def test_an_error_in_the_gang_is_every_ranks_line_at_once(monkeypatch, capsys):
     import torch.distributed as dist
 
     from stride.errors import UsageError
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     for k, v in {"RANK": 1, "WORLD_SIZE": 2, "TORCHELASTIC_RUN_ID": "test"}.items():
         monkeypatch.setenv(k, str(v))
@@ -118,7 +118,7 @@ def test_a_torchrun_run_runs_its_preflight_and_ends_with_the_ray_drivers_lines(t
     """scaling.preflight under torchrun: the doctor's checks on the gang's own processes (a storage they cannot write
     stops the run, exit 2, naming the check), then a run that passes them ends with the same lines as the Ray
     driver's (one function: lifecycle.report_paths)."""
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")

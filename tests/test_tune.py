@@ -331,7 +331,7 @@ def save_initial_weights(path: Path, data: Path) -> None:
     from safetensors.torch import save_file
 
     from stride.trainers.config import build_config
-    from stride.trainers.driver import prepare
+    from stride.trainers.launch.checks import prepare
 
     task, _ = prepare(build_config({"model": {"name": "mlp", "hidden_sizes": [32]},
                                     "data": {"train_path": str(data / "train"), "val_path": str(data / "val")}}))

@@ -13,7 +13,7 @@ import pytest
 
 from stride.ray_cluster.connect import UsageError
 from stride.trainers.config import build_config, from_dict, load_config
-from stride.trainers.lifecycle import check_job_storage
+from stride.trainers.launch.lifecycle import check_job_storage
 
 TASK_MODULE = '''
 from pathlib import Path

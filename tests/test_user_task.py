@@ -248,10 +248,10 @@ def test_fsdp_shards_the_users_blocks(torchrun_runs):
 
 @pytest.mark.slow
 def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun_runs, project, tmp_path):
-    """trainers/export.py on the user's 2-rank FSDP run: one safetensors file that the user's own model (built by
+    """trainers/commands/export.py on the user's 2-rank FSDP run: one safetensors file that the user's own model (built by
     their task) loads with load_state_dict, equal to the run's final weights."""
     (run, _), out = case_run(torchrun_runs, "fsdp"), tmp_path / "signal.safetensors"
-    r = run_cli_forked([str(REPO / "trainers" / "export.py"), str(run), str(out)], cwd=project)
+    r = run_cli_forked(["-m", "stride", "export", str(run), str(out)], cwd=project)
     assert r.returncode == 0, r.stderr[-3000:]
     s = summary(run)
     # In the user's folder, as their own code would: the task builds the model, which loads the file.

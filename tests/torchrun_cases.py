@@ -6,7 +6,7 @@ Why: a test file's torchrun cases each paid torchrun's, Python's and torch's sta
 set-up (seconds each on a 2-core machine); here that is paid once per batch. CASES.json is a list of
 {"label": ..., "args": [trainers/torchrun.py arguments], "env": {extra variables, optional}, "entry": "stride"
 (optional: the args are a `stride` command line instead)}, run in order (a case
-may resume the run of an earlier one). Every rank calls stride.trainers.torchrun.main(args) per case, as the script's
+may resume the run of an earlier one). Every rank calls stride.trainers.launch.torchrun.main(args) per case, as the script's
 own entry point does: train() initializes the process group from the environment (env://) and destroys it at the
 end, so the next case initializes it again. Not on torchrun's agent store: every init writes the same keys there
 ("default_pg/0/..."), and a rank that starts the next case first could read its peer's address from the case before.
@@ -76,7 +76,7 @@ def case_store_env(agent: dist.TCPStore | None, index: int, rank: int) -> dict[s
 
 def run_case(case: dict, store_env: dict[str, str]) -> dict:
     from stride import commands
-    from stride.trainers import torchrun
+    from stride.trainers.launch import torchrun
 
     saved_env = dict(os.environ)
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),

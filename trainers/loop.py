@@ -1,7 +1,7 @@
 """The per-worker training loop: a `Trainer` in named phases (setup, restore, step, evaluate, checkpoint, log).
 
 Plain PyTorch. The trainer talks to its runtime only through a `WorkerEnv` (rank, device, data, checkpoints,
-reports), built by the Ray Train edge (trainers/ray_worker.py) or the torchrun edge (trainers/torchrun.py), and
+reports), built by the Ray Train edge (trainers/launch/ray_worker.py) or the torchrun edge (trainers/torchrun.py), and
 gets what the launcher decided as a typed `RunPlan`. What varies between models is the task's (trainers/task.py):
 nothing here asks which task it runs.
 """

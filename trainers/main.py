@@ -34,11 +34,14 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
-from stride.trainers import lifecycle  # noqa: E402
+from stride.trainers.launch import lifecycle  # noqa: E402
 from stride.trainers.run import lock as runlock
 from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
                                     section_keys, to_yaml)
-from stride.trainers.driver import EXIT_FAILED, EXIT_OK, install_signal_handlers, prepare, train_on_ray  # noqa: E402
+from stride.errors import EXIT_FAILED, EXIT_OK
+from stride.trainers.launch.ray import train_on_ray
+from stride.trainers.launch.lifecycle import install_signal_handlers
+from stride.trainers.launch.checks import prepare
 
 
 def parse_args(argv: list[str] | None):
@@ -91,10 +94,10 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stride.trainers.gang import under_torchrun
+    from stride.trainers.launch.torchrun import under_torchrun
 
     if under_torchrun():  # `torchrun ... -m stride train`: the gang is torchrun's (trainers/torchrun.py), not Ray's
-        from stride.trainers import torchrun
+        from stride.trainers.launch import torchrun
 
         return torchrun.main(argv)
     args = parse_args(argv)

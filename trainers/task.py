@@ -153,7 +153,7 @@ class Task:
         return state
 
     def generate(self, model: nn.Module, prompt: str, tokens: int, temperature: float) -> str:
-        """Text generation from a trained model (trainers/generate.py), where the task has it."""
+        """Text generation from a trained model (trainers/commands/generate.py), where the task has it."""
         raise NotImplementedError(f"the task {type(self).__name__} has no text generation")
 
     def predict(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | np.ndarray]:

@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None):
 # ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
 
 def check_storage(sweep: Sweep) -> Path:
-    from stride.trainers.lifecycle import ensure_writable
+    from stride.trainers.launch.lifecycle import ensure_writable
 
     return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
 
@@ -81,7 +81,7 @@ def inspect_data(cfg: Config, sweep: Sweep) -> tuple[dict, dict]:
     """The base config's data checks and facts (Task.inspect), once for the sweep; a task may also refuse model.*
     values against the data (char_gpt: a context longer than the token rows), so the extremes of every model.*
     dimension are checked too, before any trial starts."""
-    from stride.trainers.driver import prepare
+    from stride.trainers.launch.checks import prepare
 
     task, specs = prepare(cfg)
     for d in sweep.dims:
@@ -127,7 +127,8 @@ def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> t
 def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
     """(max concurrent trials, workers per trial, use_gpu); raises UsageError for a gang that can never run."""
     from stride.trainers.config import elastic_range
-    from stride.ray_cluster.connect import UsageError, resolve_scaling
+    from stride.ray_cluster.connect import UsageError
+    from stride.trainers.launch.scaling import resolve_scaling
 
     if elastic_range(cfg):
         raise UsageError(f"base.scaling.num_workers ({list(elastic_range(cfg))}) is elastic, which sweeps do not "

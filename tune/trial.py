@@ -18,9 +18,10 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from stride.trainers import lifecycle
+from stride.trainers.launch import lifecycle
 from stride.trainers.run import folder as runfolder
-from stride.trainers.run.checkpointing import SNAPSHOT, SNAPSHOT_COPY, atomic_write_text, is_json, repair_snapshot
+from stride.trainers.run.checkpointing import atomic_write_text
+from stride.trainers.launch.ray import SNAPSHOT, SNAPSHOT_COPY, is_json, repair_snapshot
 from stride.trainers.config import Config, build_config, global_micro_batch
 
 SUMMARY = "summary.json"
@@ -77,7 +78,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
     from ray import tune
     import ray.train
 
-    from stride.trainers.driver import build_trainer
+    from stride.trainers.launch.ray import build_trainer
     from stride.trainers.tasks import make_task
 
     trial_id = tune.get_context().get_trial_id()

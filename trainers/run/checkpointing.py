@@ -608,7 +608,7 @@ def saved_model_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The full (consolidated) model weights of a checkpoint of either format, in one process, as plain CPU
-    tensors: for trainers/generate.py and trainers/export.py. `part`: "ema" for train.ema's average (sharded
+    tensors: for trainers/commands/generate.py and trainers/commands/export.py. `part`: "ema" for train.ema's average (sharded
     checkpoints; empty when the run had none)."""
     folder = Path(folder)
     if not is_sharded(folder):
@@ -696,62 +696,3 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None,
 # ---- Ray Train's own list of a run's checkpoints: never a reason a rerun cannot start ----
 
 
-SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run folder
-SNAPSHOT_COPY = ".stride-last-good-snapshot.json"  # a sweep's copy of the last readable one (tune/trial.py)
-
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _text_or_empty(path: Path) -> str:
-    """A run folder's file as text, or "" when it is no regular file or unreadable (a FIFO never blocks here)."""
-    try:
-        return runfolder.read_bytes(path).decode(errors="replace")
-    except (OSError, ValueError, RunFolderError):
-        return ""
-
-
-def _usable_snapshot(run_dir: Path, text: str) -> bool:
-    """A snapshot Ray Train can start from: JSON, and every checkpoint it names still on disk."""
-    if not is_json(text):
-        return False
-    names = [c.get("checkpoint_dir_name") for c in json.loads(text).get("checkpoint_results", [])]
-    return all((run_dir / n).is_dir() for n in names if n)
-
-
-def repair_snapshot(run_dir: Path) -> str | None:
-    """Before a TorchTrainer starts on `run_dir` (the driver's, a sweep trial's): Ray Train rewrites its snapshot in
-    place, so a process killed during the write, or a full disk, leaves it empty or torn, and Ray then refuses the
-    run folder for good (CheckpointManagerInitializationError). An unreadable snapshot is replaced by the last good
-    copy, or, with no usable copy, moved aside (Ray starts a new list; Stride resumes from the newest complete
-    checkpoint either way, found on disk). Returns what was done, for the log, or None.
-
-    The copy lags Ray by one checkpoint, and Ray may already have deleted the oldest checkpoint it names: then the
-    newer copy a kill left complete but not yet renamed (atomic_write_text's temporary file) is the one to use."""
-    run_dir = Path(run_dir)
-    snap = run_dir / SNAPSHOT
-    if not snap.exists() or is_json(_text_or_empty(snap)):
-        return None
-    # atomic_write_text's temporary names are unique (runfolder.temp_name): the newest first.
-    kept = sorted(run_dir.glob(f".{SNAPSHOT_COPY}*.tmp"), key=lambda p: p.lstat().st_mtime, reverse=True)
-    for copy in (run_dir / SNAPSHOT_COPY, *kept):
-        if copy.exists() and _usable_snapshot(run_dir, text := _text_or_empty(copy)):
-            atomic_write_text(snap, text)
-            return f"{snap} was unreadable (Ray was stopped while writing it); restored the last good copy"
-    aside = run_dir / f"{SNAPSHOT}.unreadable-{int(time.time())}"
-    snap.rename(aside)
-    return (f"{snap} was unreadable (Ray was stopped while writing it) and no usable copy exists; moved it aside to "
-            f"{aside.name}")
-
-
-def ray_checkpoint_config(keep_last: int):
-    """checkpoint.keep_last on Ray Train: it deletes what it registered beyond num_to_keep (deleting one of them
-    ourselves would make it refuse the run folder on resume)."""
-    from ray.train import CheckpointConfig
-
-    return CheckpointConfig(num_to_keep=keep_last)

@@ -3,7 +3,7 @@
 Bytes (ids 0-255) by default. Data prepared with a tokenizer (`prepare.py text --tokenizer bpe`) have its
 `tokenizer.json` beside the splits (the data folder's parent, or beside the Parquet files): `inspect` finds it and
 returns its JSON text as a fact, so every worker, checkpoint and summary.json carry the tokenizer, and `generate`
-(trainers/generate.py --run) needs only the run folder, even after the data moved or were deleted.
+(trainers/commands/generate.py --run) needs only the run folder, even after the data moved or were deleted.
 """
 
 from __future__ import annotations

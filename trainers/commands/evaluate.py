@@ -85,9 +85,9 @@ def evaluate_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
 
 def parse_args(argv):
     from stride.cli import ArgumentParser
-    from stride.trainers import trained
+    from stride.trainers.commands import trained
 
-    ap = ArgumentParser(prog="python trainers/evaluation.py",
+    ap = ArgumentParser(prog="stride eval",
                         description="Evaluate a run's checkpoint (val_loss and the task's metrics) on a gang.")
     ap.add_argument("--data", help="Parquet, JSON Lines or text files to evaluate on (default: the run's validation "
                                    "split); the task's columns")
@@ -110,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_command(args) -> int:
-    from stride.trainers import gang, trained
+    from stride.trainers.commands import trained
+    from stride.trainers.launch import jobs as gang
     from stride.trainers.run.folder import atomic_write_text, make_folder, refuse_link
 
     t0 = time.time()
     run = trained.open_run(args)
-    spec = gang.split_spec(run, "val", args.data)
+    spec = trained.split_spec(run, "val", args.data)
     plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts,
                    cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint))
     name = trained.output_name(args.name or run.checkpoint.name + (f"-{Path(args.data).stem}" if args.data else ""))

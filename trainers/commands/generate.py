@@ -1,6 +1,6 @@
 """Sample text from a trained run whose task generates text (char_gpt; a user task with `generate`).
 
-    python trainers/generate.py --run runs/char_gpt --prompt "def " --tokens 200 [--temperature 0.8] [--seed 0]
+    stride generate --run runs/char_gpt --prompt "def " --tokens 200 [--temperature 0.8] [--seed 0]
 
 Loads the run's final checkpoint (summary.json's `checkpoint`, else the newest complete checkpoint folder)
 with the model settings and data facts recorded in summary.json, through the task's `generate`. The facts carry
@@ -11,8 +11,8 @@ A run of a built-in task (char_gpt, mlp) needs nothing more. A run of a task of 
 summary.json (`model.name: my_task:MyTask`), and importing a module runs its code: a run folder on shared storage
 may have been written by someone else, so generate.py imports it only when you consent, either way:
 
-    PYTHONPATH=path/to/project python trainers/generate.py --run runs/my_run --task my_task:MyTask   # must match
-    PYTHONPATH=path/to/project python trainers/generate.py --run runs/my_run --trust-remote-code     # any module
+    PYTHONPATH=path/to/project stride generate --run runs/my_run --task my_task:MyTask   # must match
+    PYTHONPATH=path/to/project stride generate --run runs/my_run --trust-remote-code     # any module
 
 Without either it exits 2 before importing anything of the module. The module is found on PYTHONPATH only: neither
 the working directory nor the run folder's parent is put on sys.path (`python -m` puts the working directory
@@ -26,23 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
-    import runpy
+import torch
 
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
-if __name__ == "__main__":
-    from stride.cli import drop_working_directory_from_path
-
-    drop_working_directory_from_path()
-
-import torch  # noqa: E402
-
-from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.ray_cluster.connect import UsageError  # noqa: E402
-from stride.trainers.run import checkpointing  # noqa: E402
+from stride.cli import ArgumentParser, error_line
+from stride.ray_cluster.connect import UsageError
+from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
-from stride.trainers.config import ConfigError, from_dict  # noqa: E402
-from stride.trainers.tasks import consent, make_task, search_working_directory  # noqa: E402
+from stride.trainers.config import ConfigError, from_dict
+from stride.trainers.tasks import consent, make_task, search_working_directory
 
 
 def find_checkpoint(run_dir: Path, summary: dict) -> Path | None:
@@ -115,7 +106,7 @@ def trained_model(task, cfg, ckpt: Path, weights: dict[str, torch.Tensor]) -> to
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="python trainers/generate.py",
+    ap = ArgumentParser(prog="stride generate",
                         description="Sample text from a trained run (a task with generate, e.g. char_gpt).")
     ap.add_argument("--run", required=True, type=Path, help="run folder: <run.storage_path>/<run.name>")
     ap.add_argument("--prompt", default="def ")

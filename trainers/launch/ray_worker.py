@@ -90,7 +90,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """What Ray Train runs on each worker of a command after training (trainers/gang.py): config["job"](cfg, env,
+    """What Ray Train runs on each worker of a command after training (trainers/launch/jobs.py): config["job"](cfg, env,
     plan), with no checkpoints and no reports."""
     import ray
     import ray.train

@@ -1,6 +1,6 @@
 """A run's start and finish, the same for every launcher (the Ray driver, torchrun's rank 0, a Tune trial).
 
-Start: trainers/driver.py's `prepare` (the config's, data's and model's checks, the batch-fit check: before
+Start: trainers/launch/ray.py's `prepare` (the config's, data's and model's checks, the batch-fit check: before
 anything is written), then `open_run` (the storage, the run folder's lock, the resume check). Finish: `finish`
 (summary.json) and `last_line` (the one error line). The exit codes are stride/errors.py's.
 """
@@ -12,6 +12,7 @@ import fnmatch
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,28 @@ def last_line(error: BaseException | str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     line = lines[-1] if lines else type(error).__name__ if isinstance(error, BaseException) else ""
     return re.sub(r"^stride(\.\w+)+: ", "", line)[:500]
+
+
+def install_signal_handlers(run_dir: Path) -> list[int]:
+    """SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, scancel) and SIGINT ask every rank
+    to checkpoint at the next step boundary and stop; the exit code is then 128 + the signal. Under SLURM a
+    SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted."""
+    import signal
+
+    from stride.trainers.policies import clear_stop_request, request_stop
+
+    clear_stop_request(run_dir)
+    received: list[int] = []
+
+    def handler(signum, _frame):
+        if received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        received.append(signum)
+        preempt = signum == signal.SIGUSR1 or (signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"))
+        request_stop(run_dir, "preempted" if preempt else "interrupted", signum)
+        print(f"stride: received {signal.Signals(signum).name}: checkpointing at the next step, then exiting",
+              file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return received

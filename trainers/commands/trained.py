@@ -3,7 +3,7 @@ export --format hf` takes its config and task): its folder, config, task and one
 before any worker starts.
 
 A run folder may sit on shared storage that someone else can write: its summary.json names the task module, and
-importing a module runs it. As trainers/generate.py does, a task of your own is imported only with consent
+importing a module runs it. As trainers/commands/generate.py does, a task of your own is imported only with consent
 (`--task MODULE:CLASS`, the same as the run's, or `--trust-remote-code`); built-in tasks need neither. Consented to,
 it is found in the working directory or on PYTHONPATH, as training finds it (run_config).
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stride.datasets.splits import DataSpec
 from stride.errors import ConfigError, UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
@@ -198,3 +199,17 @@ def output_name(text: str) -> str:
 
 
 __all__ = ["TrainedRun", "add_arguments", "open_run", "run_config", "read_summary", "ConfigError", "output_name"]
+
+
+def split_spec(run, split: str, path: str | None, columns: tuple[str, ...] | None = None) -> DataSpec:
+    """The rows a job reads: `path` (a command's --data), else the run's own `split`, checked against its task."""
+    from stride.datasets import splits
+
+    cache = splits.cache_folder(run.cfg)
+    if path:
+        data = splits.open_path(path, split, "--data", cache)
+    elif getattr(run.cfg.data, f"{split}_path") or getattr(run.cfg.data, split):
+        data = splits.open_split(run.cfg.data, split, cache)
+    else:
+        raise UsageError(f"--run ({run.run_dir}) trained without a {split} split (data.{split}_path); pass --data PATH")
+    return splits.split_spec(run.cfg, run.task, data, columns)

@@ -1,10 +1,10 @@
 """Export a checkpoint's model weights: one safetensors file loadable without Stride, or a Hugging Face model folder.
 
-    python trainers/export.py runs/char_gpt/checkpoint_00000600 model.safetensors
-    python trainers/export.py runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
-    python trainers/export.py runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
-    python trainers/export.py --run runs/char_gpt --out model.safetensors [--checkpoint last|best] [--dtype bf16]
-    python trainers/export.py --run runs/hf_causal_lm --out hf_model --format hf \\
+    stride export runs/char_gpt/checkpoint_00000600 model.safetensors
+    stride export runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
+    stride export runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
+    stride export --run runs/char_gpt --out model.safetensors [--checkpoint last|best] [--dtype bf16]
+    stride export --run runs/hf_causal_lm --out hf_model --format hf \\
         --task hf_lm_task:HFCausalLM     # a transformers save_pretrained folder (the task's hf_model)
 
 The checkpoint's shards (every rank's DCP file, any world size, DDP or FSDP) are consolidated in this one process into
@@ -26,7 +26,7 @@ of the run's own task (its meta.json's model.name is the summary.json's; a --tas
 checkpoint that summary.json names only from inside the run folder.
 
 --format hf writes a folder that `transformers.AutoModel*.from_pretrained` loads: the run's task is rebuilt from its
-summary.json (config and data facts) as `stride eval` and `stride predict` rebuild it (trainers/trained.py): a task of
+summary.json (config and data facts) as `stride eval` and `stride predict` rebuild it (trainers/commands/trained.py): a task of
 your own needs consent (--task MODULE:CLASS or --trust-remote-code) and is found in the working directory or on
 PYTHONPATH. Its model gets the checkpoint's weights, and the task's `hf_model` turns it into a
 `transformers.PreTrainedModel`, saved with `save_pretrained` (safetensors). The folder is written beside `out`
@@ -41,17 +41,8 @@ import os
 import sys
 from pathlib import Path
 
-if not __package__:  # run as a file from a checkout: import Stride as the `stride` package (stride/_checkout.py)
-    import runpy
-
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "stride" / "_checkout.py"))
-if __name__ == "__main__":
-    from stride.cli import drop_working_directory_from_path
-
-    drop_working_directory_from_path()
-
-from stride.cli import ArgumentParser, error_line  # noqa: E402
-from stride.trainers.run import checkpointing  # noqa: E402
+from stride.cli import ArgumentParser, error_line
+from stride.trainers.run import checkpointing
 from stride.trainers.run import retention
 
 EXIT_USAGE = 2
@@ -91,7 +82,7 @@ def warn_line(line: str) -> None:
 def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
     """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it: inside the run folder,
     as eval takes it (trained.best_named). `label`: the argument that gave `run`."""
-    from stride.trainers import trained
+    from stride.trainers.commands import trained
     from stride.trainers.run import folder as runfolder
 
     try:
@@ -118,7 +109,7 @@ def check_task(ckpt: Path, meta: dict, run_dir: Path | None, task: str | None, n
     """Another task's checkpoint is not exported as the run's: its model.name must be the one the run's
     summary.json names (as eval requires, trained.check_same_task), and a --task must name that task too, though
     safetensors imports none. `name`, `label`: the arguments that gave `ckpt` and `run_dir`."""
-    from stride.trainers import trained
+    from stride.trainers.commands import trained
 
     if run_dir is None:  # a checkpoint folder on its own: its meta.json is all there is to match
         if task is not None and task != meta.get("model"):
@@ -230,9 +221,9 @@ def hf_model_of(checkpoint: Path, run_dir: Path, ema: bool, task: str | None, tr
     weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). The task is found as eval and predict find
     it (trained.run_config). `label` names the run folder's argument."""
     from stride.errors import UsageError
-    from stride.trainers import trained
+    from stride.trainers.commands import trained
     from stride.trainers.config import ConfigError
-    from stride.trainers.generate import trained_model
+    from stride.trainers.commands.generate import trained_model
     from stride.trainers.tasks import make_task
 
     try:
@@ -355,7 +346,7 @@ def parse_args(argv: list[str] | None, prog: str):
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python trainers/export.py") -> int:
+def main(argv: list[str] | None = None, prog: str = "stride export") -> int:
     from stride.errors import StrideError
 
     args = parse_args(argv, prog)

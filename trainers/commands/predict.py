@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from stride.errors import TrainingError, UsageError
-from stride.trainers.evaluation import CheckpointModel, JobPlan
+from stride.trainers.commands.evaluate import CheckpointModel, JobPlan
 
 # The end of a prediction, and what it is of (a resume checks it); "_" and "." keep readers of the folder (pyarrow,
 # pandas, Ray Data) to the parts.
@@ -233,9 +233,9 @@ def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dic
 
 def parse_args(argv):
     from stride.cli import ArgumentParser
-    from stride.trainers import trained
+    from stride.trainers.commands import trained
 
-    ap = ArgumentParser(prog="python trainers/prediction.py",
+    ap = ArgumentParser(prog="stride predict",
                         description="Write the task's per-sample outputs (Task.predict) over a data set as Parquet.")
     ap.add_argument("--data", required=True, help="Parquet, JSON Lines or text files with the task's columns")
     ap.add_argument("--out", required=True, type=Path, help="output folder (new; or an unfinished one to resume)")
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def predict_command(args) -> int:
-    from stride.trainers import gang, trained
+    from stride.trainers.commands import trained
+    from stride.trainers.launch import jobs as gang
     from stride.trainers.task import Task
 
     t0 = time.time()

@@ -29,10 +29,8 @@ from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources,
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
 from stride.trainers.run import checkpointing
-from stride.trainers.run import retention
 from stride.trainers.run import lock as runlock
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
-from stride.trainers.ema import EMA
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest,
                                       TrainingError, reseed)
@@ -251,23 +249,20 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps, self.groups)
         self.freezer = Freezer(self.groups)
         self.freezer.apply(0)
-        self.ema = EMA(model, t.ema.decay) if t.ema is not None else None  # the checkpoint's, or these weights'
-        self.ema_restored = False
+        # train.callbacks, the task's and Stride's own (train.ema, early stopping, keep_best): built over the model
+        # and optimizer, so that a resume can restore their state (tensors too) with the checkpoint's.
+        self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
         self.scaler = self.precision.grad_scaler()
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
-        best = cfg.checkpoint.keep_best  # rank 0 keeps the best k beside the newest ones
-        self.best = (retention.BestCheckpoints(self.run_dir, best.metric, best.mode, best.k)
-                     if best is not None and self.rank0 else None)
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group, self.written,
                                                      fence=self.fence.still_holds)
 
     def written(self, folder: Path, seconds: float) -> None:
         """Rank 0, once a checkpoint's files are all in (the writer's thread)."""
         self.env.checkpoint_write_s.append(seconds)
-        if self.best is not None:
-            self.best.offer(folder)
+        self.callbacks.checkpoint_complete(folder)  # checkpoint.keep_best ranks it
 
     def build_model(self) -> torch.nn.Module:
         """The task's model on this rank's device, with its initial weights: seeded (the same on every rank), then
@@ -365,8 +360,7 @@ class Trainer:
     def restore(self) -> None:
         if self.checkpoint_dir is not None:
             self._load(self.checkpoint_dir)
-        if self.ema is not None and not self.ema_restored:  # a checkpoint from before train.ema: start from it
-            self.ema.reset()
+        self.callbacks.load_state_dict((self.resume_meta or {}).get("callbacks") or {})
         if not self.sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded in setup
             self.model = self.env.wrap_model(self.model)
         self.raw_model = getattr(self.model, "module", self.model)
@@ -419,10 +413,12 @@ class Trainer:
 
         partial = bool(meta.get("trainable_only"))  # the rest is init.from's, loaded in build_model
         model_state, optim_state = self.training_state(partial)  # this rank's tensors, to fill
-        state = {"model": model_state, "optim": optim_state}
-        if self.ema is not None and meta.get("ema"):  # filled in place, each rank its own slices
-            state["ema"], self.ema_restored = self.ema.state_dict(), True
+        # The callbacks' tensors that the checkpoint holds (train.ema's average), filled in place, each rank its
+        # own slices; a callback the checkpoint has none of starts as it is (the EMA: at these weights).
+        callback_tensors, present = self.callbacks.tensors_to_fill(checkpointing.saved_keys(ckpt_dir))
+        state = {"model": model_state, "optim": optim_state, **callback_tensors}
         checkpointing.load_sharded(ckpt_dir, state, self.checkpoint_group)
+        self.callbacks.loaded(present)
         set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=not partial))
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -535,24 +531,22 @@ class Trainer:
                 f"{self.cfg.train.batch_size_per_worker}; use a smaller train.batch_size_per_worker with more "
                 f"train.grad_accum_steps (same global batch), train.precision=bf16, or train.strategy=fsdp") from None
         self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update()
         self.state.step += 1
         return result
 
     # ---- evaluate: every validation row once across ranks ----
 
     def evaluate(self) -> dict[str, float]:
-        """val_loss and the task's figures; with train.ema, of the average (eval: ema), or of both (the average's
-        as val_<name>_ema)."""
+        """val_loss and the task's figures, of the trained weights and of the weights callbacks swap in (train.ema:
+        the average's instead, eval: ema, or as well, as val_<name>_ema, eval: both), from the same batches."""
         if self.plan.val is None:
             return {}
-        which = self.cfg.train.ema.eval if self.ema is not None else "raw"
-        out = self.evaluate_weights() if which != "ema" else {}
-        if which != "raw":
-            with self.ema.swapped_in():
-                ema = self.evaluate_weights()
-            out.update(ema if which == "ema" else {f"{k}_ema": v for k, v in ema.items()})
+        swaps = self.callbacks.evaluation_weights()  # suffix -> a context manager with those weights in the model
+        out = self.evaluate_weights() if "" not in swaps else {}
+        for suffix, swapped_in in swaps.items():
+            with swapped_in():
+                figures = self.evaluate_weights()
+            out.update({f"{k}{suffix}": v for k, v in figures.items()})
         return out
 
     def evaluate_weights(self) -> dict[str, float]:
@@ -591,10 +585,9 @@ class Trainer:
         # No RNG state: every rank reseeds from (seed, rank, step) at each step (policies.reseed).
         trainable_only = self.cfg.checkpoint.trainable_only
         model_state, optim_state = self.training_state(trainable_only)
-        state = {"model": model_state, "optim": optim_state}
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
-        meta = {"ema": self.ema is not None, "trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
+        callback_tensors, flags = self.callbacks.state_tensors()  # train.ema's average: "ema", and meta's "ema": true
+        state = {"model": model_state, "optim": optim_state, **callback_tensors}
+        meta = {**flags, "trainable_only": trainable_only, "init": self.init_record, "trainable": self.trainable_names(),
                 "step": s.step, "epoch": epoch, "epoch_offset_samples": offset,
                 "samples_seen": s.samples_seen, "restarts": s.restarts, "preemptions": s.preemptions,
                 "preempted": self.stop.preemption is not None, "sinks": self.sinks.state_dict(),
@@ -662,11 +655,11 @@ class Trainer:
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
         stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted)
         stop.install()
-        callbacks = self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
-        callbacks.load_state_dict((self.resume_meta or {}).get("callbacks") or {})
+        callbacks = self.callbacks
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,
                           cfg.checkpoint.every_steps, self.plan.val is not None)
         nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps)
+        callbacks.fit_start()  # before the untrained evaluation: train.ema's average starts here, and it may be evaluated
         if s.initial_val_loss is None and self.plan.val is not None:
             s.initial_val_loss = self.evaluate()["val_loss"]
             log.info("untrained val_loss %.4f", s.initial_val_loss)
@@ -687,7 +680,6 @@ class Trainer:
             sinks.train(metrics, own, eta)
             last_train = metrics
 
-        callbacks.fit_start()
         while s.step < self.total_steps:
             profiler.before_step(s.step)
             t_data = time.perf_counter()
@@ -695,6 +687,7 @@ class Trainer:
             clock.data_wait += time.perf_counter() - t_data
             reseed(cfg.run.seed, env.world_rank, s.step)  # dropout: a function of the step
             result = self.step(batches)
+            callbacks.optimizer_step()  # train.ema's update
             if (warning := nonfinite.observe(s.step, result.finite, result.loss, result.grad_norm)) and self.rank0 \
                     and not self.scaler.is_enabled():  # fp16: skipped steps are the scaler's normal business
                 log.warning(warning)
@@ -794,7 +787,7 @@ class Trainer:
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],
             **({"init": self.init_record} if self.init_record else {}),
-            **({"best_checkpoints": self.best.summary()} if self.best is not None else {}),
+            **(self.callbacks.summary_fields() if self.rank0 else {}),  # checkpoint.keep_best's best_checkpoints
         }
 
 

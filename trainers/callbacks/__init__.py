@@ -25,7 +25,8 @@ returning instances from `Task.callbacks(self)`. Plain PyTorch, no Ray: they run
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -54,12 +55,45 @@ class Callback:
     def on_fit_end(self, state: "CallbackState", summary: dict[str, Any]) -> None:
         """After the last step of this attempt; `summary` is rank 0's (other ranks: status and stop_signal)."""
 
+    def on_optimizer_step(self, state: "CallbackState") -> None:
+        """Right after every optimizer step (state.step counts it), before the step is logged, evaluated or
+        checkpointed and before on_step_end: where an average of the weights is updated."""
+
+    def evaluation_weights(self, state: "CallbackState") -> dict[str, Callable[[], ContextManager]]:
+        """Weights of this callback's to evaluate, at every evaluation: suffix -> a context manager factory that puts
+        them into the model for the forwards and puts the trained weights back afterwards. The figures of each are
+        reported as val_<name><suffix>; the suffix "" replaces the trained weights' own evaluation."""
+        return {}
+
+    def on_checkpoint_complete(self, state: "CallbackState", folder: Path) -> None:
+        """Rank 0 only, once the checkpoint in `folder` is complete (every rank's files in, meta.json written),
+        from the checkpoint writer's background thread: file work only, no collective, no change to the model."""
+
+    def summary_fields(self, state: "CallbackState") -> dict[str, Any]:
+        """Rank 0, at the end of each attempt: fields this callback adds to summary.json (JSON values)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """This callback's state, as JSON values: rank 0's is saved in every checkpoint."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """On resume, on every rank, before on_fit_start."""
+
+    # Where state_tensors go in the checkpoint's DCP state: None, under "callbacks.<module>:<Class>" (a user's);
+    # a built-in keeps the name its tensors always had (train.ema's: "ema").
+    tensors_key: str | None = None
+
+    def state_tensors(self, state: "CallbackState") -> dict[str, torch.Tensor]:
+        """This rank's tensors to keep in every checkpoint beside the model (DCP): name -> tensor. A DTensor (a
+        parameter's shard under FSDP) is saved shard by shard and resharded on resume at any world size; a plain
+        tensor must be the same on every rank (DCP saves one copy). Called before each checkpoint, and on resume,
+        before on_fit_start, for the tensors to fill in place (the same names, shapes and dtypes)."""
+        return {}
+
+    def load_state_tensors(self, state: "CallbackState", tensors: dict[str, torch.Tensor]) -> None:
+        """On resume, on every rank, once the checkpoint's tensors are in those state_tensors returned (in place;
+        `tensors` is that dict). Not called when the checkpoint holds none of them (written before this callback)."""
 
 
 class CallbackState:
@@ -141,9 +175,12 @@ def load(spec: str, kwargs: dict[str, Any], where: str) -> Callback:
 
 
 def build(cfg, task) -> list[Callback]:
+    """The run's callbacks, in the order their hooks run: train.ema's average first (its update is part of the
+    optimizer step), then train.callbacks, Stride's other built-ins, and the task's own."""
     from stride.trainers.config import ConfigError
 
-    out = [load(*parse_entry(entry), f"train.callbacks[{i}]") for i, entry in enumerate(cfg.train.callbacks)]
+    out = [*averages(cfg)]
+    out += [load(*parse_entry(entry), f"train.callbacks[{i}]") for i, entry in enumerate(cfg.train.callbacks)]
     out += builtin(cfg, task)
     own = list(task.callbacks())
     if bad := [c for c in own if not isinstance(c, Callback)]:
@@ -167,14 +204,29 @@ def check_evaluation_figure(cfg, task, key: str) -> None:
                           f"{', '.join(figures)}")
 
 
+def averages(cfg) -> list[Callback]:
+    """train.ema's average of the weights, when set (trainers/callbacks/ema.py)."""
+    if cfg.train.ema is None:
+        return []
+    from stride.trainers.callbacks.ema import EMACallback
+
+    return [EMACallback(cfg.train.ema.decay, cfg.train.ema.eval)]
+
+
 def builtin(cfg, task) -> list[Callback]:
-    """The callbacks Stride's own keys ask for (train.early_stopping), checked against the task and the data."""
+    """The callbacks Stride's own keys ask for after train.callbacks (train.early_stopping, checkpoint.keep_best),
+    checked against the task and the data."""
     out = []
     if (es := cfg.train.early_stopping) is not None:
         from stride.trainers.callbacks.early_stopping import EarlyStopping
 
         check_evaluation_figure(cfg, task, "train.early_stopping")
         out.append(EarlyStopping(es.metric, es.mode, es.patience, es.min_delta))
+    if (best := cfg.checkpoint.keep_best) is not None:
+        from stride.trainers.callbacks.keep_best import KeepBest
+
+        check_evaluation_figure(cfg, task, "checkpoint.keep_best")
+        out.append(KeepBest(best.metric, best.mode, best.k))
     return out
 
 
@@ -220,6 +272,29 @@ class Callbacks:
     def fit_end(self, summary: dict[str, Any]) -> None:
         self._call("on_fit_end", summary)
 
+    def optimizer_step(self) -> None:
+        self._call("on_optimizer_step")
+
+    def checkpoint_complete(self, folder: Path) -> None:
+        self._call("on_checkpoint_complete", folder)
+
+    def evaluation_weights(self) -> dict[str, Callable[[], ContextManager]]:
+        """Every callback's weights to evaluate (suffix -> context manager factory), in the callbacks' order."""
+        out: dict[str, Callable[[], ContextManager]] = {}
+        for key, cb in zip(self.keys, self.callbacks):
+            for suffix, swapped in self._guarded(key, "evaluation_weights", cb.evaluation_weights, self.state).items():
+                if suffix in out:
+                    raise TrainingError(f"callback {key}: evaluation_weights' suffix {suffix!r} is another "
+                                        f"callback's too; give each its own suffix")
+                out[suffix] = swapped
+        return out
+
+    def summary_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, cb in zip(self.keys, self.callbacks):
+            out.update(self._guarded(key, "summary_fields", cb.summary_fields, self.state))
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {key: self._guarded(key, "state_dict", cb.state_dict) for key, cb in zip(self.keys, self.callbacks)}
 
@@ -227,3 +302,53 @@ class Callbacks:
         for key, cb in zip(self.keys, self.callbacks):
             if key in saved:
                 self._guarded(key, "load_state_dict", cb.load_state_dict, saved[key])
+
+    # ---- tensor state: in the checkpoint's DCP state beside "model" and "optim" ----
+
+    def _place(self, key: str, cb: Callback) -> tuple[str, ...]:
+        """Where a callback's tensors lie in the checkpoint's state: ("callbacks", key), or a built-in's own name."""
+        return (cb.tensors_key,) if cb.tensors_key else ("callbacks", key)
+
+    def _tensors(self) -> list[tuple[str, Callback, tuple[str, ...], dict[str, torch.Tensor]]]:
+        out = []
+        for key, cb in zip(self.keys, self.callbacks):
+            tensors = self._guarded(key, "state_tensors", cb.state_tensors, self.state)
+            if tensors:
+                out.append((key, cb, self._place(key, cb), dict(tensors)))
+        return out
+
+    @staticmethod
+    def _nest(entries) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for *_, place, tensors in entries:
+            d = state
+            for name in place[:-1]:
+                d = d.setdefault(name, {})
+            d[place[-1]] = tensors
+        return state
+
+    def state_tensors(self) -> tuple[dict[str, Any], dict[str, bool]]:
+        """This rank's callback tensors, nested as the checkpoint's DCP state holds them, and meta.json's flags: a
+        built-in's own name is true where its tensors are saved (train.ema's "ema", as before callbacks held it)."""
+        entries = self._tensors()
+        return self._nest(entries), {place[0]: True for *_, place, _ in entries if len(place) == 1}
+
+    def tensors_to_fill(self, saved: set[str]) -> tuple[dict[str, Any], list]:
+        """The callback tensors a checkpoint holds (`saved`: its DCP keys, flattened with "."), nested for DCP to
+        fill in place, and what `loaded` needs afterwards. A callback whose tensors the checkpoint lacks (written
+        before it was added) is left as it is; one whose names it holds only in part is refused."""
+        present = []
+        for key, cb, place, tensors in self._tensors():
+            names = {".".join((*place, name)): name for name in tensors}
+            found = [n for flat, n in names.items() if flat in saved]
+            if len(found) == len(names):
+                present.append((key, cb, place, tensors))
+            elif found:
+                missing = sorted(set(tensors) - set(found))
+                raise TrainingError(f"callback {key}: the checkpoint holds some of its state_tensors but not "
+                                    f"{', '.join(missing[:3])}; state_tensors must name the tensors it saved")
+        return self._nest(present), present
+
+    def loaded(self, present: list) -> None:
+        for key, cb, _, tensors in present:
+            self._guarded(key, "load_state_tensors", cb.load_state_tensors, self.state, tensors)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from stride.trainers.run import checkpointing
-from stride.trainers.ema import EMA
+from stride.trainers.callbacks import Callbacks, CallbackState, averages
 from stride.trainers.loop import RunPlan, Trainer
 
 
@@ -51,8 +51,10 @@ class CheckpointModel(Trainer):
         self.setup_process()
         self.setup_precision(self.shard)
         model = self.model = self.raw_model = self.build_model()  # init.from too, under a trainable_only checkpoint
-        ema = self.cfg.train.ema
-        self.ema = EMA(model, ema.decay) if ema is not None and self.resume_meta.get("ema") else None
+        # train.ema's callback, where the checkpoint holds the average: evaluate() then measures the weights the run
+        # evaluated (train.ema.eval), and predict swaps it in. No other callback runs after training.
+        self.ema = next(iter(averages(self.cfg)), None) if self.resume_meta.get("ema") else None
+        self.callbacks = Callbacks([self.ema] if self.ema is not None else [], CallbackState(self))
         group = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
         self.load_weights(group)
         self.task.training = False
@@ -69,10 +71,11 @@ class CheckpointModel(Trainer):
                                  options=StateDictOptions(full_state_dict=True, strict=not partial))
             return
         saved = checkpointing.saved_model_shapes(ckpt)
-        state = {"model": {k: v for k, v in get_model_state_dict(self.raw_model).items() if not partial or k in saved}}
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
+        callback_tensors, present = self.callbacks.tensors_to_fill(checkpointing.saved_keys(ckpt))
+        state = {"model": {k: v for k, v in get_model_state_dict(self.raw_model).items() if not partial or k in saved},
+                 **callback_tensors}
         checkpointing.load_sharded(ckpt, state, group)
+        self.callbacks.loaded(present)
         set_model_state_dict(self.raw_model, state["model"], options=StateDictOptions(strict=not partial))
 
 

@@ -47,7 +47,7 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
     job = CheckpointModel(cfg, env, plan, shard=False)
     job.load()
     if job.ema is not None and cfg.train.ema.eval != "raw":  # the weights the run evaluated (train.ema.eval)
-        job.ema.swap()
+        job.ema.average.swap()
     out, spec, keep = Path(plan.out), plan.val, list(plan.keep_columns)
     reads = task_columns(job.task)
     unread = [c for c in keep if reads is not None and c not in reads]  # read for the output only, not the task's

@@ -606,6 +606,12 @@ def saved_model_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
 
 
+def saved_keys(folder: Path) -> set[str]:
+    """The names of a sharded checkpoint's items as DCP flattens them ("model.<name>", "ema.<name>", a callback's
+    "callbacks.<module>:<Class>.<name>"), from `.metadata` alone: what a resume may ask DCP to fill."""
+    return set(dcp_metadata(folder).state_dict_metadata)
+
+
 def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The full (consolidated) model weights of a checkpoint of either format, in one process, as plain CPU
     tensors: for trainers/commands/generate.py and trainers/commands/export.py. `part`: "ema" for train.ema's average (sharded

@@ -163,8 +163,12 @@ def export(source: Path, out: Path, *flags: str) -> dict:
 def figures(run: Path) -> dict[int, dict]:
     """Each logged step's training and validation figures (no timings), at the steps an uninterrupted run logs."""
     keep = ("train_loss", "lr", "val_loss", "val_accuracy", "val_loss_ema", "val_accuracy_ema")
-    return {x["step"]: {k: x[k] for k in keep if k in x} for x in read_jsonl(run / "metrics.jsonl")
-            if x["step"] % 5 == 0 and "train_loss" in x}
+    out: dict[int, dict] = {}
+    for x in read_jsonl(run / "metrics.jsonl"):  # a step's training line, then its evaluation's
+        if x["step"] % 5 == 0:
+            out.setdefault(x["step"], {}).update({k: x[k] for k in keep if k in x})
+    assert all(len(v) == len(keep) for v in out.values()), out
+    return out
 
 
 def best(run: Path) -> list[tuple[int, float]]:

@@ -659,7 +659,7 @@ class Trainer:
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,
                           cfg.checkpoint.every_steps, self.plan.val is not None)
         nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps)
-        callbacks.fit_start()  # before the untrained evaluation: train.ema's average starts here, and it may be evaluated
+        callbacks.fit_start()  # before the untrained evaluation, which may evaluate train.ema's average
         if s.initial_val_loss is None and self.plan.val is not None:
             s.initial_val_loss = self.evaluate()["val_loss"]
             log.info("untrained val_loss %.4f", s.initial_val_loss)

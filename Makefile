@@ -65,7 +65,7 @@ test-system: $(STAMP)
 
 # docs/configuration.md is generated from the config's field descriptions (a test fails when it is stale).
 docs: $(STAMP)
-	$(PY) -m stride.trainers.config > docs/configuration.md
+	$(PY) -m stride.trainers.config_reader > docs/configuration.md
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --quick

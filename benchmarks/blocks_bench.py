@@ -69,7 +69,7 @@ def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
     import torch
 
     from stride.trainers import blocks
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.optim import build_optimizer
     from stride.trainers.step import Precision, train_step
     from stride.trainers.tasks import make_task

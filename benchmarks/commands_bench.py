@@ -67,7 +67,7 @@ def hand(argv: list[str]) -> None:
 
     sys.path.insert(0, str(REPO))
     from stride.trainers.run import checkpointing
-    from stride.trainers.config import from_dict
+    from stride.trainers.config_reader import from_dict
     from stride.trainers.tasks import make_task
 
     run, data, out, batch = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3])

@@ -148,7 +148,7 @@ def frozen_match(blocks: int) -> str:
 
 
 def config(dims: dict, storage: Path, **sections):
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     raw = {"run": {"name": "finetune-bench", "storage_path": str(storage)}, "model": {"name": TASK, **dims},
            "tracking": {"mlflow": False}, "train": {"max_steps": 10_000, "batch_size_per_worker": STEP_BATCH}}

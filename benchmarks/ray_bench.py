@@ -93,7 +93,7 @@ def ingest(spec: dict, storage: Path) -> dict:
     from ray.train.torch import TorchTrainer
 
     from stride.datasets.splits import cache_folder, open_split
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.launch.checks import prepare
 
     specs, settings, driver = {}, {}, {}
@@ -126,7 +126,7 @@ def ingest(spec: dict, storage: Path) -> dict:
 
 
 def scaling(spec: dict, storage: Path) -> dict:
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.launch.ray import build_trainer
     from stride.trainers.launch.checks import prepare
 

@@ -30,7 +30,8 @@ import pyarrow.fs as pafs
 
 from typing import TYPE_CHECKING
 
-from stride.datasets.formats import DataError, FileLayout, first_line
+from stride.datasets.formats import FileLayout, first_line
+from stride.errors import DataError
 
 if TYPE_CHECKING:  # frame.py imports splits.py, which imports this module
     from stride.datasets.frame import Frame

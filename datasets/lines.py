@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from stride.datasets.formats import DataError, FileLayout, PartReader, first_line, open_input, stamp
+from stride.datasets.formats import FileLayout, PartReader, first_line, open_input, stamp
+from stride.errors import DataError
 
 PART_ROWS = 4096  # lines per part: the same granularity as prepare.py's Parquet row groups
 PART_BYTES = 8 << 20  # and a bound on a part's bytes, so that long lines (inline blobs) keep parts small

@@ -490,7 +490,8 @@ def prepare_text(args) -> dict:
                            f"{EOS}, ids as uint16); use e.g. --vocab-size 4096")
     text_files(args.input)  # no files: say so before starting Ray
     check_out(args.out, args.force)
-    from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
+    from stride.errors import UsageError
 
     quiet_ray_env()
     try:

@@ -5,7 +5,7 @@ task reads the windows a chunk falls in, keeps this rank's rows and applies the 
 micro-batch (reseeded from the micro-step, so the arrays are those the training thread would make). The tasks run
 on whatever CPUs the cluster has beside the worker gang, on any node; Ray Data's backpressure bounds what is read
 ahead; `preserve_order` keeps the chunks in order, and the consumer checks every micro-step it receives.
-The driver chooses this pipeline only where CPUs are free beside the gang (trainers/driver.py), and a pipeline
+The driver chooses this pipeline only where CPUs are free beside the gang (trainers/launch/ray.py), and a pipeline
 that delivers nothing for `data.pipeline_timeout_s` fails the run with one line instead of waiting forever.
 """
 

@@ -24,10 +24,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from stride.datasets.files import check_files, is_reference
-from stride.datasets.formats import DataError, FileLayout, extensions, first_line, format_of, formats
+from stride.datasets.formats import FileLayout, extensions, first_line, format_of, formats
+from stride.errors import DataError
 from stride.datasets.index import cached_layout
 
-__all__ = ["DataError", "DataSpec", "DataSplit", "SAMPLE_ID", "Columns", "column_to_numpy", "inspect", "open_split",
+__all__ = ["DataSpec", "DataSplit", "SAMPLE_ID", "Columns", "column_to_numpy", "inspect", "open_split",
            "resolve_files", "read_files"]
 
 SAMPLE_ID = "sample_id"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 
-from stride.errors import UsageError  # noqa: E402, F401 - its home is stride/errors.py
+from stride.errors import UsageError  # noqa: E402
 from stride.ray_cluster import ray_edge  # noqa: E402
 
 

@@ -361,7 +361,7 @@ def _node_labels(nodes: list[dict]) -> dict[str, str]:
 def plan_gang(num_workers: int | str, use_gpu: bool | str, cpus_per_worker: float, nodes: list[dict],
               names: Names) -> tuple[int, bool]:
     """'auto' -> numbers like the training driver, and refuse a gang the cluster can never place (UsageError)."""
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     cpus = sum(n["Resources"].get("CPU", 0.0) for n in nodes)
     gpus = sum(n["Resources"].get("GPU", 0.0) for n in nodes)
@@ -780,7 +780,8 @@ def _reachable(address: str, timeout_s: float) -> str | None:
 
 def _connect(args: argparse.Namespace) -> None:
     """The training driver's connection logic: --address/RAY_ADDRESS, else an embedded Ray with token auth."""
-    from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
+    from stride.ray_cluster.connect import init_ray, quiet_ray_env
+    from stride.errors import UsageError
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address
@@ -830,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_big:
         error_line(too_big)
         return EXIT_USAGE
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     t0 = time.perf_counter()
     report = lambda rows, facts: _report(args, rows, facts, time.perf_counter() - t0)  # noqa: E731

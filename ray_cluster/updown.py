@@ -26,7 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
 
 from stride.cli import error_line
 
@@ -38,10 +37,9 @@ class UpDownError(Exception):
 
 
 def load(config_path: str) -> dict:
-    path = Path(config_path)
-    if not path.exists():
-        raise UpDownError(f"cluster config ({config_path}) does not exist; e.g. cluster.yaml")
-    return yaml.safe_load(path.read_text())
+    from stride.safe_yaml import read_mapping
+
+    return read_mapping(config_path, "cluster config", "cluster.yaml", UpDownError)
 
 
 def ensure_token(config: dict) -> Path:

@@ -48,11 +48,12 @@ __version__ = "0.2.0"
 _PUBLIC = {
     "Task": "stride.trainers.task",
     "Callback": "stride.trainers.callbacks",
+    "Sink": "stride.trainers.sinks",
     "LossOutput": "stride.trainers.step",
     "DataSplit": "stride.datasets.splits",
-    "DataError": "stride.datasets.splits",
+    "DataError": "stride.errors",
     "Config": "stride.trainers.config",
-    "load_config": "stride.trainers.config",
+    "load_config": "stride.trainers.config_reader",
     "fit": "stride.trainers.main",
 }
 __all__ = sorted(_PUBLIC)

@@ -8,7 +8,19 @@ cluster layers import it without importing trainers/ (or torch).
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+# An error line quotes at most this much of a bad value: a value can be megabytes (a YAML alias expanded).
+MAX_QUOTED_CHARS = 200
+
+
+def quote(value: Any) -> str:
+    """repr(value) for an error line, cut to MAX_QUOTED_CHARS."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} characters)"
 
 
 class StrideError(Exception):

@@ -342,6 +342,11 @@ OTHER_CASES = [
       "data.val_path=null", "data.file_root={tmp}/files/clips"], "(column path, row 2 of"),
     (["trainers/torchrun.py", "--config", "{tmp}/files/clips.yaml", "data.train_path={tmp}/files/clips/link.parquet",
       "data.val_path=null", "data.file_root={tmp}/files/clips"], "is outside data.file_root"),
+    # Issue 43: one YAML loader for configs, sweep files and cluster files (a key twice, an alias bomb).
+    (["tune/main.py", "--config", "{tmp}/files/duplicate.yaml", "--print-space"], "key 'max_steps' appears twice"),
+    (["tune/main.py", "--config", "{tmp}/files/bomb.yaml", "--print-space"], "aliases expand to more than 1000000"),
+    (["-m", "stride.ray_cluster.updown", "down", "{tmp}/files/duplicate.yaml"], "key 'max_steps' appears twice"),
+    (["-m", "stride.ray_cluster.updown", "up", "{tmp}/files/bomb.yaml"], "aliases expand to more than 1000000"),
     # Issue 42: predict's record of an earlier prediction in --out, damaged.
     (["-m", "stride", "predict", "--run", "{tmp}/runs/tabular_mlp", "--data", "{tmp}/data/val", "--out",
       "{tmp}/predicted-damaged"], "predicted-damaged): .stride-predict.json is not a record stride predict wrote"),

@@ -3,6 +3,7 @@ the fix, before anything is written or destroyed; or, for problems training can 
 
 from __future__ import annotations
 
+from stride.errors import UnsafeCheckpointError
 import hashlib
 import math
 import time
@@ -86,7 +87,7 @@ def test_unwritable_storage_path_names_the_key(tmp_path, tabular_data):
 def test_checkpoint_of_another_model_is_refused_and_left_intact(tmp_path, tabular_data):
     """Resuming run.name with other model.* settings names the tensor that differs; the checkpoint survives."""
     from stride.trainers.run import checkpointing
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.models import MLP
 
     storage = tmp_path / "runs"
@@ -120,7 +121,7 @@ def _node(cpus: float, gpus: float = 0.0) -> dict:
 
 
 def _scaling_cfg(*overrides: str):
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
 
     return load_config("trainers/configs/tabular_mlp.yaml", list(overrides))
 
@@ -138,7 +139,7 @@ def _scaling_cfg(*overrides: str):
     (["scaling.num_workers=[3,4]", "train.batch_size_per_worker=60"], [_node(2)], ["scaling.num_workers (3)", "the cluster's 2 CPUs"]),  # elastic min
 ])
 def test_a_gang_the_cluster_cannot_hold_is_refused_naming_the_fix(overrides, nodes, must_name):
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
     from stride.trainers.launch.scaling import plan_scaling
 
     total = {"CPU": sum(n["Resources"]["CPU"] for n in nodes), "GPU": sum(n["Resources"]["GPU"] for n in nodes)}
@@ -162,7 +163,7 @@ def test_a_gang_that_fits_is_planned_and_auto_takes_what_the_cluster_has():
 
 
 def test_ray_data_needs_cpus_beside_the_gang():
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
     from stride.trainers.launch.ray import choose_pipeline
 
     cfg = _scaling_cfg("data.pipeline=ray_data", "scaling.num_workers=2")
@@ -310,6 +311,6 @@ def test_a_pickled_object_inside_a_dcp_shard_is_refused(tmp_path):
 
     marker = tmp_path / "pwned"
     dcp.save({"optim": {"lr": _Payload(marker)}}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt"), no_dist=True)
-    with pytest.raises(checkpointing.UnsafeCheckpointError, match="holds more than tensors"):
+    with pytest.raises(UnsafeCheckpointError, match="holds more than tensors"):
         checkpointing.load_sharded(tmp_path / "ckpt", {"optim": {"lr": 0.1}})
     assert not marker.exists()

@@ -9,7 +9,8 @@ import pytest
 
 from stride.datasets.bucketing import Padding, bucket
 from stride.datasets.mixing import order_for
-from stride.datasets.splits import DataError, DataSpec, check_length_column, open_split
+from stride.datasets.splits import DataSpec, check_length_column, open_split
+from stride.errors import DataError
 from stride.datasets.stream import TrainStream
 
 ROWS, G = 3000, 24
@@ -250,7 +251,8 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
 
 
 def test_a_budget_below_the_longest_row_or_without_its_needs_is_refused(lengths_split):
-    from stride.trainers.config import ConfigError, build_config
+    from stride.errors import ConfigError
+    from stride.trainers.config_reader import build_config
 
     split, length = lengths_split
     with pytest.raises(DataError, match=rf"train.tokens_per_micro_batch \(500\) is below the longest row of "

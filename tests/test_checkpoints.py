@@ -1,3 +1,4 @@
+from stride.errors import CheckpointWriteError
 """Checkpoints in one process (no Ray, no process group): the background writer, the marker, the earlier format."""
 
 import json
@@ -75,7 +76,7 @@ def test_a_failed_write_is_retried_then_names_the_folder(tmp_path, monkeypatch):
     assert len(calls) == 3 and checkpointing.verify(tmp_path / "ok") is None
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     writer.save(tmp_path / "broken", {"model": {"w": torch.ones(2)}}, {"step": 2})
-    with pytest.raises(checkpointing.CheckpointWriteError,
+    with pytest.raises(CheckpointWriteError,
                        match=r"checkpoint broken could not be written \(disk full; failed 4 times\)"):
         writer.wait()
     assert not (tmp_path / "broken" / checkpointing.META).exists()
@@ -125,7 +126,7 @@ def _to_earlier_format(folder, cfg_args) -> None:
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.optim import build_optimizer, build_scheduler
     from stride.trainers.tasks import make_task
 

@@ -209,7 +209,7 @@ def forward(run: Path, checkpoint: Path, rows: pa.Table, folder: Path, ema: bool
     from safetensors.torch import load_file
 
     from stride.trainers.commands import export
-    from stride.trainers.config import from_dict
+    from stride.trainers.config_reader import from_dict
     from stride.trainers.tasks import make_task
 
     weights = folder / f"{run.name}{'-ema' if ema else ''}.safetensors"

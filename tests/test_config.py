@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli_forked
-from stride.trainers.config import ConfigError, global_batch_size, global_micro_batch, load_config, scaled_lr
+from stride.trainers.config import global_batch_size, global_micro_batch, scaled_lr
+from stride.errors import ConfigError
+from stride.trainers.config_reader import load_config
 
 SHIPPED = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
 
@@ -143,7 +145,8 @@ def test_an_elastic_batch_that_cannot_split_names_the_smallest_that_can_at_once(
 
 def test_configuration_reference_is_current():
     """docs/configuration.md is generated from the field descriptions: every key of every section and built-in task."""
-    from stride.trainers.config import SECTIONS, reference_markdown, section_keys
+    from stride.trainers.config import SECTIONS
+    from stride.trainers.config_reader import reference_markdown, section_keys
     from stride.trainers.tasks import BUILTIN, task_class
 
     text = (REPO / "docs" / "configuration.md").read_text()

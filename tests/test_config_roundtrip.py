@@ -13,7 +13,8 @@ import yaml
 from pydantic import BaseModel
 
 from conftest import REPO
-from stride.trainers.config import Config, build_config, from_dict, load_config, to_yaml
+from stride.trainers.config import Config
+from stride.trainers.config_reader import build_config, from_dict, load_config, to_yaml
 
 TRAINING_CONFIGS = sorted((REPO / "trainers" / "configs").glob("*.yaml"))
 EXAMPLE_CONFIGS = sorted((REPO / "examples").glob("*/*.yaml"))

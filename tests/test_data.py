@@ -6,10 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli, run_cli_forked
-from stride.datasets.splits import DataError
+from stride.errors import DataError
 from stride.datasets.stream import concat_columns, eval_stream
 from stride.datasets.prepare import stdlib_files
-from stride.trainers.config import load_config
+from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
 
 

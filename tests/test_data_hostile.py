@@ -13,13 +13,13 @@ import pytest
 
 from conftest import run_cli
 from stride.datasets import files, lines
-from stride.datasets.formats import DataError
+from stride.errors import DataError
 from stride.datasets.formats.csv import FORMAT as CSV
 from stride.datasets.formats.jsonl import FORMAT as JSONL
 from stride.datasets.frame import Frame
 from stride.datasets.splits import open_split, read_layouts, split_spec
 from stride.errors import UsageError
-from stride.trainers.config import build_config
+from stride.trainers.config_reader import build_config
 from stride.trainers.launch.lifecycle import check_storage_outside_data
 
 TORCHRUN = ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "tracking.mlflow=false",

@@ -1,3 +1,4 @@
+from stride.errors import CheckpointWriteError
 """A full disk is survivable (issue 27, point 5): a checkpoint that cannot be written ends the run with exit 1 and one
 line naming it and the last complete checkpoint; every earlier checkpoint stays usable; once space is freed the same
 command resumes with no cleanup by hand, to weights bitwise equal to an uninterrupted run's. Ray Train's own
@@ -133,7 +134,7 @@ def test_the_driver_repairs_an_empty_or_torn_ray_snapshot_before_fit(tmp_path, m
     from types import SimpleNamespace
 
     from stride.trainers.launch import ray as driver
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     cfg = build_config({"run": {"name": "r", "storage_path": str(tmp_path)}, "data": {"train_path": "x"},
                         "model": {"name": "mlp"}}, origin="test")
@@ -210,10 +211,10 @@ def test_a_short_write_that_lost_its_errno_on_a_full_disk_is_not_retried(tmp_pat
 
     with tmpfs(tmp_path / "fs", 1 << 20) as fs:
         _fill_leaving(fs, 0)
-        with pytest.raises(checkpointing.CheckpointWriteError) as e:
+        with pytest.raises(CheckpointWriteError) as e:
             checkpointing.with_retries(short_write, str(fs / "checkpoint_00000030"), errors=(RuntimeError,))
         assert e.value.errno == errno.ENOSPC and waits == []
         (fs / "filler").unlink()  # with space, the same error is taken for a transient one and retried
-        with pytest.raises(checkpointing.CheckpointWriteError, match="failed 4 times"):
+        with pytest.raises(CheckpointWriteError, match="failed 4 times"):
             checkpointing.with_retries(short_write, str(fs / "checkpoint_00000030"), errors=(RuntimeError,))
         assert len(waits) == 3

@@ -93,7 +93,7 @@ def node(cpus: float, gpus: float = 0, ip: str = "10.0.0.1", node_id: str = "a")
 ])
 def test_impossible_gangs_are_refused_naming_requested_and_available(workers, use_gpu, cpus_per_worker, nodes, words):
     from stride.ray_cluster.doctor import Names, plan_gang
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     with pytest.raises(UsageError) as e:
         plan_gang(workers, use_gpu, cpus_per_worker, nodes, Names())
@@ -103,7 +103,7 @@ def test_impossible_gangs_are_refused_naming_requested_and_available(workers, us
 
 def test_gang_auto_and_preflight_names():
     from stride.ray_cluster.doctor import Names, plan_gang
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     assert plan_gang("auto", "auto", 1.0, [node(8, 4)], Names()) == (4, True)  # one worker per GPU
     assert plan_gang("auto", "auto", 1.0, [node(2)], Names()) == (2, False)  # two CPU workers: an all-reduce to test
@@ -143,7 +143,7 @@ def test_the_preflight_under_torchrun_checks_the_gangs_own_processes_and_fails_b
     write fails the versions, storage and disk checks on that host, which the run's verdict names (exit 2)."""
     import torch
 
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
     from stride.ray_cluster.doctor import check_gang_in_place
     from stride.trainers.launch.checks import judge_preflight
 
@@ -205,7 +205,7 @@ def test_healthy_two_worker_cpu_gang_passes_with_json(tmp_path, ray_cluster):
 PREFLIGHT = r"""
 import json, sys, time
 import ray
-from stride.trainers.config import load_config
+from stride.trainers.config_reader import load_config
 from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env
 from stride.ray_cluster import doctor
 

@@ -24,7 +24,8 @@ from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
 
 from stride.datasets import files
 from stride.datasets.order import Order
-from stride.datasets.splits import DataError, DataSpec, open_split
+from stride.datasets.splits import DataSpec, open_split
+from stride.errors import DataError
 from stride.datasets.stream import TrainStream
 
 

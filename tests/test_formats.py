@@ -15,7 +15,8 @@ import stride.datasets.lines as lines
 from stride.datasets import index
 from stride.datasets.formats import formats
 from stride.datasets.order import Order
-from stride.datasets.splits import DataError, DataSpec, open_split, read_files, resolve_files
+from stride.datasets.splits import DataSpec, open_split, read_files, resolve_files
+from stride.errors import DataError
 from stride.datasets.stream import TrainStream, eval_stream
 
 ROWS = 1003

@@ -424,7 +424,7 @@ def test_accumulation_nonfinite_shard_and_bf16_inside_the_step(tmp_path):
 def test_optimizer_state_converts_between_positions_and_names():
     from stride.trainers.models import MLP
     from stride.trainers.optim import build_optimizer
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
 
     cfg = load_config(None, ["model.name=mlp"])
     m = MLP(4, [8, 8], 3)

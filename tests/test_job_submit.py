@@ -78,7 +78,7 @@ def test_the_readmes_job_command_uploads_no_data_or_runs_and_passes_the_jobs_che
 
     from stride.errors import UsageError
     from stride.trainers.launch import lifecycle
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
     from stride.trainers.launch.checks import prepare
 
     project = tmp_path / "my_project"
@@ -128,7 +128,7 @@ def test_an_init_from_in_the_jobs_copy_of_the_working_dir_is_refused(tmp_path, m
     init.from; an absolute path elsewhere or a URI is the fix, and outside a job the same relative path is fine."""
     from stride.errors import UsageError
     from stride.trainers.launch import lifecycle
-    from stride.trainers.config import load_config
+    from stride.trainers.config_reader import load_config
 
     copy = tmp_path / "working_dir_files" / "_ray_pkg_1"
     copy.mkdir(parents=True)

@@ -227,7 +227,7 @@ def test_a_killed_and_resized_mixture_trains_every_micro_step_as_the_uninterrupt
     # The uninterrupted run's global batches are the order's (test_streamed_batches_are_the_reference_at_any_world_size
     # holds the streams to it): a mixture numbers its rows in order, sources one after another.
     from stride.datasets.mixing import MixedOrder
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     cfg = build_config({"data": {"train": [{"name": "a", "path": str(project / "a" / "train"), "weight": 0.7},
                                            {"name": "b", "path": str(project / "b" / "train.jsonl"), "weight": 0.3}]}})
@@ -270,7 +270,8 @@ def test_a_killed_and_resized_mixture_trains_every_micro_step_as_the_uninterrupt
     ({"train": [{"name": "a", "path": "x", "wieght": 1}]}, r"data.train\[0\].wieght is not a key of a data.train entry"),
 ])
 def test_a_bad_mixture_config_is_one_line_naming_the_entry(data, message):
-    from stride.trainers.config import ConfigError, build_config
+    from stride.errors import ConfigError
+    from stride.trainers.config_reader import build_config
 
     with pytest.raises(ConfigError, match=message) as e:
         build_config({"data": data})
@@ -278,8 +279,9 @@ def test_a_bad_mixture_config_is_one_line_naming_the_entry(data, message):
 
 
 def test_sources_without_the_tasks_columns_are_refused_naming_the_source_and_column(tmp_path):
-    from stride.datasets.splits import DataError, inspect
-    from stride.trainers.config import build_config
+    from stride.datasets.splits import inspect
+    from stride.errors import DataError
+    from stride.trainers.config_reader import build_config
 
     pq.write_table(pa.table({"x": [1.0, 2.0], "label": [0, 1]}), tmp_path / "a.parquet")
     (tmp_path / "b.jsonl").write_text('{"x": 1.5, "target": 0}\n')

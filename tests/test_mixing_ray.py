@@ -20,7 +20,7 @@ STEPS = 12
 def test_a_mixture_with_validation_sources_trains_on_two_ray_workers(regression_mix, shared_ray_head, tmp_path):
     from stride.datasets.mixing import MixedOrder
     from stride.datasets.splits import open_split
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     project, mix = regression_mix
     log = tmp_path / "samples"

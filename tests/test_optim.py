@@ -13,7 +13,8 @@ import torch
 from conftest import REPO, read_jsonl
 from stride.trainers import config as config_module
 from stride.trainers import optim as optim_module
-from stride.trainers.config import ConfigError, load_config
+from stride.errors import ConfigError
+from stride.trainers.config_reader import load_config
 from stride.trainers.models import MLP
 from stride.trainers.optim import SCHEDULES, build_optimizer, build_scheduler, check_optimizer, cosine_factor
 from stride.trainers.task import Task

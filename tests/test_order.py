@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stride.datasets.order import Order
-from stride.datasets.splits import DataError, DataSpec, open_split
+from stride.datasets.splits import DataSpec, open_split
+from stride.errors import DataError
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_stream
 
 

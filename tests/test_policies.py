@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from stride.trainers.policies import (Cadence, NonFinitePolicy, StopRequest, TrainingError, clear_stop_request,
-                                      request_stop, reseed, step_seed)
+from stride.trainers.policies import Cadence, NonFinitePolicy, StopRequest, clear_stop_request, request_stop, reseed, step_seed
+from stride.errors import TrainingError
 
 
 def test_cadence_logs_evaluates_and_checkpoints_on_schedule_and_at_the_end():

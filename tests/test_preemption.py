@@ -195,7 +195,7 @@ def test_the_loop_checkpoints_at_the_notice_waits_and_a_restart_from_it_counts_a
         tmp_path, tabular_data, monkeypatch, capsys):
     import time
 
-    from stride.trainers.policies import TrainingError
+    from stride.errors import TrainingError
     from stride.trainers.launch.torchrun import main as torchrun_main
 
     # Ray ends the gang at the deadline: here the wait raises instead (the process is gone, the run failed so far).

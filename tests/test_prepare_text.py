@@ -19,8 +19,8 @@ import pytest
 
 from conftest import REPO, run_cli, run_cli_forked
 from stride.datasets import prepare as P
-from stride.datasets.splits import DataError
-from stride.trainers.config import load_config
+from stride.errors import DataError
+from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare as inspect_data
 
 WORDS = ("the", "model", "reads", "text", "and", "learns", "which", "token", "comes", "next", "héllo", "wörld",

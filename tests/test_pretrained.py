@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from stride.trainers.run import checkpointing
 from stride.trainers import pretrained as pt
-from stride.trainers.config import ConfigError
+from stride.errors import ConfigError
 
 UNPICKLED = []  # what an unrestricted unpickler would have run
 

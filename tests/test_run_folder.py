@@ -4,6 +4,8 @@ no Ray: checkpoints are made with CheckpointWriter(rank=0), as tests/test_checkp
 
 from __future__ import annotations
 
+from stride.errors import UnsafeCheckpointError
+from stride.trainers.run.folder import atomic_write_text
 import dataclasses
 import hashlib
 import json
@@ -17,7 +19,7 @@ import torch
 
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
-from stride.trainers.run.folder import RunFolderError
+from stride.errors import RunFolderError
 
 STATE = {"model": {"w": torch.arange(6.0)}}
 
@@ -181,12 +183,12 @@ def test_temporary_names_are_fresh_so_a_link_at_the_old_fixed_name_is_never_open
     (folder / ".meta.json.tmp").symlink_to(victim)
     checkpointing.write_marker(folder, {"step": 10})
     (run / ".summary.json.tmp").symlink_to(victim)
-    checkpointing.atomic_write_text(run / "summary.json", "{}")
+    atomic_write_text(run / "summary.json", "{}")
     assert _sha(victim) == before and checkpointing.verify(folder) is None
     with pytest.raises(RunFolderError, match="summary.json is a symlink"):
         (run / "summary.json").unlink()
         (run / "summary.json").symlink_to(victim)
-        checkpointing.atomic_write_text(run / "summary.json", "{}")
+        atomic_write_text(run / "summary.json", "{}")
     assert _sha(victim) == before and not list(run.glob(".summary.json.*-*.tmp"))  # no temporary file left behind
 
 
@@ -277,7 +279,7 @@ def test_a_metadata_naming_a_file_outside_its_folder_fails_verify_is_skipped_and
     assert len(err) == 1 and "checkpoint_00000020" in err[0] and "not a file of this checkpoint" in err[0]
     assert not out.exists()
     # The reader at load time refuses it too: the folder may change between verify() and the load.
-    with pytest.raises(checkpointing.UnsafeCheckpointError, match="not a file of this checkpoint"):
+    with pytest.raises(UnsafeCheckpointError, match="not a file of this checkpoint"):
         checkpointing.load_model_state(folder)
 
 
@@ -296,7 +298,7 @@ def test_a_fifo_or_a_device_listed_in_meta_json_never_hangs_and_is_never_read(tm
     assert _within(10, checkpointing.newest_complete, run) == older
     assert _within(30, export_main, [str(folder), str(tmp_path / "w.safetensors")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
-    with pytest.raises(checkpointing.UnsafeCheckpointError, match="not a regular|is a (FIFO|symlink)"):
+    with pytest.raises(UnsafeCheckpointError, match="not a regular|is a (FIFO|symlink)"):
         _within(10, checkpointing.load_model_state, folder)  # the load-time reader: lstat before the open
 
 
@@ -382,7 +384,7 @@ def test_an_untyped_summary_counts_as_none_for_write_summary_and_exits_2_for_gen
 
 def test_generate_refuses_a_summary_checkpoint_outside_the_run(tmp_path, capsys):
     from stride.trainers.commands.generate import find_checkpoint
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     run, other = tmp_path / "run", tmp_path / "other"
     own = _checkpoint(run, 10)

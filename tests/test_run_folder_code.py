@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, run_cli, run_cli_forked
-from stride.trainers.config import ConfigError
+from stride.errors import ConfigError
 
 PLANTED = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
 
@@ -137,7 +137,8 @@ def test_damaged_parquet_pages_are_a_data_error_naming_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stride.datasets.splits import DataError, open_split, read_files
+    from stride.datasets.splits import open_split, read_files
+    from stride.errors import DataError
 
     (tmp_path / "train").mkdir()
     f = tmp_path / "train" / "part-0.parquet"
@@ -157,7 +158,7 @@ def test_a_workers_data_error_is_recognised_through_rays_wrapping():
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
-    from stride.datasets.splits import DataError
+    from stride.errors import DataError
     from stride.trainers.launch.ray import _worker_data_error
 
     try:

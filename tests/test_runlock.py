@@ -1,3 +1,4 @@
+from stride.errors import RunLockLostError, RunLockedError
 """One run at a time per run folder (trainers/run/lock.py): the lock's acquire, refusal and takeover as functions, the
 workers' fence, then torchrun runs of one run.name. The orphan of a killed Ray driver is another file's (Ray's)."""
 
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
-from stride.ray_cluster.connect import UsageError
+from stride.errors import UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
-from stride.trainers.config import ConfigError, build_config
+from stride.errors import ConfigError
+from stride.trainers.config_reader import build_config
 
 
 def plant(run_dir, age_s: float = 0.0, **fields) -> dict:
@@ -58,7 +60,7 @@ def test_a_live_holder_refuses_a_second_run_in_one_line_naming_the_folder_and_ho
     run_dir = tmp_path / "same_name"
     run_dir.mkdir()
     with runlock.acquire(run_dir, 60) as first:
-        with pytest.raises(runlock.RunLockedError) as e:
+        with pytest.raises(RunLockedError) as e:
             runlock.acquire(run_dir, 60)
         assert isinstance(e.value, UsageError)  # exit 2 in every launcher
         line = str(e.value)
@@ -88,7 +90,7 @@ def test_a_reused_pid_is_not_the_holder(tmp_path, capsys):
 def test_a_live_holder_on_this_host_is_not_taken_for_dead(tmp_path):
     """The same check with the right start time: the process is alive, so the lock holds."""
     plant(tmp_path, host=socket.gethostname(), pid=os.getpid(), pid_start=runlock.process_start(os.getpid()))
-    with pytest.raises(runlock.RunLockedError):
+    with pytest.raises(RunLockedError):
         runlock.acquire(tmp_path, 60)
 
 
@@ -112,7 +114,7 @@ def test_a_killed_holder_not_yet_reaped_is_dead(tmp_path, capsys):
 
 def test_a_holder_elsewhere_is_judged_by_its_heartbeat_age_on_the_filesystem_clock(tmp_path, capsys):
     plant(tmp_path, age_s=30)
-    with pytest.raises(runlock.RunLockedError, match="host elsewhere, pid 1, .*heartbeat 30s ago"):
+    with pytest.raises(RunLockedError, match="host elsewhere, pid 1, .*heartbeat 30s ago"):
         runlock.acquire(tmp_path, 60)
     plant(tmp_path, age_s=90)
     with runlock.acquire(tmp_path, 60) as lock:
@@ -143,7 +145,7 @@ def test_the_heartbeat_keeps_a_lock_fresh_and_a_stopped_one_goes_stale(tmp_path,
     assert first._thread.is_alive()
     age(tmp_path, 100)
     wait_for(lambda: time.time() - (tmp_path / runlock.LOCK).stat().st_mtime < 50, "the holder never beat")
-    with pytest.raises(runlock.RunLockedError):
+    with pytest.raises(RunLockedError):
         runlock.acquire(tmp_path, 60)
     first._stop.set()  # the holder freezes (as a SIGSTOPped or partitioned driver)
     first._thread.join()
@@ -156,9 +158,9 @@ def test_the_heartbeat_keeps_a_lock_fresh_and_a_stopped_one_goes_stale(tmp_path,
 def test_the_same_instance_takes_over_at_once_and_another_does_not(tmp_path, capsys):
     """A SLURM requeue (same job id) or Tune's restart of a trial: the earlier holder may still look alive."""
     plant(tmp_path, instance="slurm:42")
-    with pytest.raises(runlock.RunLockedError):
+    with pytest.raises(RunLockedError):
         runlock.acquire(tmp_path, 60, "slurm:43")
-    with pytest.raises(runlock.RunLockedError):
+    with pytest.raises(RunLockedError):
         runlock.acquire(tmp_path, 60)
     with runlock.acquire(tmp_path, 60, "slurm:42"):
         assert capsys.readouterr().err.strip().endswith("(same job slurm:42)")
@@ -179,7 +181,7 @@ def test_of_racing_contenders_exactly_one_wins(tmp_path, planted):
             start.wait()
             try:
                 won.append(runlock.acquire(run_dir, 60))
-            except runlock.RunLockedError:
+            except RunLockedError:
                 refused.append(1)
 
         threads = [threading.Thread(target=contend) for _ in range(6)]
@@ -231,10 +233,10 @@ def test_the_fence_passes_while_held_and_stops_a_worker_whose_lock_changed_hands
     fence = runlock.Fence(tmp_path, lock.token, 60)
     fence.still_holds()
     plant(tmp_path, token="b" * 32)
-    with pytest.raises(runlock.RunLockLostError, match="no longer this run's .*held by host elsewhere"):
+    with pytest.raises(RunLockLostError, match="no longer this run's .*held by host elsewhere"):
         fence.still_holds()
     (tmp_path / runlock.LOCK).unlink()
-    with pytest.raises(runlock.RunLockLostError, match="its run lock is gone"):
+    with pytest.raises(RunLockLostError, match="its run lock is gone"):
         fence.still_holds()
     runlock.Fence(tmp_path, None, 60).still_holds()  # no lock taken (a Trainer without a launcher): no fence
     lock.release()
@@ -256,7 +258,7 @@ def test_the_fence_stops_an_orphan_whose_heartbeat_stood_still_on_its_own_clock(
     now[0] += 10
     fence.still_holds()  # 10 s without a beat: not yet more than run.lock_stale_s
     now[0] += 0.5
-    with pytest.raises(runlock.RunLockLostError, match="heartbeat has not moved for 10s .*run.lock_stale_s=10\\)"):
+    with pytest.raises(RunLockLostError, match="heartbeat has not moved for 10s .*run.lock_stale_s=10\\)"):
         fence.still_holds()
     lock.release()
 
@@ -271,11 +273,11 @@ def test_a_checkpoint_write_checks_the_fence_before_the_shards_and_before_the_ma
         def fence():
             checks.append(1)
             if len(checks) == lost_at_check:
-                raise runlock.RunLockLostError("lost")
+                raise RunLockLostError("lost")
 
         folder = tmp_path / f"ckpt{lost_at_check}"
         writer = checkpointing.CheckpointWriter(0, fence=fence)
-        with pytest.raises(runlock.RunLockLostError):
+        with pytest.raises(RunLockLostError):
             writer.save(folder, state, {"step": 1}).result()
         writer.close()
         written = sorted(p.name for p in folder.iterdir()) if folder.exists() else []

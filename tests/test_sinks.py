@@ -147,7 +147,8 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(name, monk
     import importlib.util
 
     from stride.trainers import sinks
-    from stride.trainers.config import ConfigError, build_config
+    from stride.errors import ConfigError
+    from stride.trainers.config_reader import build_config
 
     cfg = build_config({"tracking": {"sinks": ["mlflow", name]}}, origin="test")
     sinks.preflight(cfg)  # installed here (the test extra)
@@ -160,7 +161,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(name, monk
 
 
 def test_tracking_mlflow_false_leaves_mlflow_out_and_its_summary_field_null(tmp_path):
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
     from stride.trainers.sinks import RunInfo, Sinks
 
     cfg = build_config({"tracking": {"sinks": ["mlflow", "tensorboard"], "mlflow": False}}, origin="test")
@@ -173,7 +174,7 @@ def test_tracking_mlflow_false_leaves_mlflow_out_and_its_summary_field_null(tmp_
 
 def test_the_launcher_says_where_each_record_is_and_how_to_view_it(tmp_path, monkeypatch):
     from stride.trainers import sinks
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = build_config({"run": {"storage_path": str(tmp_path), "name": "r"},

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl
-from stride.trainers.config import ConfigError, load_config
+from stride.errors import ConfigError
+from stride.trainers.config_reader import load_config
 from stride.trainers.task import Task, repeated_blocks
 from stride.trainers.tasks import task_class
 

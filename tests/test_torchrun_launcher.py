@@ -41,8 +41,8 @@ def test_a_ray_only_scaling_setting_is_refused_under_torchrun_naming_what_to_use
 
 
 def test_cpus_per_worker_must_fit_the_nodes_cores_and_the_defaults_pass():
-    from stride.ray_cluster.connect import UsageError
-    from stride.trainers.config import load_config
+    from stride.errors import UsageError
+    from stride.trainers.config_reader import load_config
     from stride.trainers.launch.torchrun import check_scaling
 
     check_scaling(load_config(None, []), local_world_size=2, cores=2)  # the defaults: 1 CPU per rank

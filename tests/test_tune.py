@@ -22,7 +22,7 @@ import yaml
 from conftest import PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked
 from tune_fixtures import (USER_TASK, copy_user_project, events, fake_cluster, max_overlap, signal_param_bytes,
                            wait_for, write_sweep)
-from stride.trainers.config import ConfigError
+from stride.errors import ConfigError
 from stride.tune.space import build_sweep, load_sweep, parse_space
 
 SWEEP_CONFIGS = sorted((REPO / "tune" / "configs").glob("*.yaml"))
@@ -102,7 +102,7 @@ def test_a_relative_init_from_reaches_every_trial_resolved_where_the_sweep_is_re
     sweep = build_sweep(_raw({"optim.lr": {"loguniform": [1e-4, 1e-1]}}, base={"init.from": "w/model.safetensors"}))
     monkeypatch.chdir(REPO)  # a trial's working directory
     raw = sweep.trial_raw({"optim.lr": 0.01}, "abc_00000", "sqlite:///x.db")
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
 
     assert build_config(raw).init.from_ == str(tmp_path / "w" / "model.safetensors")
 
@@ -272,7 +272,7 @@ def test_more_trials_at_once_than_fit_wait_for_resources(monkeypatch, capsys):
     ([{"CPU": 64}], {"scaling.num_workers": [1, 2]}, ["base.scaling.num_workers ([1, 2])", "elastic", "fixed"]),
 ], ids=["gpu-none", "gpu-short", "cpus", "cpus-per-worker", "fragmented", "elastic"])
 def test_a_gang_the_cluster_cannot_hold_is_refused(monkeypatch, nodes, base, words):
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     with pytest.raises(UsageError) as e:
         _concurrency(monkeypatch, nodes, base)
@@ -330,7 +330,7 @@ def save_initial_weights(path: Path, data: Path) -> None:
     """A fresh tabular MLP's weights (write_sweep's model) as safetensors: what init.from loads into every trial."""
     from safetensors.torch import save_file
 
-    from stride.trainers.config import build_config
+    from stride.trainers.config_reader import build_config
     from stride.trainers.launch.checks import prepare
 
     task, _ = prepare(build_config({"model": {"name": "mlp", "hidden_sizes": [32]},

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stride.ray_cluster.connect import UsageError
-from stride.trainers.config import build_config, from_dict, load_config
+from stride.errors import UsageError
+from stride.trainers.config_reader import build_config, from_dict, load_config
 from stride.trainers.launch.lifecycle import check_job_storage
 
 TASK_MODULE = '''

@@ -256,7 +256,7 @@ def test_export_of_the_users_fsdp_checkpoint_loads_into_the_users_model(torchrun
     s = summary(run)
     # In the user's folder, as their own code would: the task builds the model, which loads the file.
     probe = subprocess.run([PYTHON, "-c", "import json; from safetensors.torch import load_file; "
-                            "from stride.trainers.config import from_dict; from stride.trainers.tasks import make_task; "
+                            "from stride.trainers.config_reader import from_dict; from stride.trainers.tasks import make_task; "
                             f"s = json.load(open({str(run / 'summary.json')!r})); "
                             "model = make_task(from_dict(s['config']), s['facts']).build_model(); "
                             f"model.load_state_dict(load_file({str(out)!r})); "
@@ -284,7 +284,7 @@ def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutr
     # the backward pass enters every block's modules again (pre-hooks count the calls: the recomputation stops once
     # it has what the backward needs, so a module may be entered without returning).
     probe = subprocess.run([PYTHON, "-c", "import json, torch; from stride.trainers import blocks; "
-                            "from stride.trainers.config import from_dict; from stride.trainers.tasks import make_task; "
+                            "from stride.trainers.config_reader import from_dict; from stride.trainers.tasks import make_task; "
                             f"s = json.load(open({str(ac_run / 'summary.json')!r})); "
                             "cfg = from_dict(s['config']); task = make_task(cfg, s['facts']); "
                             "model = task.build_model(); units = task.blocks(model); "

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from stride.trainers.policies import TrainingError
+from stride.errors import TrainingError
 
 
 def checkpoint_activations(blocks: list[nn.Module], every: int = 1) -> int:

@@ -24,7 +24,8 @@ import torch
 
 from stride.datasets.budget import BudgetStream
 from stride.datasets.mixing import order_for
-from stride.datasets.splits import DataError, DataSpec
+from stride.datasets.splits import DataSpec
+from stride.errors import DataError
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
@@ -32,8 +33,8 @@ from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
 from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
-from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest,
-                                      TrainingError, reseed)
+from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest, reseed
+from stride.errors import TrainingError
 from stride.trainers.sinks import RunInfo, Sinks, saved_state
 from stride.trainers.optim import Freezer, build_optimizer, build_scheduler, logged_lrs, resolve_groups
 from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_reduce_mean_many, evaluate, resolve_precision,
@@ -162,7 +163,7 @@ class TrainTransform:
 
     def __call__(self, rows, micro_step: int) -> dict[str, np.ndarray]:
         if self.task is None:
-            from stride.trainers.config import from_dict
+            from stride.trainers.config_reader import from_dict
 
             self.task = make_task(from_dict(self.cfg_dict), self.facts)
         self.task.training = True

@@ -33,11 +33,12 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
-from stride.ray_cluster.connect import UsageError, init_ray, quiet_ray_env  # noqa: E402
+from stride.ray_cluster.connect import init_ray, quiet_ray_env
+from stride.errors import UsageError
 from stride.trainers.launch import lifecycle  # noqa: E402
 from stride.trainers.run import lock as runlock
-from stride.trainers.config import (SECTIONS, Config, apply_overrides, build_config, load_config,  # noqa: E402
-                                    section_keys, to_yaml)
+from stride.trainers.config import SECTIONS, Config
+from stride.trainers.config_reader import apply_overrides, build_config, load_config, section_keys, to_yaml
 from stride.errors import EXIT_FAILED, EXIT_OK
 from stride.trainers.launch.ray import train_on_ray
 from stride.trainers.launch.lifecycle import install_signal_handlers

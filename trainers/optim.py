@@ -29,7 +29,7 @@ BUILTIN_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[[Any],
 def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
     """optim.name -> (the optimizer class, whether it is built in). A "<module>:<Class>" is found the way
     model.name finds a user's task. Raises ConfigError (exit 2) for a name that is no torch.optim.Optimizer."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
     from stride.trainers.tasks import load_class
 
     if name in BUILTIN_OPTIMIZERS:
@@ -58,7 +58,7 @@ def resolve_groups(cfg: Config, model: nn.Module) -> list[GroupPlan]:
     """The model's trainable parameters by optim.groups, the default group first: the first entry whose `match`
     is found in a name takes it. A parameter the task built with requires_grad=False (a PEFT model's base) is in no
     group: it is the task's to freeze. An entry that takes nothing is a ConfigError (exit 2)."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
 
     specs = cfg.optim.groups
     plans = [GroupPlan("default", None, [], [])] + [GroupPlan(g.name or str(i), g, [], []) for i, g in enumerate(specs)]
@@ -143,7 +143,8 @@ def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = 
 def check_optimizer(cfg: Config) -> None:
     """Build optim.name with optim.kwargs over a dummy model and take one step, on the driver before any worker
     starts: an unknown class or a keyword it refuses is a ConfigError (exit 2) here, not a failure on every worker."""
-    from stride.trainers.config import ConfigError, quote
+    from stride.errors import ConfigError
+    from stride.errors import quote
 
     optimizer_class(cfg.optim.name)  # its own errors name optim.name
     check_schedule(cfg)

@@ -4,6 +4,8 @@ without a model."""
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError
+from stride.trainers.run.folder import atomic_write_text
 import json
 import logging
 import math
@@ -21,7 +23,7 @@ from stride.trainers.run import folder as runfolder
 log = logging.getLogger("stride")
 
 
-from stride.errors import TrainingError  # noqa: E402, F401 - its home is stride/errors.py
+from stride.errors import TrainingError  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def clear_stop_request(run_dir: str | Path) -> None:
 
 def request_stop(run_dir: str | Path, status: str, signum: int) -> None:
     """Ask a running job to checkpoint at the next step boundary and stop (used by signal handlers)."""
-    checkpointing.atomic_write_text(Path(run_dir) / STOP_FILE, json.dumps({"status": status, "signal": signum}))
+    atomic_write_text(Path(run_dir) / STOP_FILE, json.dumps({"status": status, "signal": signum}))
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,6 @@ class StopRequest:
     def _request(self) -> dict[str, Any]:
         try:
             request = runfolder.read_json(self.path)  # a regular file only: a FIFO planted here never blocks a rank
-        except (OSError, ValueError, runfolder.RunFolderError):
+        except (OSError, ValueError, RunFolderError):
             return self.local or {}
         return request if isinstance(request, dict) else self.local or {}

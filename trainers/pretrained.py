@@ -10,6 +10,7 @@ each rank of an FSDP2 model reading only its own slice. Nothing is unpickled bey
 
 from __future__ import annotations
 
+from stride.errors import UnsafeCheckpointError
 import contextlib
 import hashlib
 import json
@@ -28,7 +29,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from stride.trainers.run import checkpointing
-from stride.trainers.config import ConfigError, quote, redact
+from stride.trainers.config import redact
+from stride.errors import ConfigError
+from stride.errors import quote
 
 KINDS = "<a .safetensors file, a Hugging Face model folder, a .pt state dict or a Stride run folder>"
 INDEX = "model.safetensors.index.json"
@@ -234,7 +237,7 @@ class _Checkpoint(Source):
             else:
                 self._infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in
                                checkpointing.load_state(folder / checkpointing.STATE, mmap=True)["model"].items()}
-        except (checkpointing.UnsafeCheckpointError, OSError, KeyError, RuntimeError) as e:
+        except (UnsafeCheckpointError, OSError, KeyError, RuntimeError) as e:
             raise _unusable(location, f"is a Stride checkpoint that cannot be read ({_short(e)})") from None
 
     def infos(self) -> dict[str, TensorInfo]:

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from stride.datasets.splits import DataError, DataSplit  # noqa: F401 - part of the task API
+from stride.datasets.splits import DataSplit
+from stride.errors import DataError
 from stride.trainers.config import TaskConfig
-from stride.trainers.step import LossOutput  # noqa: F401 - part of the task API
 
 
 class Task:

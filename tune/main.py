@@ -39,7 +39,9 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
-from stride.trainers.config import Config, ConfigError, build_config, check_batch_fits, redact  # noqa: E402
+from stride.errors import ConfigError  # noqa: E402
+from stride.trainers.config import Config, check_batch_fits, redact  # noqa: E402
+from stride.trainers.config_reader import build_config  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 
 # torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
@@ -95,7 +97,7 @@ def inspect_data(cfg: Config, sweep: Sweep) -> tuple[dict, dict]:
 
 
 def check_batches(sweep: Sweep, cfg: Config, train_rows: int, num_workers: int) -> None:
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     for d in sweep.dims:
         if d.key == "train.batch_size_per_worker":
@@ -127,7 +129,7 @@ def gangs_that_fit(num_workers: int, cpus_per_worker: float, use_gpu: bool) -> t
 def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
     """(max concurrent trials, workers per trial, use_gpu); raises UsageError for a gang that can never run."""
     from stride.trainers.config import elastic_range
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
     from stride.trainers.launch.scaling import resolve_scaling
 
     if elastic_range(cfg):
@@ -463,7 +465,7 @@ def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
     refused (Tune would resume the old trials and silently ignore the new space)."""
     from ray.tune import Tuner
 
-    from stride.ray_cluster.connect import UsageError
+    from stride.errors import UsageError
 
     state = read_state(sweep_dir)
     identity = json.loads(json.dumps(sweep.identity()))  # as it reads back from the state file
@@ -482,7 +484,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
 
     from ray import tune
 
-    from stride.trainers.run.checkpointing import atomic_write_text
+    from stride.trainers.run.folder import atomic_write_text
     from stride.trainers.sinks.mlflow_sink import default_uri
     from stride.tune.trial import run_trial
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stride.trainers.config import (SECTIONS, Config, ConfigError, build_config, parse_override, read_yaml, redact,
-                                     section_keys, set_values)
+from stride.trainers.config import SECTIONS, Config, redact
+from stride.errors import ConfigError
+from stride.trainers.config_reader import build_config, parse_override, read_yaml, section_keys, set_values
 from stride.trainers.tasks import task_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -397,16 +397,8 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config ({path}) does not exist; pass a sweep YAML such as tune/configs/lr_sweep.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--config ({path}) is not a text file (byte {e.start} is not UTF-8); pass a sweep YAML such "
-                          f"as tune/configs/lr_sweep.yaml") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config ({path}) is not valid YAML: {getattr(e, 'problem', e)}; fix the syntax") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config ({path}) must be a mapping with sections sweep, base, space")
-    return build_sweep(apply_sweep_overrides(raw, list(overrides)), origin=p)
+    from stride.safe_yaml import read_mapping
+
+    raw = read_mapping(path, "--config", "tune/configs/lr_sweep.yaml", ConfigError,
+                       "a sweep needs the sections sweep, base and space")
+    return build_sweep(apply_sweep_overrides(raw, list(overrides)), origin=Path(path))

@@ -20,9 +20,10 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from stride.trainers.launch import lifecycle
 from stride.trainers.run import folder as runfolder
-from stride.trainers.run.checkpointing import atomic_write_text
+from stride.trainers.run.folder import atomic_write_text
 from stride.trainers.launch.ray import SNAPSHOT, SNAPSHOT_COPY, is_json, repair_snapshot
-from stride.trainers.config import Config, build_config, global_micro_batch
+from stride.trainers.config import Config, global_micro_batch
+from stride.trainers.config_reader import build_config
 
 SUMMARY = "summary.json"
 EVENTS = "trial_events.jsonl"

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 
-from stride.errors import DataError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pcomp
 import pyarrow.csv as pc
 
-from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
+from stride.datasets.formats import FileLayout, Format, PartReader, first_line, open_input, stamp
+from stride.errors import DataError
 from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines, read_part
 
 

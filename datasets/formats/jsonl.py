@@ -7,7 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.json as pj
 
-from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input, stamp
+from stride.datasets.formats import FileLayout, Format, PartReader, first_line, open_input, stamp
+from stride.errors import DataError
 from stride.datasets.lines import LineReader, bad_line, line_extents, nonblank_lines, read_part
 
 

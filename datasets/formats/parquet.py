@@ -5,7 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stride.datasets.formats import DataError, FileLayout, Format, PartReader, first_line, open_input
+from stride.datasets.formats import FileLayout, Format, PartReader, first_line, open_input
+from stride.errors import DataError
 
 
 class ParquetReader(PartReader):

@@ -34,7 +34,7 @@ def pretrain(config: str, out: Path, steps: int, lr: float, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from stride.trainers.config import load_config  # imports lora_task (model.name) from this folder
+    from stride.trainers.config_reader import load_config
     from stride.trainers.tasks import make_task
 
     cfg = load_config(config)

@@ -390,7 +390,8 @@ def cmd_wait(a) -> None:
 # ---- driver bookkeeping ----
 
 def cmd_run_dir(a) -> None:
-    from stride.trainers.config import ConfigError, load_config
+    from stride.errors import ConfigError
+    from stride.trainers.config_reader import load_config
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--config")

@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from stride.trainers.policies import TrainingError
+from stride.errors import TrainingError
 
 
 class Callback:
@@ -160,7 +160,7 @@ def parse_entry(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def load(spec: str, kwargs: dict[str, Any], where: str) -> Callback:
     """Import and construct one callback, its module found as a task's is (the working directory, PYTHONPATH, and
     on workers the launcher's folders); a mistake is a one-line ConfigError naming `where` (the config key)."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
     from stride.trainers.tasks import load_class
 
     cls = load_class(where, spec, spec)
@@ -177,7 +177,7 @@ def load(spec: str, kwargs: dict[str, Any], where: str) -> Callback:
 def build(cfg, task) -> list[Callback]:
     """The run's callbacks, in the order their hooks run: train.ema's average first (its update is part of the
     optimizer step), then train.callbacks, Stride's other built-ins, and the task's own."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
 
     out = [*averages(cfg)]
     out += [load(*parse_entry(entry), f"train.callbacks[{i}]") for i, entry in enumerate(cfg.train.callbacks)]
@@ -192,7 +192,7 @@ def build(cfg, task) -> list[Callback]:
 def check_evaluation_figure(cfg, task, key: str) -> None:
     """`key` (a section with a `metric`: train.early_stopping, checkpoint.keep_best) watches an evaluation figure:
     the run must evaluate, and the figure must be one the task reports (when it declares metric_names)."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
 
     section, _, field = key.partition(".")
     metric = getattr(getattr(cfg, section), field).metric

@@ -36,6 +36,7 @@ export (a folder with config.json and a *.safetensors file).
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError, UnsafeCheckpointError
 import json
 import os
 import sys
@@ -87,7 +88,7 @@ def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
 
     try:
         summary = runfolder.read_summary(run / "summary.json")
-    except (OSError, ValueError, runfolder.RunFolderError):
+    except (OSError, ValueError, RunFolderError):
         summary = {}
     best = trained.best_named(run, summary, flag, label)
     if best is None:
@@ -142,7 +143,7 @@ def checkpoint_weights(ckpt: Path, ema: bool) -> dict:
     try:
         weights = checkpointing.load_model_state(ckpt)
         average = checkpointing.load_model_state(ckpt, "ema") if ema else {}
-    except checkpointing.UnsafeCheckpointError as e:
+    except UnsafeCheckpointError as e:
         raise ExportError(str(e)) from None
     if ema and not average:
         raise ExportError(f"--ema: checkpoint ({ckpt}) holds no average of the weights (the run had no train.ema); "
@@ -222,7 +223,7 @@ def hf_model_of(checkpoint: Path, run_dir: Path, ema: bool, task: str | None, tr
     it (trained.run_config). `label` names the run folder's argument."""
     from stride.errors import UsageError
     from stride.trainers.commands import trained
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
     from stride.trainers.commands.generate import trained_model
     from stride.trainers.tasks import make_task
 

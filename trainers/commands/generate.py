@@ -21,6 +21,7 @@ there; generate.py takes it off).
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError, UnsafeCheckpointError
 import os
 import sys
 from pathlib import Path
@@ -29,11 +30,13 @@ from typing import Any
 import torch
 
 from stride.cli import ArgumentParser, error_line
-from stride.ray_cluster.connect import UsageError
+from stride.errors import UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
-from stride.trainers.config import ConfigError, from_dict
-from stride.trainers.tasks import consent, make_task, search_working_directory
+from stride.errors import ConfigError
+from stride.trainers.config_reader import from_dict
+from stride.trainers.tasks import consent, make_task
+from stride.user_code import search_working_directory
 
 
 def find_checkpoint(run_dir: Path, summary: dict) -> Path | None:
@@ -73,7 +76,7 @@ def load_run(run: Path, task: str | None = None, trust_remote_code: bool = False
         raise UsageError(f"{label} ({run}) has no summary.json; pass a finished run folder such as runs/char_gpt")
     try:
         summary = runfolder.read_summary(summary_path)
-    except runfolder.RunFolderError:  # its own line (a link in the run folder), not the ValueError's below
+    except RunFolderError:  # its own line (a link in the run folder), not the ValueError's below
         raise
     except (OSError, ValueError) as e:
         raise UsageError(f"{label} ({run}): {summary_path.name} is not one Stride writes ({e}); pass the folder of a "
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model = trained_model(task, cfg, ckpt, checkpointing.load_model_state(ckpt))
-    except (checkpointing.UnsafeCheckpointError, ConfigError) as e:
+    except (UnsafeCheckpointError, ConfigError) as e:
         error_line(e)
         return 2
     model.eval()

@@ -19,7 +19,8 @@ from stride.datasets.splits import DataSpec
 from stride.errors import ConfigError, UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
-from stride.trainers.config import Config, apply_overrides, build_config
+from stride.trainers.config import Config
+from stride.trainers.config_reader import apply_overrides, build_config
 
 
 @dataclass
@@ -198,7 +199,7 @@ def output_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "eval"
 
 
-__all__ = ["TrainedRun", "add_arguments", "open_run", "run_config", "read_summary", "ConfigError", "output_name"]
+__all__ = ["TrainedRun", "add_arguments", "open_run", "run_config", "read_summary", "output_name"]
 
 
 def split_spec(run, split: str, path: str | None, columns: tuple[str, ...] | None = None) -> DataSpec:

@@ -45,7 +45,7 @@ def check_keep_best(cfg: Config, task) -> None:
     """checkpoint.keep_best ranks the checkpoints written at evaluation steps: refuse (ConfigError) a figure the run
     does not report, or a cadence where no periodic checkpoint falls on an evaluation."""
     from stride.trainers.callbacks import check_evaluation_figure
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
 
     if cfg.checkpoint.keep_best is None:
         return
@@ -68,7 +68,7 @@ def check_model(cfg: Config, task) -> None:
 
     from stride.trainers import pretrained
     from stride.trainers.run import checkpointing
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
     from stride.trainers.optim import resolve_groups
 
     with torch.device("meta"):

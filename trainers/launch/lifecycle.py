@@ -7,6 +7,7 @@ anything is written), then `open_run` (the storage, the run folder's lock, the r
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError, UnsafeCheckpointError
 import errno
 import fnmatch
 import json
@@ -144,7 +145,7 @@ def check_resume(cfg, run_dir: Path, task) -> None:
         model = task.build_model()
     try:
         saved = checkpointing.saved_model_shapes(newest)
-    except checkpointing.UnsafeCheckpointError as e:
+    except UnsafeCheckpointError as e:
         raise UsageError(f"run.name ({cfg.run.name}): {e}") from None
     partial = checkpointing.read_meta(newest).get("trainable_only")  # its frozen base comes from init.from
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if not partial or k in saved}
@@ -160,13 +161,13 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     import json
 
     from stride.trainers.run import folder as runfolder
-    from stride.trainers.run.checkpointing import atomic_write_text
+    from stride.trainers.run.folder import atomic_write_text
 
     path = run_dir / "summary.json"
     if not summary.get("final", summary.get("status") == "completed"):
         try:  # an earlier summary that is not what Stride writes counts as none
             earlier = runfolder.read_summary(path)
-        except (OSError, ValueError, runfolder.RunFolderError):
+        except (OSError, ValueError, RunFolderError):
             earlier = None
         if earlier is not None and earlier.get("status") == "completed":
             path = run_dir / f"summary.{summary.get('status')}.json"

@@ -123,7 +123,7 @@ def train_on_ray(cfg: Config, specs: dict[str, DataSpec], facts: dict, progress_
 
 def _worker_data_error(e: BaseException) -> bool:
     """Whether a worker failed with DataError (Ray re-raises a worker's exception as an instance of its class)."""
-    from stride.datasets.splits import DataError
+    from stride.errors import DataError
 
     return any(isinstance(f, DataError) for f in (getattr(e, "worker_failures", None) or {}).values())
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from stride.trainers import telemetry
 from stride.trainers.run import checkpointing
-from stride.trainers.config import from_dict
+from stride.trainers.config_reader import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
 from stride.trainers.policies import Preemption
 

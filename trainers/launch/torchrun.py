@@ -10,6 +10,7 @@ scaling.preflight checks torchrun's own processes (ray_cluster/doctor.py's check
 
 from __future__ import annotations
 
+from stride.errors import RunLockedError
 import math
 import os
 import socket
@@ -24,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from stride.errors import EXIT_FAILED, StrideError
-from stride.ray_cluster.connect import UsageError
+from stride.errors import UsageError
 from stride.trainers.launch.scaling import gpu_shortfall
 from stride.trainers.launch import lifecycle
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
-from stride.trainers.config import load_config
+from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
 from stride.trainers.loop import WorkerEnv, plan_run, run
 from stride.trainers.policies import clear_stop_request
@@ -127,7 +128,7 @@ def take_run_lock(cfg, task, rank: int, world_size: int) -> tuple[runlock.RunLoc
     if refusal is not None:
         raise refusal
     if outcome[0] == "refused":
-        raise runlock.RunLockedError(outcome[1])
+        raise RunLockedError(outcome[1])
     return lock, outcome[1]
 
 

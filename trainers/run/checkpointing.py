@@ -43,13 +43,8 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 log = logging.getLogger("stride")
 
-
-# Written here first (trainers/run/folder.py: never through a link); tune/, the driver and the sinks import them from
-# this module.
-from stride.trainers.run.folder import RunFolderError, atomic_write_bytes, atomic_write_text  # noqa: E402, F401
-
-
-from stride.errors import CheckpointWriteError  # noqa: E402, F401 - its home is stride/errors.py
+from stride.errors import CheckpointWriteError, RunFolderError, UnsafeCheckpointError
+from stride.trainers.run.folder import atomic_write_text
 
 
 # A full disk, a quota or a read-only mount stays so for minutes or until a person acts: retrying only delays the
@@ -472,7 +467,6 @@ def _chunk_problem(index, saved, tensor) -> str | None:
 
 # ---- reading: never an unrestricted unpickler ----
 
-from stride.errors import UnsafeCheckpointError  # noqa: E402, F401 - its home is stride/errors.py
 
 
 def _refused(path: Path, what: str) -> UnsafeCheckpointError:

@@ -37,7 +37,7 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 JSON_LIMIT = 64 << 20  # meta.json, summary.json, the stop file: far above what Stride writes, far below a machine's memory
 
 
-from stride.errors import RunFolderError  # noqa: E402, F401 - its home is stride/errors.py
+from stride.errors import RunFolderError  # noqa: E402
 
 
 def kind(mode: int) -> str:

@@ -34,14 +34,15 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from stride.ray_cluster.connect import UsageError, process_start
+from stride.ray_cluster.connect import process_start
+from stride.errors import UsageError
 
 LOCK = "stride.lock"
 MAX_LOCK_BYTES = 64 * 1024  # a lock record is ~300 bytes; a bigger file is not Stride's
 log = logging.getLogger("stride")
 
 
-from stride.errors import RunLockedError, RunLockLostError  # noqa: E402, F401 - stride/errors.py
+from stride.errors import RunLockedError, RunLockLostError  # noqa: E402
 
 
 def heartbeat_interval(stale_s: float) -> float:

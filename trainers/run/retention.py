@@ -4,6 +4,7 @@ listed, so never pruned (the newest usable one, a resume's: checkpointing.newest
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError
 import os
 import re
 import shutil
@@ -93,7 +94,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                 _verified.add(key)
             if key in _verified:
                 found.append((read_meta(p)["step"], p))
-        except (OSError, ValueError, KeyError, runfolder.RunFolderError):
+        except (OSError, ValueError, KeyError, RunFolderError):
             continue
     return [p for _, p in sorted(found)]
 

@@ -122,7 +122,7 @@ def trackers(cfg) -> list[type[Sink]]:
 
 def preflight(cfg) -> None:
     """Refuse, before anything starts, a tracker that cannot work here (its package missing): ConfigError."""
-    from stride.trainers.config import ConfigError
+    from stride.errors import ConfigError
 
     for cls in trackers(cfg):
         if why := cls.preflight(cfg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from stride.trainers.run.folder import atomic_write_text
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ class MetricsFile:
                 runfolder.refuse_link(kept)
                 os.replace(path, kept)
                 log.warning("%s holds an earlier run that no checkpoint continues: kept as %s", path, kept.name)
-            checkpointing.atomic_write_text(path, "")
+            atomic_write_text(path, "")
         elif st is not None:
             keep, unreadable = [], 0
             for line in runfolder.read_bytes(path, limit=None).decode(errors="replace").splitlines():
@@ -51,7 +52,7 @@ class MetricsFile:
             if unreadable:
                 log.warning("%s: dropped %d unreadable line(s) (a write cut off by a kill, or not a record Stride "
                             "writes)", path, unreadable)
-            checkpointing.atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+            atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         with runfolder.open_append(self.path) as f:

@@ -15,10 +15,8 @@ import os
 import sys
 import traceback
 
-from stride.trainers.config import ConfigError
-# Where a user's module is found: stride/user_code.py (names kept here for the commands that import them from here).
-from stride.user_code import (TASK_PATH_ENV, search_working_directory, searches_working_directory,  # noqa: F401
-                              task_search_path)
+from stride.errors import ConfigError
+from stride.user_code import searches_working_directory, task_search_path
 
 # The registry of built-in names: the only place besides the tasks themselves that names them.
 BUILTIN = {

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from stride.datasets.splits import DataError
+from stride.errors import DataError
 from stride.trainers.models import CharGPT
-from stride.trainers.task import DataSplit, Task, cross_entropy_bits
+from stride.trainers.task import Task, cross_entropy_bits
+from stride.datasets.splits import DataSplit
 
 
 class CharGPTTask(Task):

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from stride.datasets.splits import SAMPLE_ID, DataError
+from stride.datasets.splits import SAMPLE_ID
+from stride.errors import DataError
 from stride.trainers.models import MLP
-from stride.trainers.task import DataSplit, Task
+from stride.trainers.task import Task
+from stride.datasets.splits import DataSplit
 
 
 def _is_numeric(t) -> bool:

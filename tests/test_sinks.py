@@ -156,7 +156,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(name, monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
     with pytest.raises(ConfigError) as e:
         sinks.preflight(cfg)
-    assert str(e.value) == (f"tracking.sinks ({name}): the {name} package is not installed; pip install "
+    assert str(e.value) == (f"tracking.sinks[1] ({name}): the {name} package is not installed; pip install "
                             f"'stride[{name}]' or take it out")
 
 

@@ -433,49 +433,72 @@ class InitSection(Section):
         return v
 
 
-SINK_NAMES = ("mlflow", "tensorboard", "wandb")
+class TrackingBase(Section):
+    """tracking.sinks; each built-in tracker's own keys come from its module (trainers/sinks/<x>_sink.py: its
+    Sink's Settings), joined below into TrackingSection."""
 
-
-class TrackingSection(Section):
-    sinks: list[Literal["mlflow", "tensorboard", "wandb"]] = Field(
+    sinks: list[str | dict[str, dict[str, Any] | None]] = Field(
         ["mlflow"], description="Where the run's figures are recorded besides metrics.jsonl and the console "
-        "(always on): mlflow, tensorboard (<run>/tensorboard/), wandb (see the wandb_* keys)")
-    mlflow: bool = Field(True, description="Record the run in MLflow when tracking.sinks has mlflow (false: leave "
-                         "it out)")
-    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
-    experiment: str = Field("stride", description="MLflow experiment name; the W&B project when wandb_project is null")
-    wandb_project: str | None = Field(None, description="W&B project (null: tracking.experiment)")
-    wandb_entity: str | None = Field(None, description="W&B entity (team or user; null: W&B's default)")
-    wandb_tags: list[str] = Field([], description="W&B tags of the run")
-    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="W&B mode (null: WANDB_MODE, else online); offline writes <run>/wandb/ for `wandb sync`")
+        "(always on): mlflow, tensorboard (<run>/tensorboard/), wandb (see the wandb_* keys), or a stride.Sink of "
+        "your own as \"module:Class\" or {\"module:Class\": {its settings}} (docs/monitoring.md)")
 
-    @field_validator("sinks")
+    @field_validator("sinks", mode="before")
     @classmethod
-    def _each_once(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError(f"names a sink twice; list each of {', '.join(SINK_NAMES)} at most once")
+    def _entries(cls, v: Any) -> Any:
+        from stride.trainers.sinks import builtin
+
+        if not isinstance(v, list):
+            return v  # pydantic's own words: must be a valid list
+        names = list(builtin())
+        specs = []
+        for i, entry in enumerate(v):
+            spec = entry if isinstance(entry, str) else next(iter(entry)) if isinstance(entry, dict) and len(
+                entry) == 1 else None
+            user = isinstance(spec, str) and spec not in names and _a_class_spec(spec)
+            if spec not in names and not user:
+                listed = ", ".join(map(repr, names[:-1])) + f" or {names[-1]!r}" if len(names) > 1 else repr(names[0])
+                raise ValueError(f"must be one of {listed}, or \"module:Class\" naming a stride.Sink of your own "
+                                 f"(tracking.sinks[{i}]: {entry!r})")
+            if isinstance(entry, dict) and not user:
+                raise ValueError(f"gives settings to the built-in sink {spec} (tracking.sinks[{i}]); set its "
+                                 f"tracking.* keys instead")
+            if isinstance(entry, dict) and not isinstance(entry[spec], (dict, type(None))):
+                raise ValueError(f"gives {spec} (tracking.sinks[{i}]) settings that are not a mapping; use "
+                                 f"{{\"{spec}\": {{key: value}}}}")
+            if spec in specs:
+                raise ValueError(f"names a sink twice: tracking.sinks[{i}] ({spec}) repeats tracking.sinks"
+                                 f"[{specs.index(spec)}]; list each sink at most once")
+            specs.append(spec)
         return v
 
     def active_sinks(self) -> list[str]:
-        """The trackers this run records to: tracking.sinks, less MLflow when tracking.mlflow is false."""
-        return [name for name in self.sinks if name != "mlflow" or self.mlflow]
+        """The trackers this run records to: tracking.sinks (their names or "module:Class"), less those a setting
+        of their own turns off (MLflow when tracking.mlflow is false)."""
+        from stride.trainers.sinks import builtin
 
-    @field_validator("mlflow_uri")
-    @classmethod
-    def _a_tracking_store(cls, v: str | None) -> str | None:
-        # MLflow fails on an unknown scheme only when the first worker logs, with a hundred lines from each rank.
-        scheme = v.partition("://")[0].partition("+")[0].lower() if v and "://" in v else ""
-        if scheme and scheme not in MLFLOW_SCHEMES and scheme not in _mlflow_plugin_schemes():
-            raise ValueError(f"has scheme {scheme[:50]}://, which MLflow cannot track to; use an http(s):// server, a "
-                             f"folder, file://, databricks, or a database URI (sqlite:///mlflow.db, postgresql://...)")
-        return v
+        specs = [e if isinstance(e, str) else next(iter(e)) for e in self.sinks]
+        return [s for s in specs if s not in builtin() or builtin()[s].enabled(self)]
 
 
-def _mlflow_plugin_schemes() -> set[str]:
-    from importlib.metadata import entry_points
+def _a_class_spec(spec: str) -> bool:
+    module, colon, name = spec.partition(":")
+    return bool(colon) and re.fullmatch(r"[A-Za-z_][\w.]*", module) is not None and name.isidentifier()
 
-    return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
+
+def _tracking_section() -> type[Section]:
+    """TrackingSection: tracking.sinks, then each built-in tracker's settings in the order of their modules (the
+    keys, defaults, validators and descriptions are the tracker's own)."""
+    from stride.trainers.sinks import builtin
+
+    settings = list(dict.fromkeys(cls.Settings for cls in builtin().values()))
+    settings = [c for c in settings if not any(o is not c and issubclass(o, c) for o in settings)]  # no bare base
+    # pydantic lists the fields of the last base first: reversed, the keys read sinks, then tracker by tracker.
+    bases = tuple(reversed(settings))
+    return type("TrackingSection", (*bases, TrackingBase), {"__module__": __name__, "__qualname__": "TrackingSection",
+                                                           "__doc__": TrackingBase.__doc__})
+
+
+TrackingSection = _tracking_section()
 
 
 class Config(Section):

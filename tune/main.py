@@ -16,7 +16,8 @@ gangs fit in the cluster.
 
 Exit codes: 0 at least one trial finished; 1 every trial failed; 2 a problem you can fix (sweep file, space, data,
 resources; one line on stderr); 130/143 interrupted by SIGINT/SIGTERM (rerun to resume).
-Results: <storage_path>/<name>/sweep_summary.json, one MLflow parent run per sweep with a child run per trial.
+Results: <storage_path>/<name>/sweep_summary.json, and each tracker of the base config's tracking.sinks records the
+sweep its own way (trainers/sinks: `Sink.open_sweep`/`close_sweep`; MLflow: a parent run with a child run per trial).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 WORKER_LOG = "worker.log"
-STATE = "stride_sweep.json"          # the sweep's identity and MLflow parent run id, written at the first start
+STATE = "stride_sweep.json"          # the sweep's identity and its trackers' fields, written at the first start
 SUMMARY = "sweep_summary.json"
 # A trial's own actor only waits on its TorchTrainer: no CPU (the gang reserves those, so N gangs fit on N x gang
 # CPUs), and a token of memory because Tune needs a non-empty resource bundle to place it.
@@ -155,7 +156,7 @@ def resolve_concurrency(sweep: Sweep, cfg: Config) -> tuple[int, int, bool]:
     return n, num_workers, use_gpu
 
 
-# ---- the sweep's identity, MLflow parent run ----
+# ---- the sweep's identity, its trackers' record ----
 
 def read_state(sweep_dir: Path) -> dict[str, Any] | None:
     try:
@@ -174,14 +175,11 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None if a == b else f"{path} ({b!r} before, {a!r} now)"
 
 
-def start_parent_run(sweep: Sweep, cfg: Config, uri: str, run_id: str | None) -> str | None:
-    from stride.trainers.sinks.mlflow_sink import Tracker
+def sweep_info(sweep: Sweep, cfg: Config):
+    from stride.trainers.sinks import SweepInfo
 
-    tracker = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
-    run_id = tracker.start(sweep.sweep.name, run_id, sweep.to_params())
-    tracker.set_tag("stride.sweep", "true")
-    tracker.set_tag("stride.sweep_dir", str(sweep.sweep_dir))
-    return run_id
+    return SweepInfo(name=sweep.sweep.name, sweep_dir=sweep.sweep_dir, cfg=cfg, params=sweep.to_params(),
+                     metric=sweep.sweep.metric, mode=sweep.sweep.mode)
 
 
 # ---- Tune ----
@@ -271,31 +269,11 @@ def trial_events(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def child_runs(uri: str, experiment: str, parent_run_id: str | None) -> dict[str, list[str]]:
-    """MLflow child run ids per trial id, newest first. A trial restarted before its first checkpoint could not
-    continue its child run and has two; the newest is the trial's, the older ones are closed as superseded."""
-    if not parent_run_id:
-        return {}
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return {}
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
-                              max_results=5000, order_by=["attributes.start_time DESC"])
-    out: dict[str, list[str]] = {}
-    for r in runs:
-        out.setdefault(r.data.tags.get("mlflow.runName", r.info.run_name), []).append(r.info.run_id)
-    return out
-
-
-def collect_trials(sweep: Sweep, results, uri: str, parent_run_id: str | None, train_rows: int,
-                   num_workers: int) -> list[dict[str, Any]]:
-    from stride.tune.trial import planned_steps, read_summary
+def collect_trials(sweep: Sweep, results, train_rows: int, num_workers: int) -> list[dict[str, Any]]:
+    from stride.tune.trial import planned_steps, read_summary, trial_raw
 
     events = trial_events(sweep.sweep_dir)
-    children = child_runs(uri, sweep.base_cfg().tracking.experiment, parent_run_id)
+    base = sweep.base_cfg()
     metric = sweep.sweep.metric
     trials = []
     for r in results:
@@ -306,7 +284,7 @@ def collect_trials(sweep: Sweep, results, uri: str, parent_run_id: str | None, t
         own = read_summary(run_dir) or {}
         m = r.metrics or {}
         steps = m.get("step")
-        planned = planned_steps(build_config(sweep.trial_raw(params, trial_id, uri)), train_rows, num_workers)
+        planned = planned_steps(build_config(trial_raw(sweep, params, trial_id, base)), train_rows, num_workers)
         if r.error is not None or ev.get("last") == "error":
             status = "failed"
         elif ev.get("last") == "end":
@@ -316,13 +294,10 @@ def collect_trials(sweep: Sweep, results, uri: str, parent_run_id: str | None, t
         else:
             status = "pending"
         value = m.get(metric)
-        ids = children.get(trial_id, [])
-        run_id = own.get("mlflow_run_id") or (ids[0] if ids else None)
         trials.append({
             "trial_id": trial_id, "params": params,
             "metric": value if isinstance(value, (int, float)) and math.isfinite(value) else None,
             "status": status, "steps": steps, "planned_steps": planned,
-            "mlflow_run_id": run_id, "superseded_mlflow_run_ids": [i for i in ids if i != run_id],
             "started_at": ev.get("started_at"), "first_result_at": ev.get("first_result_at"),
             "ended_at": ev.get("ended_at"), "run_dir": str(run_dir),
             "error": (own.get("error") or str(r.error).strip().splitlines()[-1][:300]) if status == "failed" else None,
@@ -347,44 +322,6 @@ def exit_code(trials: list[dict], complete: bool, signals: list[int]) -> int:
     if not complete:
         return 128 + (signals[-1] if signals else signal.SIGINT)
     return EXIT_OK if any(t["status"] in FINISHED for t in trials) else EXIT_FAILED
-
-
-def finish_mlflow(sweep: Sweep, uri: str, parent_run_id: str | None, trials: list[dict], best: dict | None,
-                  complete: bool) -> None:
-    """Close what the trials could not: early-stopped and failed children were killed mid-run."""
-    if not parent_run_id:
-        return
-    from mlflow.entities import Param
-
-    from stride.trainers.sinks.mlflow_sink import Tracker
-
-    cfg = sweep.base_cfg()
-    child = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
-    for t in trials:
-        for stale in t["superseded_mlflow_run_ids"]:
-            child.run_id = stale
-            child.set_tag("stride.superseded_by", t["mlflow_run_id"])
-            child.finish("KILLED")
-        if t["mlflow_run_id"]:
-            child.run_id = t["mlflow_run_id"]
-            child.set_tag("stride.trial_status", t["status"])
-            if t["status"] != "completed":  # the loop closed completed runs itself
-                child.finish("FAILED" if t["status"] == "failed" else "KILLED")
-    parent = Tracker(uri, cfg.tracking.experiment, str(sweep.sweep_dir.parent))
-    parent.run_id = parent_run_id
-    metric = sweep.sweep.metric
-    if best is not None:
-        parent.log_metrics({f"best_{metric}": best["metric"]}, step=best.get("steps") or 0)
-        parent.set_tag("stride.best_trial_id", best["trial_id"])
-        if complete:
-            params = [Param(f"best.{k}", json.dumps(v) if isinstance(v, (list, dict)) else str(v))
-                      for k, v in best["params"].items()]
-            parent._guard("logging the best params", parent.client.log_batch, parent_run_id, params=params)
-    counts: dict[str, int] = {}
-    for t in trials:
-        counts[t["status"]] = counts.get(t["status"], 0) + 1
-    parent.log_metrics({f"trials_{k}": v for k, v in counts.items()}, step=0)
-    parent.finish("FINISHED" if complete else "KILLED")
 
 
 def print_table(trials: list[dict], metric: str) -> None:
@@ -484,26 +421,21 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
 
     from ray import tune
 
+    from stride.trainers import sinks
     from stride.trainers.run.folder import atomic_write_text
-    from stride.trainers.sinks.mlflow_sink import default_uri
     from stride.tune.trial import run_trial
 
-    import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that
-
-    # Schema migrations, study creation and per-dataset INFO lines are noise next to one line per trial result.
-    quiet = {"mlflow": logging.WARNING, "alembic": logging.WARNING}
+    # Study creation lines are noise next to one line per trial result (a tracker quiets its own: open_sweep).
     if sweep.sweep.search == "optuna":
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for name, level in quiet.items():
-        logging.getLogger(name).setLevel(level)
     sweep_dir = sweep.sweep_dir
-    uri = cfg.tracking.mlflow_uri or default_uri(sweep.sweep_dir.parent)
     restore = tune.Tuner.can_restore(str(sweep_dir))
-    parent_run_id = start_parent_run(sweep, cfg, uri, (state or {}).get("mlflow_parent_run_id"))
-    atomic_write_text(sweep_dir / STATE, json.dumps({"identity": sweep.identity(), "mlflow_parent_run_id": parent_run_id,
-                                                     "mlflow_uri": uri}, indent=1) + "\n")
+    info = sweep_info(sweep, cfg)
+    # Each tracker opens the sweep's record (MLflow: the parent run, the same one on a resume); the others none.
+    tracked, sink_options = sinks.open_sweep(info, state or {})
+    atomic_write_text(sweep_dir / STATE, json.dumps({"identity": sweep.identity(), **tracked}, indent=1) + "\n")
     train_rows = specs["train"].num_rows
     max_t = max_steps_of_sweep(sweep, train_rows, num_workers)
     print(f"stride: sweep {sweep.sweep.name}: {sweep.num_trials()} trial(s), {min(concurrency, sweep.num_trials())} at a time "
@@ -511,8 +443,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
           f"scheduler {sweep.sweep.scheduler}, {sweep.sweep.mode} {sweep.sweep.metric}"
           + (" - resuming" if restore else ""), flush=True)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=sweep, specs=specs, facts=facts, mlflow_uri=uri,
-                             parent_run_id=parent_run_id),
+        tune.with_parameters(run_trial, sweep=sweep, specs=specs, facts=facts, sink_options=sink_options),
         TRIAL_RESOURCES)
     logging.getLogger("ray.tune").setLevel(logging.ERROR)  # Stride prints the trials; Tune's tables are off
     if not verbose:
@@ -521,21 +452,21 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
     tuner = build_tuner(sweep, trainable, concurrency, max_t, restore, retry_failed)
     results = tuner.fit()
 
-    trials = collect_trials(sweep, results, uri, parent_run_id, train_rows, num_workers)
+    trials = collect_trials(sweep, results, train_rows, num_workers)
     best, complete = outcome(trials, sweep.num_trials())
+    where = sinks.close_sweep(info, tracked, trials, best, complete)  # their fields join the trials' rows
     summary = {
         "sweep": sweep.sweep.name, "status": "completed" if complete else "interrupted",
         "metric": sweep.sweep.metric, "mode": sweep.sweep.mode,
         "best_trial_id": best["trial_id"] if best else None, "best_config": best["params"] if best else None,
         "best_metric": best["metric"] if best else None,
-        "mlflow_parent_run_id": parent_run_id, "mlflow_uri": uri,
+        **tracked,
         "max_concurrent_trials": concurrency, "workers_per_trial": num_workers, "wall_s": time.time() - t_start,
         "config": {"sweep": sweep.sweep.model_dump(mode="json"), "base": sweep.base,
                    "space": {d.key: d.describe() for d in sweep.dims}, "base_config": str(sweep.base_config_path)},
         "trials": trials,
     }
     atomic_write_text(sweep_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
-    finish_mlflow(sweep, uri, parent_run_id, trials, best, complete)
 
     print_table(trials, sweep.sweep.metric)
     counts = ", ".join(f"{sum(t['status'] == s for t in trials)} {s}" for s in
@@ -545,7 +476,8 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
         shown = " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in best["params"].items())
         print(f"stride: best {sweep.sweep.metric} {best['metric']:.4g} (trial {best['trial_id']}): {shown}")
     print(f"stride: summary     {sweep_dir / SUMMARY}")
-    print(f"stride: mlflow      parent run {parent_run_id} in {redact(uri)}")
+    for line in where:
+        print(f"stride: {line}")
     if not complete:
         print("stride: interrupted; run the same command again to resume the sweep", file=sys.stderr)
     return exit_code(trials, complete, signals)

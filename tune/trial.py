@@ -74,8 +74,15 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow_uri: str,
-              parent_run_id: str | None) -> None:
+def trial_raw(sweep, params: dict[str, Any], trial_id: str, base: Config | None = None) -> dict[str, Any]:
+    """A trial's raw config. Its trackers find the sweep's record in their options (trainers/sinks: Sink.open_sweep);
+    the base config's own tracking URI is passed on unchanged (tune/space.py's trial_raw takes one)."""
+    return sweep.trial_raw(params, trial_id, (base or sweep.base_cfg()).tracking.mlflow_uri)
+
+
+def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict,
+              sink_options: dict[str, dict[str, Any]]) -> None:
+    """`sink_options`: per tracker, what the sweep's record gives each trial's copy (MLflow: its parent run)."""
     from ray import tune
     import ray.train
 
@@ -84,7 +91,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
 
     trial_id = tune.get_context().get_trial_id()
     params = sweep.decode(config)
-    cfg = build_config(sweep.trial_raw(params, trial_id, mlflow_uri), origin=f"trial {trial_id}")
+    cfg = build_config(trial_raw(sweep, params, trial_id), origin=f"trial {trial_id}")
     metric = sweep.sweep.metric
     done = read_summary(cfg.run_dir)
     if done and done.get("status") == "completed" and done.get("params") == params:
@@ -99,7 +106,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict, mlflow
         if repaired:
             print(f"stride: trial {trial_id}: {repaired}", flush=True)
         trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
-                                      sink_options={"mlflow": {"parent_run_id": parent_run_id}},
+                                      sink_options=sink_options,
                                       run_lock_token=lock.token,
                                       report_log_steps=True)  # Tune's schedulers read train_* figures too
         t0 = time.time()

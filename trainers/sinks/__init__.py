@@ -6,6 +6,15 @@ trackers `tracking.sinks` names: MLflow (`mlflow_sink`), TensorBoard (`tensorboa
 A tracker that fails (its server down, its disk full) warns once, in one line, and the run goes on without it;
 a tracker whose package is missing is refused before the run starts (`preflight`). Trackers keep what a resume
 needs to continue the same record (a run id) in the checkpoint (`state_dict`).
+
+Plugins. A built-in tracker is one module here, `<something>_sink.py`, whose `Sink` subclass sets `name`: it is found
+by that (`builtin`), and its `Settings` (a pydantic model) become `tracking.<key>` keys of the config
+(trainers/config.py's TrackingSection inherits them), so adding one touches that module only. A user's own sink is
+named in `tracking.sinks` as "module:Class" (a `stride.Sink` subclass; its module found as a task's is: the working
+directory, PYTHONPATH, and on Ray workers the launcher's folders, STRIDE_TASK_PATH), or as
+{"module:Class": {settings}}, checked against its own `Settings`. Each copy of a sink gets its settings as
+`self.settings` before `open`. A sweep asks each tracker to open and close the sweep's own record (`open_sweep`,
+`close_sweep`: MLflow's parent run); the others open none.
 """
 
 from __future__ import annotations
@@ -17,16 +26,21 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+import pkgutil
 from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from stride.errors import ConfigError
 
 log = logging.getLogger("stride")
 
-# tracking.sinks' names (each class's `name`): module:class, imported only when a run asks for it.
-TRACKERS = {
-    "mlflow": "stride.trainers.sinks.mlflow_sink:MLflowSink",
-    "tensorboard": "stride.trainers.sinks.tensorboard_sink:TensorBoardSink",
-    "wandb": "stride.trainers.sinks.wandb_sink:WandbSink",
-}
+
+class SinkSettings(BaseModel):
+    """A sink's own settings. A built-in tracker's fields are `tracking.<field>` keys (so name them after the sink:
+    wandb_mode); a user's sink gets its entry's mapping, {"module:Class": {field: value}}, checked on the driver."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
 
 @dataclass
@@ -57,6 +71,8 @@ class Sink:
     legacy_meta_key: str | None = None  # where checkpoints before sinks kept state kept its run id
     package: str | None = None  # the package it needs, installed by the extra of the sink's name
     background = False  # True: its records are made on the sinks' own thread, never inside a training step
+    Settings: type[SinkSettings] = SinkSettings  # its keys (see SinkSettings)
+    settings: SinkSettings  # this copy's, set before `open`
 
     def open(self, run: RunInfo) -> None:
         """Before the first step (resumed runs: after the checkpoint is restored)."""
@@ -94,10 +110,16 @@ class Sink:
         return {}
 
     @classmethod
+    def enabled(cls, tracking) -> bool:
+        """Whether a tracker tracking.sinks names records (`tracking`: the config's section; MLflow: tracking.mlflow)."""
+        return True
+
+    @classmethod
     def preflight(cls, cfg) -> str | None:
         """Before the run: why this sink cannot work (one line naming the fix), or None."""
         if cls.package and importlib.util.find_spec(cls.package) is None:
-            return f"the {cls.package} package is not installed; pip install 'stride[{cls.name}]' or take it out"
+            extra = f"'stride[{cls.name}]'" if builtin().get(cls.name) is cls else cls.package
+            return f"the {cls.package} package is not installed; pip install {extra} or take it out"
         return None
 
     @classmethod
@@ -110,44 +132,192 @@ class Sink:
         return None
 
 
-def tracker_class(name: str) -> type[Sink]:
-    module, _, cls = TRACKERS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    # ---- on a sweep's driver (tune/main.py), around its trials ----
+
+    @classmethod
+    def open_sweep(cls, sweep: "SweepInfo", saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Before a sweep's trials start, and again when it resumes (`saved`: what it returned the first time):
+        (its fields, kept in stride_sweep.json and sweep_summary.json under names of its own, such as
+        mlflow_parent_run_id; what every trial's copy of this sink gets in RunInfo.options). Default: nothing."""
+        return {}, {}
+
+    @classmethod
+    def close_sweep(cls, sweep: "SweepInfo", fields: dict[str, Any], trials: list[dict[str, Any]],
+                    best: dict[str, Any] | None, complete: bool) -> None:
+        """After the sweep's trials (complete, or interrupted): close its record; it may add fields of its own to
+        each trial's row (`trials`, sweep_summary.json's) and to `fields`."""
+
+    @classmethod
+    def where_sweep(cls, sweep: "SweepInfo", fields: dict[str, Any]) -> str | None:
+        """The line the sweep's driver prints to say where the sweep's record is."""
+        return None
 
 
-def trackers(cfg) -> list[type[Sink]]:
-    """The tracker classes this run records to (tracking.sinks, less MLflow when tracking.mlflow is false)."""
-    return [tracker_class(name) for name in cfg.tracking.active_sinks()]
+@dataclass
+class SweepInfo:
+    """What a sink's sweep hooks see of a sweep."""
+
+    name: str
+    sweep_dir: Path
+    cfg: Any  # the base config (stride.trainers.config.Config)
+    params: dict[str, Any]  # the sweep file, flat (sweep.*, base.*, space.*)
+    metric: str
+    mode: str
+
+
+_BUILTIN: dict[str, type[Sink]] | None = None
+
+
+def builtin() -> dict[str, type[Sink]]:
+    """tracking.sinks' built-in names -> their classes: the `Sink` subclass with a `name` in each module
+    trainers/sinks/*_sink.py, in the modules' order. The modules import nothing heavy (their tracker's package only
+    when a sink opens), because the config's schema reads their settings."""
+    global _BUILTIN
+    if _BUILTIN is None:
+        found: dict[str, type[Sink]] = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if info.name.endswith("_sink"):
+                module = importlib.import_module(f"{__name__}.{info.name}")
+                for value in vars(module).values():
+                    if (isinstance(value, type) and issubclass(value, Sink) and value.__module__ == module.__name__
+                            and value.name):
+                        found[value.name] = value
+        _BUILTIN = found
+    return _BUILTIN
+
+
+def parse_entry(entry: str | dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """A tracking.sinks entry: a built-in name or "module:Class" (settings None), or {"module:Class": {settings}}."""
+    if isinstance(entry, str):
+        return entry, None
+    (spec, settings), = entry.items()
+    return spec, dict(settings or {})
+
+
+@dataclass
+class Tracker:
+    """One entry of tracking.sinks, resolved: its class, its settings, and the key its state, options and warnings
+    go by (a built-in's name; a user's "module:Class")."""
+
+    key: str
+    cls: type[Sink]
+    settings: SinkSettings
+    where: str  # tracking.sinks[i]
+
+    def make(self) -> Sink:
+        sink = self.cls()
+        sink.name, sink.settings = self.key, self.settings
+        return sink
+
+
+def tracker_class(spec: str, where: str = "tracking.sinks") -> type[Sink]:
+    """The class a tracking.sinks entry names: a built-in, or a user's "module:Class" (ConfigError naming `where`)."""
+    if spec in builtin():
+        return builtin()[spec]
+    from stride.trainers.tasks import load_class
+
+    cls = load_class(where, spec, spec)
+    name = spec.partition(":")[2]
+    if not (isinstance(cls, type) and issubclass(cls, Sink)):
+        raise ConfigError(f"{where} ({spec}): {name} is not a stride.Sink; name a subclass of stride.Sink")
+    if not (isinstance(cls.Settings, type) and issubclass(cls.Settings, SinkSettings)):
+        raise ConfigError(f"{where} ({spec}): {name}.Settings must subclass stride.trainers.sinks.SinkSettings")
+    return cls
+
+
+def _settings(cfg, cls: type[Sink], spec: str, given: dict[str, Any] | None, where: str) -> SinkSettings:
+    if spec in builtin():  # its keys are tracking.<key>, validated with the config
+        return cls.Settings.model_construct(**{k: getattr(cfg.tracking, k) for k in cls.Settings.model_fields})
+    try:
+        return cls.Settings.model_validate(given or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(map(str, err["loc"]))
+        fields = ", ".join(cls.Settings.model_fields) or "none"
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"{where} ({spec}): {key} is not a setting of {cls.__name__} (its settings: "
+                              f"{fields}); give only those") from None
+        if err["type"] == "missing":
+            raise ConfigError(f"{where} ({spec}): {cls.__name__} needs the setting {key}; give it as "
+                              f"{{\"{spec}\": {{{key}: <value>}}}}") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{where} ({spec}): {key} ({repr(err.get('input'))[:200]}) {msg}") from None
+
+
+def trackers(cfg) -> list[Tracker]:
+    """The trackers this run records to (tracking.sinks, less MLflow when tracking.mlflow is false), imported and
+    their settings checked; a mistake is a ConfigError naming tracking.sinks[i]."""
+    out: list[Tracker] = []
+    active = cfg.tracking.active_sinks()
+    for i, entry in enumerate(cfg.tracking.sinks):
+        spec, given = parse_entry(entry)
+        if spec not in active:
+            continue
+        where = f"tracking.sinks[{i}]"
+        cls = tracker_class(spec, where)
+        if twin := next((t for t in out if t.cls is cls), None):
+            raise ConfigError(f"{where} ({spec}) is the sink {twin.where} ({twin.key}) names already; list each sink "
+                              f"once")
+        out.append(Tracker(spec, cls, _settings(cfg, cls, spec, given, where), where))
+    return out
 
 
 def preflight(cfg) -> None:
-    """Refuse, before anything starts, a tracker that cannot work here (its package missing): ConfigError."""
-    from stride.errors import ConfigError
-
-    for cls in trackers(cfg):
-        if why := cls.preflight(cfg):
-            raise ConfigError(f"tracking.sinks ({cls.name}): {why}")
+    """Refuse, before anything starts, a tracker that cannot work here (not importable, not a Sink, named twice, its
+    settings wrong, its package missing): ConfigError, one line naming tracking.sinks[i]."""
+    for t in trackers(cfg):
+        if why := t.cls.preflight(cfg):
+            raise ConfigError(f"{t.where} ({t.key}): {why}")
 
 
 def plan(cfg) -> dict[str, dict[str, Any]]:
-    return {cls.name: cls.plan(cfg) for cls in trackers(cfg)}
+    return {t.key: t.cls.plan(cfg) for t in trackers(cfg)}
 
 
 def saved_state(meta: dict[str, Any]) -> dict[str, Any]:
     """The sinks' states in a checkpoint's meta.json (older checkpoints: their trackers' run ids)."""
     if "sinks" in meta:
         return meta["sinks"] or {}
-    return {cls.name: {"run_id": meta[key]} for cls in map(tracker_class, TRACKERS)
+    return {cls.name: {"run_id": meta[key]} for cls in builtin().values()
             if (key := cls.legacy_meta_key) and meta.get(key)}
 
 
 def after_run(cfg, summary: dict[str, Any]) -> None:
-    for cls in trackers(cfg):
-        cls.after_run(cfg, summary)
+    for t in trackers(cfg):
+        t.cls.after_run(cfg, summary)
 
 
 def where(cfg, summary: dict[str, Any]) -> list[str]:
-    return [line for cls in trackers(cfg) if (line := cls.where(cfg, summary))]
+    return [line for t in trackers(cfg) if (line := t.cls.where(cfg, summary))]
+
+
+# ---- a sweep's record (tune/main.py) ----
+
+def open_sweep(sweep: SweepInfo, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every tracker of the sweep's base config opens the sweep's record: (their fields, each trial's sink
+    options by sink key)."""
+    fields: dict[str, Any] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for t in trackers(sweep.cfg):
+        own, options[t.key] = t.cls.open_sweep(sweep, saved)
+        fields.update(own)
+    return fields, options
+
+
+def close_sweep(sweep: SweepInfo, fields: dict[str, Any], trials: list[dict[str, Any]], best: dict[str, Any] | None,
+                complete: bool) -> list[str]:
+    """Every tracker closes the sweep's record; a failure warns in one line (the sweep's results stand). The
+    lines saying where each record is."""
+    lines = []
+    for t in trackers(sweep.cfg):
+        try:
+            t.cls.close_sweep(sweep, fields, trials, best, complete)
+            if line := t.cls.where_sweep(sweep, fields):
+                lines.append(line)
+        except Exception as e:  # noqa: BLE001 - a tracker must never lose the sweep's results
+            log.warning("sink %s failed in close_sweep (%s: %s)", t.key, type(e).__name__,
+                        (str(e).splitlines() or [""])[0][:200])
+    return lines
 
 
 # The hooks a background sink runs on the sinks' thread (in order); open, state_dict, summary and close stay on the
@@ -174,9 +344,10 @@ class Sinks:
         from stride.trainers.sinks.prometheus import PrometheusSink
 
         active = trackers(run.cfg)
-        candidates = [MetricsFileSink(), ConsoleSink(), PrometheusSink(), *(c() for c in active)]
+        candidates = [MetricsFileSink(), ConsoleSink(), PrometheusSink(), *(t.make() for t in active)]
         sinks = [s for s in candidates if rank0 or s.every_rank]
-        self = cls([], tuple(f for c in map(tracker_class, TRACKERS) if c not in active for f in c.summary_fields))
+        used = {t.cls for t in active}
+        self = cls([], tuple(f for c in builtin().values() if c not in used for f in c.summary_fields))
         for sink in sinks:
             own = RunInfo(**{**run.__dict__, "state": run.state.get(sink.name) or {},
                              "options": run.options.get(sink.name) or {}})

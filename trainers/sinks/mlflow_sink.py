@@ -1,18 +1,50 @@
 """MLflow on rank 0: one MLflow run per training run, continued (never duplicated) on resume.
 
-When the tracking server cannot be reached the run trains anyway and says so once.
+When the tracking server cannot be reached the run trains anyway and says so once. Its settings are tracking.mlflow,
+tracking.mlflow_uri and tracking.experiment (`MLflowSink.Settings`). A sweep records to one parent run, with a child
+run per trial (`open_sweep`, `close_sweep`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from stride.trainers.sinks import RunInfo, Sink
+from pydantic import Field, field_validator
+
+from stride.trainers.sinks import RunInfo, Sink, SinkSettings, SweepInfo
 
 log = logging.getLogger("stride")
+
+# Tracking URI schemes MLflow's own stores take (a database URI may name its driver: postgresql+psycopg2);
+# a plugin's scheme (entry point group mlflow.tracking_store) is accepted too.
+MLFLOW_SCHEMES = ("http", "https", "file", "databricks", "sqlite", "postgresql", "mysql", "mssql")
+
+
+def _mlflow_plugin_schemes() -> set[str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
+
+
+class MLflowSettings(SinkSettings):
+    mlflow: bool = Field(True, description="Record the run in MLflow when tracking.sinks has mlflow (false: leave "
+                         "it out)")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (null: sqlite store under storage_path)")
+    experiment: str = Field("stride", description="MLflow experiment name; the W&B project when wandb_project is null")
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _a_tracking_store(cls, v: str | None) -> str | None:
+        # MLflow fails on an unknown scheme only when the first worker logs, with a hundred lines from each rank.
+        scheme = v.partition("://")[0].partition("+")[0].lower() if v and "://" in v else ""
+        if scheme and scheme not in MLFLOW_SCHEMES and scheme not in _mlflow_plugin_schemes():
+            raise ValueError(f"has scheme {scheme[:50]}://, which MLflow cannot track to; use an http(s):// server, a "
+                             f"folder, file://, databricks, or a database URI (sqlite:///mlflow.db, postgresql://...)")
+        return v
 
 
 def default_uri(storage_path: str | os.PathLike) -> str:
@@ -115,6 +147,11 @@ class MLflowSink(Sink):
     """tracking.sinks: [mlflow] (the default): params, metrics, tags and profiler traces in one MLflow run."""
     name = "mlflow"
     background = True
+    Settings = MLflowSettings
+
+    @classmethod
+    def enabled(cls, tracking) -> bool:
+        return tracking.mlflow
 
     summary_fields = ("mlflow_run_id",)
     legacy_meta_key = "mlflow_run_id"
@@ -161,6 +198,97 @@ class MLflowSink(Sink):
 
         shown = redact(cfg.tracking.mlflow_uri) or default_uri(cfg.run.storage_path)
         return f"mlflow      run {summary.get('mlflow_run_id')} in {shown}  (view: mlflow ui --backend-store-uri {shown})"
+
+    # ---- a sweep: one parent run, a child run per trial ----
+
+    @classmethod
+    def open_sweep(cls, sweep: SweepInfo, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        import mlflow  # noqa: F401 - it sets its loggers' levels when imported: quiet them after that
+
+        # Schema migrations and per-dataset INFO lines are noise next to one line per trial result.
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # The store beside the sweep folder (a trial's storage_path is the sweep folder itself).
+        where = sweep.cfg.tracking.mlflow_uri or default_uri(sweep.sweep_dir.parent)
+        tracker = Tracker(where, sweep.cfg.tracking.experiment, str(sweep.sweep_dir.parent))
+        run_id = tracker.start(sweep.name, saved.get("mlflow_parent_run_id"), sweep.params)
+        tracker.set_tag("stride.sweep", "true")
+        tracker.set_tag("stride.sweep_dir", str(sweep.sweep_dir))
+        return {"mlflow_parent_run_id": run_id, "mlflow_uri": where}, {"uri": where, "parent_run_id": run_id}
+
+    @classmethod
+    def close_sweep(cls, sweep: SweepInfo, fields: dict[str, Any], trials: list[dict[str, Any]],
+                    best: dict[str, Any] | None, complete: bool) -> None:
+        """Each trial's row gets its child run (and the superseded ones); close what the trials could not:
+        early-stopped and failed children were killed mid-run; the parent gets the best trial and the counts."""
+        from stride.errors import RunFolderError
+        from stride.trainers.run import folder as runfolder
+
+        where, parent_run_id = fields.get("mlflow_uri"), fields.get("mlflow_parent_run_id")
+        children = child_runs(where, sweep.cfg.tracking.experiment, parent_run_id)
+        for t in trials:
+            try:
+                own = runfolder.read_summary(Path(t["run_dir"]) / "summary.json") or {}
+            except (OSError, ValueError, RunFolderError):
+                own = {}
+            ids = children.get(t["trial_id"], [])
+            run_id = own.get("mlflow_run_id") or (ids[0] if ids else None)
+            t["mlflow_run_id"], t["superseded_mlflow_run_ids"] = run_id, [i for i in ids if i != run_id]
+        if not parent_run_id:
+            return
+        from mlflow.entities import Param
+
+        experiment, storage = sweep.cfg.tracking.experiment, str(sweep.sweep_dir.parent)
+        child = Tracker(where, experiment, storage)
+        for t in trials:
+            for stale in t["superseded_mlflow_run_ids"]:
+                child.run_id = stale
+                child.set_tag("stride.superseded_by", t["mlflow_run_id"])
+                child.finish("KILLED")
+            if t["mlflow_run_id"]:
+                child.run_id = t["mlflow_run_id"]
+                child.set_tag("stride.trial_status", t["status"])
+                if t["status"] != "completed":  # the loop closed completed runs itself
+                    child.finish("FAILED" if t["status"] == "failed" else "KILLED")
+        parent = Tracker(where, experiment, storage)
+        parent.run_id = parent_run_id
+        if best is not None:
+            parent.log_metrics({f"best_{sweep.metric}": best["metric"]}, step=best.get("steps") or 0)
+            parent.set_tag("stride.best_trial_id", best["trial_id"])
+            if complete:
+                params = [Param(f"best.{k}", json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+                          for k, v in best["params"].items()]
+                parent._guard("logging the best params", parent.client.log_batch, parent_run_id, params=params)
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[t["status"]] = counts.get(t["status"], 0) + 1
+        parent.log_metrics({f"trials_{k}": v for k, v in counts.items()}, step=0)
+        parent.finish("FINISHED" if complete else "KILLED")
+
+    @classmethod
+    def where_sweep(cls, sweep: SweepInfo, fields: dict[str, Any]) -> str:
+        from stride.trainers.config import redact
+
+        return f"mlflow      parent run {fields.get('mlflow_parent_run_id')} in {redact(fields.get('mlflow_uri'))}"
+
+
+def child_runs(where: str, experiment: str, parent_run_id: str | None) -> dict[str, list[str]]:
+    """MLflow child run ids per trial id, newest first. A trial restarted before its first checkpoint could not
+    continue its child run and has two; the newest is the trial's, the older ones are closed as superseded."""
+    if not parent_run_id:
+        return {}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=where)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return {}
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time DESC"])
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        out.setdefault(r.data.tags.get("mlflow.runName", r.info.run_name), []).append(r.info.run_id)
+    return out
 
 
 def uri(cfg) -> str:

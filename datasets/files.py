@@ -80,7 +80,7 @@ def outside_message(key: str, path: str, where: str, root: str) -> str:
             f"data.file_root to a folder that holds the files it should read")
 
 
-class OutsideRoot(Exception):
+class OutsideRoot(DataError):
     """A file path outside data.file_root, found as a worker went to read it."""
 
 

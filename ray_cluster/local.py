@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from stride.errors import EXIT_FAILED, EXIT_USAGE, StrideError
 from stride.cli import ArgumentParser, error_line
 from stride.ray_cluster import node
 
@@ -64,12 +65,16 @@ class Head:
         return sorted(node.node_processes(state)) if state else []
 
 
-class HeadError(Exception):
+class HeadError(StrideError):
     """One line for the user: a head that failed (exit 1)."""
+
+    exit_code = EXIT_FAILED
 
 
 class HeadUsageError(HeadError):
     """One line for the user: a request the user can fix (exit 2)."""
+
+    exit_code = EXIT_USAGE
 
 
 def _port_free(port: int) -> bool:

@@ -27,13 +27,20 @@ import sys
 from pathlib import Path
 
 
-from stride.cli import error_line
+from stride.cli import reports_errors
+from stride.errors import EXIT_FAILED, UsageError
 
 TOKEN_MOUNT = "~/stride_ray/auth_token"
 
 
-class UpDownError(Exception):
-    """One line for the user."""
+class UpDownError(UsageError):
+    """A cluster file or token the user can fix: one line, exit 2."""
+
+
+class StopFailed(UpDownError):
+    """Ray could not be stopped on some nodes: one line, exit 1."""
+
+    exit_code = EXIT_FAILED
 
 
 def load(config_path: str) -> dict:
@@ -104,7 +111,7 @@ def down(config_path: str) -> None:
             print(result.stderr.strip(), file=sys.stderr, flush=True)
             failed.append(ip)
     if failed:
-        raise UpDownError(f"stopping Ray failed on {', '.join(failed)} (output above); the nodes stay marked "
+        raise StopFailed(f"stopping Ray failed on {', '.join(failed)} (output above); the nodes stay marked "
                           f"running; fix and run down again")
     # As `ray down` does: mark the nodes terminated in the cluster state file of the local provider.
     from stride.ray_cluster.ray_edge import node_provider as provider_of
@@ -122,19 +129,16 @@ def up(config_path: str, ray_up_args: list[str]) -> int:
     return subprocess.call([str(ray) if ray.exists() else "ray", "up", config_path, *ray_up_args])
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] not in ("up", "down"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    try:
-        if argv[0] == "up":
-            return up(argv[1], argv[2:])
-        down(argv[1])
-        print(f"stride: stopped the Ray processes of {argv[1]} on every node; nothing else was touched")
-    except UpDownError as e:
-        error_line(e)
-        return 1
+    if argv[0] == "up":
+        return up(argv[1], argv[2:])
+    down(argv[1])
+    print(f"stride: stopped the Ray processes of {argv[1]} on every node; nothing else was touched")
     return 0
 
 

@@ -8,11 +8,13 @@ importing trainers/ (or torch).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
-EXIT_USAGE = 2
+from stride.errors import EXIT_USAGE, StrideError, exit_code, one_line
+
 
 
 # The command as the user typed it (`stride sweep`), set by the `stride` dispatcher (stride/commands.py): a
@@ -68,3 +70,16 @@ def record_for_torchrun(line: str) -> None:
             json.dump(data, f)
     except OSError:  # the report then says what it says without the file; the line is on stderr anyway
         pass
+
+
+def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """A command's `main`: a StrideError it raises ends it with the error's one line on stderr and its exit code (2
+    for what the user can fix, 1 for a failed run). The one place every command turns an error into its end."""
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except StrideError as e:
+            error_line(one_line(e))
+            return exit_code(e)
+    return run

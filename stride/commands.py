@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     cli.COMMAND = f"stride {command}"
     module = importlib.import_module(COMMANDS[command][0])
-    return module.main(rest)
+    return cli.reports_errors(module.main)(rest)  # what a command lets through ends as every command's errors do
 
 
 def run() -> NoReturn:

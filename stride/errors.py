@@ -81,6 +81,11 @@ class CheckpointWriteError(TrainingError):
         return type(self), (str(self), self.reason, self.errno)
 
 
+def one_line(e: BaseException) -> str:
+    """The line a command ends with after `e`: its message on one line (the type's name when it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def exit_code(e: BaseException) -> int:
     """The exit code a command ends with after `e`: its own for Stride's errors, 1 for anything else."""
     return e.exit_code if isinstance(e, StrideError) else EXIT_FAILED

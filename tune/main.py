@@ -41,7 +41,7 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 from stride.cli import ArgumentParser, error_line  # noqa: E402
 from stride.errors import StrideError  # noqa: E402
 from stride.errors import ConfigError  # noqa: E402
-from stride.trainers.config import Config, check_batch_fits, redact  # noqa: E402
+from stride.trainers.config import Config, check_batch_fits  # noqa: E402
 from stride.trainers.config_reader import build_config  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
 

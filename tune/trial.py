@@ -9,6 +9,7 @@ checkpoints and summary.json, exactly as `trainers/main.py` writes them. Evaluat
 
 from __future__ import annotations
 
+from stride.errors import RunFolderError
 import json
 import math
 import time
@@ -49,7 +50,7 @@ class MetricReportCallback(TuneReportCallback):
             src = Path(self.run_dir) / SNAPSHOT
             try:  # Ray's file, in a folder others can write: a regular file only (a FIFO would hang the callback)
                 text = runfolder.read_bytes(src).decode(errors="replace")
-            except (OSError, ValueError, runfolder.RunFolderError):
+            except (OSError, ValueError, RunFolderError):
                 text = ""
             if is_json(text):
                 atomic_write_text(Path(self.run_dir) / SNAPSHOT_COPY, text)
@@ -70,7 +71,7 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     link: trainers/run/folder.py)."""
     try:
         return runfolder.read_summary(run_dir / SUMMARY)
-    except (OSError, ValueError, runfolder.RunFolderError):
+    except (OSError, ValueError, RunFolderError):
         return None
 
 

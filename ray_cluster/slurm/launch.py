@@ -37,14 +37,17 @@ if not __package__:  # run as a file from a checkout: import Stride as the `stri
 
 from stride.ray_cluster.node import UnsafeStateDir, private_dir  # noqa: E402
 from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
+from stride.errors import EXIT_FAILED, StrideError  # noqa: E402
 
 LABEL = "stride-slurm-node"   # Ray node label holding the SLURM node name
 AF_UNIX_PATH_MAX = 107
 SESSION_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
 
 
-class LaunchError(Exception):
-    """One line for the person who submitted the job."""
+class LaunchError(StrideError):
+    """One line for the person who submitted the job (exit 1: the job failed)."""
+
+    exit_code = EXIT_FAILED
 
 
 def log(msg: str) -> None:

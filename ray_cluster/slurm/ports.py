@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stride.errors import StrideError
+
 FIXED = ("gcs", "dashboard", "ray_client_server", "node_manager", "object_manager", "metrics_export",
          "dashboard_agent_listen", "dashboard_agent_grpc", "runtime_env_agent")
 FIRST_WORKER_OFFSET = 10
 MIN_WORKER_PORTS = 16
 
 
-class PortError(ValueError):
+class PortError(StrideError, ValueError):
     """A port setting that cannot work; the message names the knob that fixes it."""
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from stride.cli import reports_errors
 from stride.trainers.run import checkpointing
 from stride.trainers.callbacks import Callbacks, CallbackState, averages
 from stride.trainers.loop import RunPlan, Trainer
@@ -100,16 +101,9 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
-    from stride.cli import error_line
-    from stride.errors import StrideError
-
-    args = parse_args(argv)
-    try:
-        return evaluate_command(args)
-    except StrideError as e:
-        error_line(e)
-        return e.exit_code
+    return evaluate_command(parse_args(argv))
 
 
 def evaluate_command(args) -> int:

@@ -42,7 +42,7 @@ import os
 import sys
 from pathlib import Path
 
-from stride.cli import ArgumentParser, error_line
+from stride.cli import ArgumentParser, reports_errors
 from stride.trainers.run import checkpointing
 from stride.trainers.run import retention
 
@@ -347,16 +347,9 @@ def parse_args(argv: list[str] | None, prog: str):
     return args
 
 
+@reports_errors
 def main(argv: list[str] | None = None, prog: str = "stride export") -> int:
-    from stride.errors import StrideError
-
-    args = parse_args(argv, prog)
-    try:
-        info = export_command(args)
-    except StrideError as e:  # ExportError, and eval's refusals (trained.py): one line, exit 2
-        error_line(e)
-        return e.exit_code
-    print(json.dumps(info))
+    print(json.dumps(export_command(parse_args(argv, prog))))
     return 0
 
 

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from stride.cli import reports_errors
 from stride.errors import TrainingError, UsageError
 from stride.trainers.commands.evaluate import CheckpointModel, JobPlan
 
@@ -248,16 +249,9 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+@reports_errors
 def main(argv: list[str] | None = None) -> int:
-    from stride.cli import error_line
-    from stride.errors import StrideError
-
-    args = parse_args(argv)
-    try:
-        return predict_command(args)
-    except StrideError as e:
-        error_line(e)
-        return e.exit_code
+    return predict_command(parse_args(argv))
 
 
 def predict_command(args) -> int:

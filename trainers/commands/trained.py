@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stride.datasets.splits import DataSpec
-from stride.errors import ConfigError, UsageError
+from stride.errors import UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
 from stride.trainers.config import Config

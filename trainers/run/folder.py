@@ -37,7 +37,7 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 JSON_LIMIT = 64 << 20  # meta.json, summary.json, the stop file: far above what Stride writes, far below a machine's memory
 
 
-from stride.errors import RunFolderError  # noqa: E402
+from stride.errors import RunFolderError, StrideError  # noqa: E402
 
 
 def kind(mode: int) -> str:
@@ -205,7 +205,7 @@ def schema_problem(error) -> str:
     return f"{where}{value}: {first['msg'].removeprefix('Value error, ')}"
 
 
-class SchemaError(ValueError):
+class SchemaError(StrideError, ValueError):
     """JSON that Stride wrote once but that is not what it writes now: `problem` names the field and its value."""
 
     def __init__(self, path: Path, problem: str):

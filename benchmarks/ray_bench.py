@@ -43,7 +43,7 @@ def ingest_loop(config: dict) -> dict:
     import torch
 
     from stride.datasets.order import Order
-    from stride.datasets.splits import column_to_numpy
+    from stride.datasets.frame import column_to_numpy
     from stride.datasets.stream import READ_THREADS, TrainStream
 
     pa.set_cpu_count(READ_THREADS)  # pyarrow gets the stream's threads (the worker's OMP_NUM_THREADS=1 gave it one)
@@ -93,7 +93,7 @@ def ingest(spec: dict, storage: Path) -> dict:
     from ray.train.torch import TorchTrainer
 
     from stride.datasets.splits import cache_folder, open_split
-    from stride.trainers.config_reader import load_config
+    from stride import load_config
     from stride.trainers.launch.checks import prepare
 
     specs, settings, driver = {}, {}, {}
@@ -126,7 +126,7 @@ def ingest(spec: dict, storage: Path) -> dict:
 
 
 def scaling(spec: dict, storage: Path) -> dict:
-    from stride.trainers.config_reader import load_config
+    from stride import load_config
     from stride.trainers.launch.ray import build_trainer
     from stride.trainers.launch.checks import prepare
 

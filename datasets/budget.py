@@ -20,7 +20,8 @@ import pyarrow as pa
 
 from stride.datasets.bucketing import Padding, lengths_of, rank_share, segments
 from stride.datasets.order import Order
-from stride.datasets.splits import Columns, DataSpec
+from stride.datasets.splits import DataSpec
+from stride.datasets.frame import Columns
 from stride.errors import DataError
 from stride.datasets.stream import BlockReader, Prefetcher, fetcher, frame_of, take_lengths
 

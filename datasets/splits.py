@@ -28,8 +28,7 @@ from stride.datasets.formats import FileLayout, extensions, first_line, format_o
 from stride.errors import DataError
 from stride.datasets.index import cached_layout
 
-__all__ = ["DataSpec", "DataSplit", "SAMPLE_ID", "Columns", "column_to_numpy", "inspect", "open_split",
-           "resolve_files", "read_files"]
+__all__ = ["DataSpec", "DataSplit", "SAMPLE_ID", "inspect", "open_split", "resolve_files", "read_files"]
 
 SAMPLE_ID = "sample_id"
 
@@ -369,33 +368,3 @@ def read_files(files, columns: list[str] | None = None, key: str = "data") -> pa
     return DataSplit("data", key, layouts, schema, sum(lay.num_rows for lay in layouts)).read(columns)
 
 
-def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """One column as a numpy array with the rows as first dimension: numbers 1-D, fixed-size lists 2-D (n, size),
-    everything else (bytes, strings, variable lists) an object array of Python values."""
-    if isinstance(col, pa.ChunkedArray):  # one chunk (a row group) is used as it is: combining would copy it
-        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    t = col.type
-    if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)) \
-            and not col.null_count:
-        return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), t.list_size)
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return col.to_numpy(zero_copy_only=False)
-    return np.array(col.to_pylist() + [None], dtype=object)[:-1]  # the None keeps numpy from stacking lists
-
-
-@dataclass
-class Columns:
-    """Rows of a split as numpy arrays (the task's columns) and their sample ids (the sample_id column, or the row's
-    index in file order)."""
-
-    data: dict[str, np.ndarray]
-    sample_id: np.ndarray  # (n,) int64
-
-    def __len__(self) -> int:
-        return len(self.sample_id)
-
-    def take(self, index: np.ndarray) -> Columns:
-        return Columns({name: col.take(index, axis=0) for name, col in self.data.items()}, self.sample_id.take(index))
-
-    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: col[index] for name, col in self.data.items()}

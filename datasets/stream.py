@@ -28,7 +28,8 @@ from stride.datasets.files import FileFetcher, resolve, row_of
 from stride.datasets.formats import PartReader, formats
 from stride.datasets.frame import EMPTY, Frame
 from stride.datasets.order import EpochPlan, Order, eval_blocks
-from stride.datasets.splits import SAMPLE_ID, Columns, DataSpec, conform
+from stride.datasets.splits import SAMPLE_ID, DataSpec, conform
+from stride.datasets.frame import Columns
 from stride.errors import DataError
 
 

@@ -47,8 +47,8 @@ __version__ = "0.2.0"
 
 _PUBLIC = {
     "Task": "stride.trainers.task",
-    "Callback": "stride.trainers.callbacks",
-    "Sink": "stride.trainers.sinks",
+    "Callback": "stride.trainers.callbacks.base",
+    "Sink": "stride.trainers.sinks.base",
     "LossOutput": "stride.trainers.step",
     "DataSplit": "stride.datasets.splits",
     "DataError": "stride.errors",

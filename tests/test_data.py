@@ -201,7 +201,7 @@ def test_frame_hands_the_task_the_same_values_as_pyarrow():
     from stride.datasets.order import Order
     from stride.datasets.stream import cut_window
     from stride.datasets.frame import Frame
-    from stride.datasets.splits import column_to_numpy
+    from stride.datasets.frame import column_to_numpy
 
     n = 50
     table = pa.table({

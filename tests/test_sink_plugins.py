@@ -137,7 +137,8 @@ def test_a_users_sink_settings_are_checked_against_its_own_settings(user_folder)
 
 
 def test_a_users_sink_gets_its_settings_and_its_entry_as_its_name(user_folder, tmp_path):
-    from stride.trainers.sinks import RunInfo, Sinks
+    from stride.trainers.sinks import Sinks
+    from stride.trainers.sinks.base import RunInfo
 
     cfg = _cfg("tensorboard", {"my_sinks:StepRecorder": {"file": "mine.jsonl", "tag": "t1"}})
     from stride.trainers import sinks as run_sinks

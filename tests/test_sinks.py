@@ -67,7 +67,7 @@ def wandb_history(run_file: Path) -> tuple[str, list[dict]]:
 # ---- functions: the fan-out, the resume of a TensorBoard log, the pre-flight ------------------------------------
 
 def _run_info(tmp_path: Path, resume_step: int | None):
-    from stride.trainers.sinks import RunInfo
+    from stride.trainers.sinks.base import RunInfo
 
     return RunInfo(cfg=None, run_dir=tmp_path, resume_step=resume_step)
 
@@ -162,7 +162,8 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run(name, monk
 
 def test_tracking_mlflow_false_leaves_mlflow_out_and_its_summary_field_null(tmp_path):
     from stride.trainers.config_reader import build_config
-    from stride.trainers.sinks import RunInfo, Sinks
+    from stride.trainers.sinks import Sinks
+    from stride.trainers.sinks.base import RunInfo
 
     cfg = build_config({"tracking": {"sinks": ["mlflow", "tensorboard"], "mlflow": False}}, origin="test")
     assert cfg.tracking.active_sinks() == ["tensorboard"]

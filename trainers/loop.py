@@ -31,11 +31,13 @@ from stride.trainers import blocks as trainer_blocks
 from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
-from stride.trainers.callbacks import Callbacks, CallbackState, build as build_callbacks
+from stride.trainers.callbacks import Callbacks, build as build_callbacks
+from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest, reseed
 from stride.errors import TrainingError
-from stride.trainers.sinks import RunInfo, Sinks, saved_state
+from stride.trainers.sinks import Sinks, saved_state
+from stride.trainers.sinks.base import RunInfo
 from stride.trainers.optim import Freezer, build_optimizer, build_scheduler, logged_lrs, resolve_groups
 from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_reduce_mean_many, evaluate, resolve_precision,
                                   train_step)

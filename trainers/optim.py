@@ -30,7 +30,7 @@ def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
     """optim.name -> (the optimizer class, whether it is built in). A "<module>:<Class>" is found the way
     model.name finds a user's task. Raises ConfigError (exit 2) for a name that is no torch.optim.Optimizer."""
     from stride.errors import ConfigError
-    from stride.trainers.tasks import load_class
+    from stride.user_code import load_class
 
     if name in BUILTIN_OPTIMIZERS:
         return BUILTIN_OPTIMIZERS[name][0], True
@@ -236,7 +236,7 @@ def schedule_function(name: str) -> Callable[[int, int, int, float, float], floa
     """optim.schedule -> its function: a built-in one, or the "<module>:<function>" found as optim.name finds a
     class. Raises ConfigError (exit 2) for a name that is not a function."""
     from stride.errors import ConfigError
-    from stride.trainers.tasks import load_class
+    from stride.user_code import load_class
 
     if name in SCHEDULES:
         return SCHEDULES[name]

@@ -176,7 +176,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def sweep_info(sweep: Sweep, cfg: Config):
-    from stride.trainers.sinks import SweepInfo
+    from stride.trainers.sinks.base import SweepInfo
 
     return SweepInfo(name=sweep.sweep.name, sweep_dir=sweep.sweep_dir, cfg=cfg, params=sweep.to_params(),
                      metric=sweep.sweep.metric, mode=sweep.sweep.mode)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stride.trainers.callbacks import Callback, CallbackState
+from stride.trainers.callbacks.base import Callback, CallbackState
 
 log = logging.getLogger("stride")
 

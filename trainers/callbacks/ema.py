@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from stride.trainers.callbacks import Callback, CallbackState
+from stride.trainers.callbacks.base import Callback, CallbackState
 
 
 class EMACallback(Callback):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stride.trainers.callbacks import Callback, CallbackState
+from stride.trainers.callbacks.base import Callback, CallbackState
 from stride.trainers.run.retention import BestCheckpoints
 
 

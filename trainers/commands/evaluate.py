@@ -23,7 +23,8 @@ import torch
 
 from stride.cli import reports_errors
 from stride.trainers.run import checkpointing
-from stride.trainers.callbacks import Callbacks, CallbackState, averages
+from stride.trainers.callbacks import Callbacks, averages
+from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.loop import RunPlan, Trainer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stride.trainers.sinks import RunInfo, Sink
+from stride.trainers.sinks.base import RunInfo, Sink
 
 log = logging.getLogger("stride")
 

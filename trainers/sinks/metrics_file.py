@@ -12,7 +12,7 @@ from typing import Any
 
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
-from stride.trainers.sinks import RunInfo, Sink
+from stride.trainers.sinks.base import RunInfo, Sink
 
 log = logging.getLogger("stride")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from stride.trainers.sinks import RunInfo, Sink, SinkSettings, SweepInfo
+from stride.trainers.sinks.base import RunInfo, Sink, SinkSettings, SweepInfo
 
 log = logging.getLogger("stride")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stride.trainers.sinks import RunInfo, Sink
+from stride.trainers.sinks.base import RunInfo, Sink
 
 
 class PrometheusSink(Sink):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stride.trainers.run import folder as runfolder
-from stride.trainers.sinks import RunInfo, Sink
+from stride.trainers.sinks.base import RunInfo, Sink
 
 FOLDER = "tensorboard"
 

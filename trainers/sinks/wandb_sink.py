@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from stride.trainers.run import folder as runfolder
-from stride.trainers.sinks import RunInfo, Sink, SinkSettings, SweepInfo
+from stride.trainers.sinks.base import RunInfo, Sink, SinkSettings, SweepInfo
 
 
 class WandbSettings(SinkSettings):

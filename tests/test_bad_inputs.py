@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import free_port, run_cli, run_cli_forked
+from runs import tiny
 
 TABULAR = ["trainers/main.py", "--config", "trainers/configs/tabular_mlp.yaml"]
 TINY = ["train.max_steps=6", "train.epochs=null", "train.log_every_steps=2", "train.eval_every_steps=6",
@@ -284,9 +285,8 @@ def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_
         _one_line_usage_error(r, "run.name (tabular_mlp)", says, "it was not loaded")
         assert not marker.exists() and _digest(ckpt) == before
         # torchrun's launcher refuses it the same way.
-        r = run_cli_forked(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
-                            f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                            f"run.storage_path={storage}", "model.hidden_sizes=[32]", "tracking.mlflow=false", *TINY],
+        r = run_cli_forked(["trainers/torchrun.py", *tiny(storage, tabular_data, None, "model.hidden_sizes=[32]", *TINY,
+                                                          name=None, config="trainers/configs/tabular_mlp.yaml")],
                            timeout=120)
         _one_line_usage_error(r, says)
     # generate.py and export.py, named this checkpoint, refuse it in one line.

@@ -7,29 +7,22 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, read_jsonl, run_cli
+from conftest import run_cli
 from stride.trainers import blocks
 from stride.trainers.models import CharGPT
-from stride.trainers.launch.torchrun import main as torchrun_main
+from runs import launch, losses, tiny
 
 
 def _args(tmp_path, data, name, *extra):
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", f"run.name={name}", "train.epochs=null",
-            "train.max_steps=20", "train.log_every_steps=2", "train.eval_every_steps=20", "checkpoint.every_steps=20",
-            "model.hidden_sizes=[64,64,64]", "model.dropout=0.2", "train.deterministic=true", "tracking.mlflow=false",
-            *extra]
-
-
-def _losses(run) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r}
+    return tiny(tmp_path, data, 20, "train.log_every_steps=2", "train.eval_every_steps=20", "checkpoint.every_steps=20",
+                "model.hidden_sizes=[64,64,64]", "model.dropout=0.2", "train.deterministic=true", *extra, name=name)
 
 
 def test_activation_checkpointing_in_one_process_is_bitwise_neutral(tmp_path, tabular_data, capsys):
-    assert torchrun_main(_args(tmp_path, tabular_data, "kept")) == 0
-    assert torchrun_main(_args(tmp_path, tabular_data, "recomputed", "train.activation_checkpointing=true")) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, "kept")) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, "recomputed", "train.activation_checkpointing=true")) == 0
     assert "activation checkpointing: 3 of 3 blocks" in capsys.readouterr().out  # the MLP's Linears but the root's last
-    kept, recomputed = _losses(tmp_path / "kept"), _losses(tmp_path / "recomputed")
+    kept, recomputed = losses(tmp_path / "kept"), losses(tmp_path / "recomputed")
     assert sorted(kept) == list(range(2, 21, 2)) and recomputed == kept
     a, b = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("kept", "recomputed"))
     assert a["param_checksums"] == b["param_checksums"] and a["val_loss"] == b["val_loss"]

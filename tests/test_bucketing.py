@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from runs import OVERLAY
 from stride.datasets.bucketing import Padding, bucket
 from stride.datasets.mixing import order_for
 from stride.datasets.splits import DataSpec, check_length_column, open_split
@@ -211,7 +212,7 @@ def test_token_budget_runs_resume_at_another_world_size_on_the_same_micro_batche
     project = tmp_path / "audio_clips"
     shutil.copytree(REPO / "examples" / "audio_clips", project, ignore=shutil.ignore_patterns("data", "runs"))
     subprocess.run([PYTHON, "prepare.py", "--clips", "400"], cwd=project, check=True, capture_output=True, timeout=120)
-    common = ["--config", "audio_clips.yaml", "tracking.mlflow=false", "train.tokens_per_micro_batch=4.25",
+    common = ["--config", "audio_clips.yaml", *OVERLAY, "train.tokens_per_micro_batch=4.25",
               "train.log_every_steps=1", "train.eval_every_steps=100", "checkpoint.every_steps=8",
               "train.deterministic=true", "data.shuffle_window_rows=256"]
     cases = [{"label": "whole", "args": [*common, "run.name=whole", "train.max_steps=16"]},

@@ -7,20 +7,13 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, read_jsonl
+from runs import launch, losses, tiny
 from stride.trainers.run import checkpointing
-from stride.trainers.launch.torchrun import main as torchrun_main
 
 
 def _args(tmp_path, data, name, steps, *extra):
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", f"run.name={name}", "train.epochs=null",
-            f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100",
-            "checkpoint.every_steps=10", "train.deterministic=true", "tracking.mlflow=false", *extra]
-
-
-def _losses(run) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r}
+    return tiny(tmp_path, data, steps, "train.log_every_steps=5", "train.eval_every_steps=100",
+                "checkpoint.every_steps=10", "train.deterministic=true", *extra, name=name)
 
 
 def test_at_most_one_write_in_flight_and_the_marker_comes_last(tmp_path, monkeypatch):
@@ -153,15 +146,15 @@ def _to_earlier_format(folder, cfg_args) -> None:
 def test_a_checkpoint_of_the_earlier_format_resumes_exactly(tmp_path, tabular_data):
     """Run folders written before DCP (one state.pt) keep working: a resume from one continues bitwise as the
     uninterrupted run, and the run's next checkpoints are DCP's."""
-    assert torchrun_main(_args(tmp_path, tabular_data, "full", 20)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, "full", 20)) == 0
     args = _args(tmp_path, tabular_data, "old", 10)
-    assert torchrun_main(args) == 0
+    assert launch.in_process(args) == 0
     folder = tmp_path / "old" / "checkpoint_00000010"
     _to_earlier_format(folder, args)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "state.pt"]
     assert checkpointing.verify(folder) is None and not checkpointing.is_sharded(folder)
-    assert torchrun_main(_args(tmp_path, tabular_data, "old", 20)) == 0
-    assert _losses(tmp_path / "old") == _losses(tmp_path / "full")
+    assert launch.in_process(_args(tmp_path, tabular_data, "old", 20)) == 0
+    assert losses(tmp_path / "old") == losses(tmp_path / "full")
     s = json.loads((tmp_path / "old" / "summary.json").read_text())
     assert s["param_checksums"] == json.loads((tmp_path / "full" / "summary.json").read_text())["param_checksums"]
     assert checkpointing.is_sharded(tmp_path / "old" / "checkpoint_00000020")
@@ -170,12 +163,12 @@ def test_a_checkpoint_of_the_earlier_format_resumes_exactly(tmp_path, tabular_da
 def test_a_kill_mid_write_leaves_the_previous_checkpoint_to_resume_from(tmp_path, tabular_data):
     """A folder whose writer died before the marker (DCP files present, no meta.json) is not a checkpoint: the resume
     takes the one before and rewrites it, and the losses are the uninterrupted run's."""
-    assert torchrun_main(_args(tmp_path, tabular_data, "full", 30)) == 0
-    assert torchrun_main(_args(tmp_path, tabular_data, "cut", 30)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, "full", 30)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, "cut", 30)) == 0
     run = tmp_path / "cut"
     (run / "checkpoint_00000030" / checkpointing.META).unlink()  # the marker never got written
     (run / "summary.json").unlink(missing_ok=True)
     assert checkpointing.newest_complete(run).name == "checkpoint_00000020"
-    assert torchrun_main(_args(tmp_path, tabular_data, "cut", 30)) == 0
-    assert _losses(run) == _losses(tmp_path / "full")
+    assert launch.in_process(_args(tmp_path, tabular_data, "cut", 30)) == 0
+    assert losses(run) == losses(tmp_path / "full")
     assert checkpointing.verify(run / "checkpoint_00000030") is None

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, descendants, gone, kill_pids, run_torchrun_cases, torchrun_launcher
+from runs import tiny
 
 # Built once, on the worker of the tests on the shared cluster, which read it too (tests/conftest.py).
 CLUSTER_STREAM_FIXTURES = {"gang"}
@@ -56,10 +57,8 @@ KEEP = ("--keep-columns", "path,f0")
 
 
 def tabular(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
-            "train.max_steps=20", "train.eval_every_steps=10", "checkpoint.every_steps=10", "model.hidden_sizes=[32]",
-            "tracking.mlflow=false", *extra]
+    return tiny(storage, data, 20, "train.eval_every_steps=10", "checkpoint.every_steps=10", "model.hidden_sizes=[32]",
+                *extra, name=name)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +87,10 @@ def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
     cases = [
         {"label": "train ddp", "args": tabular(tabular_data, runs, "ddp")},
         {"label": "train fsdp", "args": tabular(tabular_data, runs, "fsdp", "train.strategy=fsdp")},
-        {"label": "train char_gpt", "args": ["--config", str(REPO / "trainers/configs/char_gpt.yaml"),
-                                             f"data.train_path={text_data}/train", f"data.val_path={text_data}/val",
-                                             f"run.storage_path={runs}", "run.name=gpt", "train.max_steps=2",
-                                             "train.eval_every_steps=2", "checkpoint.every_steps=2", "model.n_layers=1",
-                                             "model.width=32", "model.n_heads=2", "model.context=16",
-                                             "train.batch_size_per_worker=4", "tracking.mlflow=false"]},
+        {"label": "train char_gpt", "args": tiny(runs, text_data, None, "train.max_steps=2", "train.eval_every_steps=2",
+                                                 "checkpoint.every_steps=2", "model.n_layers=1", "model.width=32",
+                                                 "model.n_heads=2", "model.context=16", "train.batch_size_per_worker=4",
+                                                 name="gpt", config=REPO / "trainers/configs/char_gpt.yaml")},
         {"label": "train slow", "args": tabular(tabular_data, runs, "slow", "model.name=slow_task:SlowMLP")},
         # eval: both evaluates the raw weights as val_loss, and the average too: predict's weights are the average's
         {"label": "train ema", "args": tabular(tabular_data, runs, "ema", "train.strategy=fsdp",

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import run_cli
+from runs import OVERLAY
 from stride.datasets import files, lines
 from stride.errors import DataError
 from stride.datasets.formats.csv import FORMAT as CSV
@@ -22,7 +23,7 @@ from stride.errors import UsageError
 from stride.trainers.config_reader import build_config
 from stride.trainers.launch.lifecycle import check_storage_outside_data
 
-TORCHRUN = ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "tracking.mlflow=false",
+TORCHRUN = ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", *OVERLAY,
             "train.max_steps=2", "train.epochs=null"]
 
 

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from conftest import run_cli, torchrun_launcher
+from runs import OVERLAY
 from test_examples import TORCHRUN, check, example, read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def train(folder, name, ray_env, *overrides):
 def reference(tmp_path_factory):
     """The image example and its thread-pipeline run under torchrun, MLflow off: what both Ray runs must equal."""
     folder = example("image_classifier", tmp_path_factory.mktemp("pipeline"), "--train", "800", "--val", "200")
-    return folder, *train(folder, "thread", None, "data.pipeline=thread", "tracking.mlflow=false")
+    return folder, *train(folder, "thread", None, "data.pipeline=thread", *OVERLAY)
 
 
 def test_ray_data_pipeline_trains_bitwise_like_the_thread_pipeline(reference, ray_cluster):
@@ -62,7 +63,7 @@ def test_the_thread_pipeline_on_ray_trains_bitwise_like_torchrun(reference, ray_
     # The default pipeline on the product's main path: each Ray worker rebuilds the config from the driver's dict and
     # reads its own rows, as each torchrun rank does from the YAML. Nothing may differ, augmentation included.
     folder, _, torchrun, lines_t = reference
-    out_r, ray, lines_r = train(folder, "ray", ray_cluster, "data.pipeline=thread", "tracking.mlflow=false")
+    out_r, ray, lines_r = train(folder, "ray", ray_cluster, "data.pipeline=thread", *OVERLAY)
     assert "data pipeline thread" in out_r
     losses = lambda lines: [(x["step"], x["train_loss"]) for x in lines if "train_loss" in x]  # noqa: E731
     assert losses(lines_t) == losses(lines_r) and len(losses(lines_t)) == 12

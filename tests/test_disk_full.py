@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl, run_cli, run_cli_forked
+from runs import tiny
 from services import unavailable
 from stride.errors import EXIT_OK
 from stride.trainers.run import checkpointing
@@ -26,11 +27,9 @@ STEPS, EVERY = 30, 10
 
 
 def _args(storage: Path, data: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
-            f"train.max_steps={STEPS}", "train.log_every_steps=5", "train.eval_every_steps=100",
-            f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2", "train.deterministic=true",
-            "tracking.mlflow=false", *extra]
+    return tiny(storage, data, STEPS, "train.log_every_steps=5", "train.eval_every_steps=100",
+                f"checkpoint.every_steps={EVERY}", "checkpoint.keep_last=2", "train.deterministic=true", *extra,
+                name=name)
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, auth_folders, descendants, kill_pids
+from runs import tiny
 from stride.ray_cluster import connect
 from stride.trainers.run import lock as runlock
 
@@ -33,10 +34,8 @@ def _files(run: Path) -> dict[str, tuple[int, int]]:
 def _start(storage: Path, data: Path, name: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)  # an embedded Ray: the guarantee is about the cluster this driver starts
-    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
-            "train.max_steps=1000000", "train.log_every_steps=20", "checkpoint.every_steps=50",
-            "scaling.num_workers=1", "tracking.mlflow=false"]
+    args = tiny(storage, data, 1000000, "train.log_every_steps=20", "checkpoint.every_steps=50", "scaling.num_workers=1",
+                name=name)
     return subprocess.Popen([PYTHON, "trainers/main.py", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=stderr)
 

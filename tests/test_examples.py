@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, read_jsonl, run_cli_forked
+from runs import OVERLAY
 
 EXAMPLES = REPO / "examples"
 TORCHRUN = str(REPO / "trainers" / "torchrun.py")
@@ -33,7 +34,7 @@ def check(proc, what: str) -> None:
 
 def train(folder: Path, *overrides: str, timeout: float = 300) -> dict:
     """Train the example's YAML in its folder in one process; returns summary.json."""
-    proc = run_cli_forked([TORCHRUN, "--config", f"{folder.name}.yaml", "tracking.mlflow=false", *overrides],
+    proc = run_cli_forked([TORCHRUN, "--config", f"{folder.name}.yaml", *OVERLAY, *overrides],
                    timeout=timeout, cwd=folder)
     check(proc, TORCHRUN)
     run_dir = folder / "runs" / folder.name

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
+from runs import OVERLAY
 
 from stride.errors import UsageError
 from stride.trainers.commands import export
@@ -30,7 +31,7 @@ CONFIG = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml")]
 
 def overrides(data: Path, storage: Path) -> list[str]:
     return [f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={storage}",
-            "tracking.mlflow=false", "train.epochs=null", "train.eval_every_steps=2", "checkpoint.every_steps=2",
+            *OVERLAY, "train.epochs=null", "train.eval_every_steps=2", "checkpoint.every_steps=2",
             "checkpoint.keep_best={k: 1}", "model.hidden_sizes=[8]", "scaling.num_workers=1"]
 
 

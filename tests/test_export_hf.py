@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli_forked
+from runs import OVERLAY
 from test_examples import check, example, train
 
 import torch
@@ -48,7 +49,7 @@ def train_mlp(data: Path, storage: Path, *overrides: str) -> Path:
 
     assert torchrun_main(["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
                           f"data.val_path={data}/val", f"run.storage_path={storage}", "run.name=mlp",
-                          "train.epochs=null", "checkpoint.every_steps=2", "tracking.mlflow=false", *overrides]) == 0
+                          "train.epochs=null", "checkpoint.every_steps=2", *OVERLAY, *overrides]) == 0
     return storage / "mlp"
 
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
+from runs import OVERLAY
 
 from stride.datasets import files
 from stride.datasets.order import Order
@@ -31,7 +32,7 @@ from stride.datasets.stream import TrainStream
 
 EXAMPLE = REPO / "examples" / "audio_clips"
 STEPS = 12
-QUICK = ["tracking.mlflow=false", f"train.max_steps={STEPS}", "train.log_every_steps=1", "train.eval_every_steps=12",
+QUICK = [*OVERLAY, f"train.max_steps={STEPS}", "train.log_every_steps=1", "train.eval_every_steps=12",
          "checkpoint.every_steps=12", "train.batch_size_per_worker=8", "train.deterministic=true",
          "data.shuffle_window_rows=128"]
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_jsonl, run_torchrun_cases
+from conftest import PYTHON, read_jsonl, run_torchrun_cases
+from runs import tiny
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 ENCODER = r"^(stem|blocks)\."
@@ -31,10 +32,10 @@ FROZEN = f"optim.groups=[{{match: '{ENCODER}', name: encoder, freeze: true}}, {{
 
 
 def common(project: Path, storage: Path, encoder: Path) -> list[str]:
-    return ["--config", str(project / "signal.yaml"), f"run.storage_path={storage}", "tracking.mlflow=false",
-            f"data.train_path={project}/data/train", f"data.val_path={project}/data/val", "train.log_every_steps=1",
-            "train.eval_every_steps=100", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "optim.schedule=constant",
-            "optim.warmup_steps=3", "train.deterministic=true", f"init.from={encoder}", f"init.include=['{ENCODER}']"]
+    return tiny(storage, project / "data", None, "train.log_every_steps=1", "train.eval_every_steps=100",
+                "checkpoint.every_steps=5", "checkpoint.keep_last=10", "optim.schedule=constant", "optim.warmup_steps=3",
+                "train.deterministic=true", f"init.from={encoder}", f"init.include=['{ENCODER}']", name=None,
+                config=project / "signal.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +189,7 @@ def mlp_source(tabular_data, tmp_path_factory) -> dict:
 
 
 def mlp_args(data: Path, storage: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null",
-            f"train.max_steps={steps}", "checkpoint.every_steps=2", "tracking.mlflow=false", *extra]
+    return tiny(storage, data, steps, "checkpoint.every_steps=2", *extra, name=name)
 
 
 def refused(capsys, args: list[str]) -> str:

@@ -14,7 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
+from conftest import PYTHON, REPO, run_cli, run_cli_forked, torchrun_launcher
+from runs import losses, tiny
 
 from stride.trainers import fsdp
 from stride.trainers.run import checkpointing
@@ -29,11 +30,11 @@ def tiny_args(data, storage, name, steps=STEPS, *extra):
     # optim.warmup_steps > steps: the lr depends on the step only (not on max_steps), so a run stopped at step 10
     # and resumed to 20 follows the same schedule as one that ran 20 steps. scaling.use_gpu=false: CPU workers with
     # gloo (deterministic, bitwise comparable) on a machine with GPUs too.
-    return ["--config", "trainers/configs/char_gpt.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
-            f"run.storage_path={storage}", f"run.name={name}", "model.n_layers=2", "model.width=32", "model.n_heads=2",
-            "model.context=32", "train.batch_size_per_worker=8", f"train.max_steps={steps}", "train.log_every_steps=1",
-            "train.eval_every_steps=10", "checkpoint.every_steps=10", "optim.warmup_steps=50",
-            "train.deterministic=true", "tracking.mlflow=false", "scaling.use_gpu=false", *extra]
+    return tiny(storage, data, None, "model.n_layers=2", "model.width=32", "model.n_heads=2", "model.context=32",
+                "train.batch_size_per_worker=8", f"train.max_steps={steps}", "train.log_every_steps=1",
+                "train.eval_every_steps=10", "checkpoint.every_steps=10", "optim.warmup_steps=50",
+                "train.deterministic=true", "scaling.use_gpu=false", *extra, name=name,
+                config="trainers/configs/char_gpt.yaml")
 
 
 def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py",
@@ -42,10 +43,6 @@ def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py",
                        env=dict(os.environ, **(env or {})))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
-
-
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r}
 
 
 def summary(run_dir) -> dict:
@@ -109,10 +106,9 @@ def runs(tmp_path_factory, small_text, tabular_data):
 
 
 def mlp_args(data, storage, name, *extra):
-    return ["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train", f"data.val_path={data}/val",
-            f"run.storage_path={storage}", f"run.name={name}", "train.epochs=null", "train.max_steps=30",
-            "train.log_every_steps=10", "train.eval_every_steps=30", "checkpoint.every_steps=30",
-            "train.deterministic=true", "tracking.mlflow=false", "scaling.use_gpu=false", *extra]
+    return tiny(storage, data, 30, "train.log_every_steps=10", "train.eval_every_steps=30", "checkpoint.every_steps=30",
+                "train.deterministic=true", "scaling.use_gpu=false", *extra, name=name,
+                config="trainers/configs/tabular_mlp.yaml")
 
 
 @pytest.mark.slow
@@ -498,10 +494,9 @@ def test_both_launchers_share_one_gpu_rule():
 def test_torchrun_refuses_use_gpu_on_a_machine_without_cuda(tmp_path, tabular_data):
     """Ray's driver refuses it (exit 2); without the same check the torchrun launcher would train on the CPU. One
     process (no launcher needed; a forked child): refused before anything is written."""
-    r = run_cli_forked(["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml",
-                 f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                 f"run.storage_path={tmp_path}/runs", "scaling.use_gpu=true", "train.epochs=null", "train.max_steps=5",
-                 "tracking.mlflow=false"], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    r = run_cli_forked(["trainers/torchrun.py", *tiny(f"{tmp_path}/runs", tabular_data, 5, "scaling.use_gpu=true",
+                                                      name=None, config="trainers/configs/tabular_mlp.yaml")],
+                       env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert lines[0] == ("stride: error: scaling.use_gpu (true) needs GPUs but this node has none; set "

@@ -4,18 +4,16 @@ import json
 
 import pytest
 
-from conftest import REPO, read_jsonl
+from conftest import read_jsonl
+from runs import launch, losses, tiny
 from stride.trainers.run import checkpointing
 from stride.trainers.run.retention import complete_checkpoints
-from stride.trainers.launch.torchrun import main as torchrun_main
 
 
 def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data):
-    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
-            f"data.val_path={tabular_data}/val", f"run.storage_path={tmp_path}", "run.name=one", "train.epochs=null",
-            "train.max_steps=30", "train.log_every_steps=5", "train.eval_every_steps=15", "checkpoint.every_steps=10",
-            "checkpoint.keep_last=2", "tracking.mlflow=false"]
-    assert torchrun_main(args) == 0
+    cadence = ["train.log_every_steps=5", "train.eval_every_steps=15", "checkpoint.every_steps=10",
+               "checkpoint.keep_last=2"]
+    assert launch.in_process(tiny(tmp_path, tabular_data, 30, *cadence, name="one")) == 0
     run = tmp_path / "one"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == 30 and summary["world_size"] == 1
@@ -37,8 +35,7 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
     assert all(checkpointing.verify(c) is None for c in ckpts)
 
     # Same run name, higher max_steps: resumes at step 30 and continues metrics.jsonl from there.
-    assert torchrun_main(args[:-6] + ["train.max_steps=40", "train.log_every_steps=5", "train.eval_every_steps=15",
-                                      "checkpoint.every_steps=10", "checkpoint.keep_last=2", "tracking.mlflow=false"]) == 0
+    assert launch.in_process(tiny(tmp_path, tabular_data, 40, *cadence, name="one")) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["restarts"] == 1
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
@@ -46,21 +43,19 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
 
 
 def _args(tmp_path, data, steps, *extra):
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=null",
-            f"train.max_steps={steps}", "train.log_every_steps=5", "train.eval_every_steps=100",
-            "checkpoint.every_steps=10", "checkpoint.keep_last=3", "tracking.mlflow=false", *extra]
+    return tiny(tmp_path, data, steps, "train.log_every_steps=5", "train.eval_every_steps=100",
+                "checkpoint.every_steps=10", "checkpoint.keep_last=3", *extra)
 
 
 def test_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tabular_data, capsys):
-    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 30)) == 0
     newest = complete_checkpoints(tmp_path / "r")[-1]
     assert checkpointing.read_meta(newest)["step"] == 30
     state = newest / "__0_0.distcp"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
     assert "digest" in checkpointing.verify(newest)
     capsys.readouterr()
-    assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 40)) == 0
     warnings = [ln for ln in capsys.readouterr().out.splitlines() if "unusable" in ln]
     assert len(warnings) == 1 and warnings[0].startswith("stride: warning: "), warnings  # one line, naming both folders
     assert f"checkpoint {newest.name} (__0_0.distcp does not match the digest" in warnings[0]
@@ -90,7 +85,7 @@ def test_out_of_memory_names_the_fixes(tmp_path, tabular_data, monkeypatch, caps
 
     monkeypatch.setattr(loop, "train_step", oom)
     capsys.readouterr()
-    assert torchrun_main(_args(tmp_path, tabular_data, 10)) == 1
+    assert launch.in_process(_args(tmp_path, tabular_data, 10)) == 1
     msg = _error_line(capsys)
     assert "out of memory at step 1" in msg
     for fix in ("train.batch_size_per_worker", "train.grad_accum_steps", "bf16", "fsdp"):
@@ -113,21 +108,21 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
 
     monkeypatch.setattr(loop, "train_step", nan_after_12)
     capsys.readouterr()
-    assert torchrun_main(_args(tmp_path, tabular_data, 40, "train.max_nonfinite_steps=3")) == 1
+    assert launch.in_process(_args(tmp_path, tabular_data, 40, "train.max_nonfinite_steps=3")) == 1
     assert re.search("non-finite .* at step 15.*3 in a row", _error_line(capsys))
     ckpts = complete_checkpoints(tmp_path / "r")
     assert [checkpointing.read_meta(c)["step"] for c in ckpts] == [10]
     assert checkpointing.verify(ckpts[0]) is None
 
     calls["n"] = 0
-    assert torchrun_main(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s")) == 1
+    assert launch.in_process(_args(tmp_path, tabular_data, 40, "train.nonfinite=stop", "run.name=s")) == 1
     assert re.search(r"at step 13 .*, 1 in a row", _error_line(capsys))
 
 
 def test_profile_steps_write_a_chrome_trace_with_the_step_ops_and_mfu_with_known_peak(tmp_path, tabular_data):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    assert torchrun_main(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11", "tracking.mlflow=true",
-                               f"tracking.mlflow_uri={uri}")) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 10, "train.profile_steps=[3,4]", "train.peak_flops=1e11",
+                                   "tracking.mlflow=true", f"tracking.mlflow_uri={uri}")) == 0
     from mlflow.tracking import MlflowClient
 
     run_id = json.loads((tmp_path / "r" / "summary.json").read_text())["mlflow_run_id"]
@@ -155,7 +150,7 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
 
     monkeypatch.setattr(FileSystemWriter, "write_data", flaky)
     monkeypatch.setattr("time.sleep", lambda s: None)  # the backoff itself is not under test
-    assert torchrun_main(_args(tmp_path, tabular_data, 20)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 20)) == 0
     assert [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(tmp_path / "r")] == [10, 20]
     assert len(calls) == 6
 
@@ -166,7 +161,7 @@ def test_transient_storage_errors_are_retried_and_a_broken_storage_names_the_pat
     monkeypatch.setattr(FileSystemWriter, "write_data", broken)
     calls.clear()
     capsys.readouterr()
-    assert torchrun_main(_args(tmp_path, tabular_data, 40)) == 1
+    assert launch.in_process(_args(tmp_path, tabular_data, 40)) == 1
     # A full disk is not retried (it stays full): one attempt, and the line says what the rerun resumes from.
     assert re.search(r"checkpoint checkpoint_00000030 could not be written \(No space left on device\); the last "
                      r"complete checkpoint is \S+/r/checkpoint_00000020: free space and rerun", _error_line(capsys))
@@ -180,13 +175,10 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
     checkpoints and resumed draws the same masks as one never stopped, so every later loss is bitwise equal."""
     from stride.trainers import policies
 
-    def losses(storage):
-        return {r["step"]: r["train_loss"] for r in read_jsonl(storage / "r" / "metrics.jsonl") if "train_loss" in r}
-
     dropout = ["model.dropout=0.3", "train.deterministic=true"]
-    assert torchrun_main(_args(tmp_path / "ref", tabular_data, 30, *dropout)) == 0
-    assert torchrun_main(_args(tmp_path / "nodrop", tabular_data, 30, "train.deterministic=true")) == 0
-    assert losses(tmp_path / "ref")[30] != losses(tmp_path / "nodrop")[30]  # the masks matter
+    assert launch.in_process(_args(tmp_path / "ref", tabular_data, 30, *dropout)) == 0
+    assert launch.in_process(_args(tmp_path / "nodrop", tabular_data, 30, "train.deterministic=true")) == 0
+    assert losses(tmp_path / "ref" / "r")[30] != losses(tmp_path / "nodrop" / "r")[30]  # the masks matter
 
     calls = {"n": 0}
     requested = policies.StopRequest.requested
@@ -198,13 +190,13 @@ def test_dropout_resumes_bitwise_without_saved_rng_state(tmp_path, tabular_data,
         return requested(self)
 
     monkeypatch.setattr(policies.StopRequest, "requested", sigterm_at_step_17)
-    assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 143
+    assert launch.in_process(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 143
     cut = json.loads((tmp_path / "cut" / "r" / "summary.json").read_text())
     assert cut["status"] == "interrupted" and cut["global_step"] == 17
     monkeypatch.setattr(policies.StopRequest, "requested", requested)
     # The same command resumes (the spent stop request does not stop it again) and completes.
-    assert torchrun_main(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
-    ref, cut = losses(tmp_path / "ref"), losses(tmp_path / "cut")
+    assert launch.in_process(_args(tmp_path / "cut", tabular_data, 30, *dropout)) == 0
+    ref, cut = losses(tmp_path / "ref" / "r"), losses(tmp_path / "cut" / "r")
     assert {s: cut[s] for s in (20, 25, 30)} == {s: ref[s] for s in (20, 25, 30)}
 
 
@@ -219,7 +211,7 @@ def test_an_mlflow_password_never_reaches_params_summary_or_the_console(tmp_path
 
     monkeypatch.setattr(tracking.Tracker, "start", start)
     uri = "http://alice:s3cr3t@127.0.0.1:9/"
-    assert torchrun_main(_args(tmp_path, tabular_data, 5, "tracking.mlflow=true", f"tracking.mlflow_uri={uri}")) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 5, "tracking.mlflow=true", f"tracking.mlflow_uri={uri}")) == 0
     assert seen["tracking"]["mlflow_uri"] == "http://alice:***@127.0.0.1:9/"
     out = capsys.readouterr()
     assert "s3cr3t" not in out.out + out.err
@@ -227,28 +219,28 @@ def test_an_mlflow_password_never_reaches_params_summary_or_the_console(tmp_path
 
 
 def test_a_torn_metrics_line_does_not_block_resume_and_a_fresh_start_keeps_history(tmp_path, tabular_data, capsys):
-    assert torchrun_main(_args(tmp_path, tabular_data, 20)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 20)) == 0
     metrics = tmp_path / "r" / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 21, "train_lo')  # a kill in the middle of a write
     capsys.readouterr()
-    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0  # was: JSONDecodeError on every resume
+    assert launch.in_process(_args(tmp_path, tabular_data, 30)) == 0  # was: JSONDecodeError on every resume
     assert "dropped 1 unreadable line" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(metrics) if "train_loss" in r] == [5, 10, 15, 20, 25, 30]
     history = metrics.read_text()
     for ckpt in complete_checkpoints(tmp_path / "r"):  # no checkpoint left to continue from: a fresh start
         __import__("shutil").rmtree(ckpt)
-    assert torchrun_main(_args(tmp_path, tabular_data, 10)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 10)) == 0
     kept = [p for p in metrics.parent.glob("metrics.jsonl.*")]
     assert len(kept) == 1 and kept[0].read_text() == history  # the earlier run's metrics are kept, not truncated
     assert [r["step"] for r in read_jsonl(metrics) if "train_loss" in r] == [5, 10]
 
 
 def test_rerunning_a_finished_run_keeps_its_results_and_a_failed_rerun_never_replaces_them(tmp_path, tabular_data):
-    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 30)) == 0
     summary = tmp_path / "r" / "summary.json"
     done = json.loads(summary.read_text())
-    assert torchrun_main(_args(tmp_path, tabular_data, 30)) == 0  # the same command again: nothing left to train
+    assert launch.in_process(_args(tmp_path, tabular_data, 30)) == 0  # the same command again: nothing left to train
     again = json.loads(summary.read_text())
     for key in ("status", "global_step", "train_loss", "val_loss", "val_accuracy", "restarts"):
         assert again[key] == done[key], key  # was: train_loss/val_loss/val_accuracy null and restarts 1
@@ -279,11 +271,11 @@ def test_a_resume_with_nothing_left_to_train_reports_the_runs_last_figures(tmp_p
 
     monkeypatch.setattr(torchrun, "run", spying)
     args = _args(tmp_path, tabular_data, 30, "train.eval_every_steps=30")
-    assert torchrun_main(args) == 0
+    assert launch.in_process(args) == 0
     last = reports[-1]
     assert last["step"] == 30 and "val_accuracy" in last
     reports.clear()
-    assert torchrun_main(args) == 0  # resumes at step 30: nothing to train
+    assert launch.in_process(args) == 0  # resumes at step 30: nothing to train
     assert reports == [last]
 
 
@@ -302,12 +294,11 @@ def test_a_resume_at_90_percent_of_an_epoch_reads_about_10_percent_and_ends_bitw
             cols = {f"f{j}": x[:, j] for j in range(4)} | {"label": (x[:, 0] > 0).astype(np.int64),
                                                          "sample_id": np.arange(i * n, (i + 1) * n)}
             pq.write_table(pa.table(cols), tmp_path / split / f"part-{i}.parquet", row_group_size=500)
-    args = ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tmp_path}/train",
-            f"data.val_path={tmp_path}/val", f"run.storage_path={tmp_path}/runs", "run.name=r", "train.epochs=1",
-            "train.max_steps=null", "train.batch_size_per_worker=100", "data.shuffle_window_rows=2000",
-            "model.hidden_sizes=[16]", "train.log_every_steps=50", "train.eval_every_steps=null",
-            "checkpoint.every_steps=450", "checkpoint.keep_last=5", "tracking.mlflow=false"]
-    assert torchrun_main(args) == 0
+    args = tiny(tmp_path / "runs", tmp_path, None, "train.epochs=1", "train.max_steps=null",
+                "train.batch_size_per_worker=100", "data.shuffle_window_rows=2000", "model.hidden_sizes=[16]",
+                "train.log_every_steps=50", "train.eval_every_steps=null", "checkpoint.every_steps=450",
+                "checkpoint.keep_last=5")
+    assert launch.in_process(args) == 0
     run = tmp_path / "runs" / "r"
     full = json.loads((run / "summary.json").read_text())
     assert full["global_step"] == 500 and full["train_rows_read"] == 50_000  # one epoch, each row group once
@@ -315,7 +306,7 @@ def test_a_resume_at_90_percent_of_an_epoch_reads_about_10_percent_and_ends_bitw
     # Lose the end of the epoch: the same command resumes at step 450, 90 % into it.
     shutil.rmtree(run / "checkpoint_00000500")
     (run / "summary.json").unlink()
-    assert torchrun_main(args) == 0
+    assert launch.in_process(args) == 0
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["global_step"] == 500 and resumed["restarts"] == 1
     # It read the last 10 % (5,000 rows) plus at most the window it starts in and a row group on each side of it.
@@ -335,7 +326,7 @@ def test_pruning_keeps_what_it_did_not_write_and_survives_an_unreadable_meta(tmp
         (folder / checkpointing.META).write_text(meta)
         (folder / checkpointing.STATE).write_bytes(b"x")
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    assert torchrun_main(_args(tmp_path, tabular_data, 50, "checkpoint.keep_last=2")) == 0
+    assert launch.in_process(_args(tmp_path, tabular_data, 50, "checkpoint.keep_last=2")) == 0
     assert [p.name for p in complete_checkpoints(run)] == ["checkpoint_00000040", "checkpoint_00000050"]
     assert {p: p.read_bytes() for p in before} == before  # untouched
     assert not (run / "checkpoint_00000010").exists() and not (run / "checkpoint_00000030").exists()
@@ -368,6 +359,6 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_leaves_that_checkpoint_c
     monkeypatch.setattr(checkpointing.CheckpointWriter, "_write", slow_write)
     monkeypatch.setattr(policies.StopRequest, "requested", boom_at_step_12)
     with pytest.raises(RuntimeError, match="boom at step 12"):
-        torchrun_main(_args(tmp_path, tabular_data, 30))
+        launch.in_process(_args(tmp_path, tabular_data, 30))
     assert checkpointing.verify(tmp_path / "r" / "checkpoint_00000010") is None
     assert [c.name for c in complete_checkpoints(tmp_path / "r")] == ["checkpoint_00000010"]

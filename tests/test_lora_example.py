@@ -25,6 +25,7 @@ import transformers  # noqa: F401
 import yaml
 
 from conftest import REPO, run_cli_forked
+from runs import OVERLAY
 from test_examples import EXAMPLES, TORCHRUN, check, example, train
 
 EXPORT = ["-m", "stride", "export"]
@@ -152,7 +153,7 @@ def lora_run(tmp_path_factory) -> tuple[Path, dict]:
 def full_checkpoint(lora_run) -> Path:
     """The same config with checkpoint.trainable_only=false (2 steps): a full checkpoint to compare sizes with."""
     folder, _ = lora_run
-    check(run_cli_forked([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", "run.name=full",
+    check(run_cli_forked([TORCHRUN, "--config", "lora.yaml", *OVERLAY, "run.name=full",
                    "checkpoint.trainable_only=false", "train.max_steps=2", "train.eval_every_steps=2"],
                   timeout=300, cwd=folder), "torchrun.py (full checkpoint)")
     (ckpt,) = checkpoints(folder / "runs" / "full")
@@ -262,7 +263,7 @@ def test_lora_resume_on_a_changed_base_exits_2_naming_init_from(lora_run, tmp_pa
     tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] += 1.0
     save_file(tensors, str(base_file), metadata={"format": "pt"})
     longer = [o for o in LORA_STEPS if not o.startswith("train.max_steps=")] + ["train.max_steps=30"]
-    proc = run_cli_forked([TORCHRUN, "--config", "lora.yaml", "tracking.mlflow=false", *longer], timeout=300, cwd=work)
+    proc = run_cli_forked([TORCHRUN, "--config", "lora.yaml", *OVERLAY, *longer], timeout=300, cwd=work)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("stride: error:")]

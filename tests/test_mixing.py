@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from runs import OVERLAY
 from stride.datasets.mixing import MixedOrder, MixSource, order_for
 from stride.datasets.splits import DataSpec, open_split
 from stride.datasets.stream import TrainStream
@@ -113,7 +114,7 @@ def test_the_order_depends_on_the_seed_and_not_on_the_sources_order_of_reading(m
 STEPS = 24
 # A constant lr after the warm-up: the cut run's legs have other train.max_steps than the uninterrupted run, and a
 # decaying schedule would give them other learning rates (the weights are compared).
-RUN = ["tracking.mlflow=false", f"train.max_steps={STEPS}", "train.log_every_steps=1", "train.eval_every_steps=12",
+RUN = [*OVERLAY, f"train.max_steps={STEPS}", "train.log_every_steps=1", "train.eval_every_steps=12",
        "checkpoint.every_steps=6", "checkpoint.keep_last=10", "train.batch_size_per_worker=10",
        "data.shuffle_window_rows=256", "optim.schedule=constant"]
 

@@ -296,7 +296,8 @@ def test_configure_optimizer_none_lets_stride_build_it_and_anything_else_is_refu
 def test_a_non_default_optimizer_and_schedule_resume_bitwise(tmp_path, tabular_data):
     """RAdam (torch.optim:RAdam, with kwargs) under wsd, resumed from step 10 into the decay (it starts at step 15):
     the losses, the logged lrs and the final weights equal the uninterrupted run's."""
-    from test_checkpoints import _args, _losses
+    from runs import losses as _losses
+    from test_checkpoints import _args
 
     from stride.trainers.launch.torchrun import main as torchrun_main
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_jsonl
+from runs import tiny
 from stride.trainers import policies
 from stride.trainers.run import checkpointing
 from stride.trainers.policies import Preemption, StopRequest, request_stop
@@ -161,10 +162,8 @@ def test_the_driver_drops_rays_known_noise_and_keeps_every_other_line(monkeypatc
 # ---- the loop in one process (trainers/torchrun.py in-process) ----------------------------------------------------
 
 def _args(tmp_path, data, *extra):
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=p", "train.epochs=null",
-            "train.max_steps=20", "train.log_every_steps=5", "train.eval_every_steps=1000",
-            "checkpoint.every_steps=10", "tracking.mlflow=false", *extra]
+    return tiny(tmp_path, data, 20, "train.log_every_steps=5", "train.eval_every_steps=1000",
+                "checkpoint.every_steps=10", *extra, name="p")
 
 
 def _announce_at(monkeypatch, step: int, deadline_s: float, then=None) -> None:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli, run_cli_forked
+from runs import OVERLAY
 from stride.datasets import prepare as P
 from stride.errors import DataError
 from stride.trainers.config_reader import load_config
@@ -311,7 +312,7 @@ def test_char_gpt_trains_on_bpe_data_and_generates_text(tmp_path, bpe_data):
     shutil.copytree(bpe_data, data)
     r = run_cli_forked([str(REPO / "trainers" / "torchrun.py"), "--config", str(REPO / "trainers/configs/char_gpt.yaml"),
                  f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={tmp_path}/runs",
-                 "run.name=bpe", "tracking.mlflow=false", f"model.vocab_size={vocab}", "model.context=32",
+                 "run.name=bpe", *OVERLAY, f"model.vocab_size={vocab}", "model.context=32",
                  "model.n_layers=1", "model.width=32", "model.n_heads=2", "train.max_steps=30",
                  "train.batch_size_per_worker=16", "train.eval_every_steps=30", "train.log_every_steps=10",
                  "checkpoint.every_steps=30", "optim.warmup_steps=5"], timeout=300)

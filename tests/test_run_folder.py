@@ -235,15 +235,14 @@ def test_a_run_folder_under_a_symlinked_storage_path_is_fine(tmp_path):
 
 
 def test_the_launcher_exits_2_with_one_line_and_touches_nothing(tmp_path, tabular_data, capsys):
-    from stride.trainers.launch.torchrun import main as torchrun_main
+    from runs import launch, tiny
 
     storage = tmp_path / "runs"
     (storage / "planted").mkdir(parents=True)
     victim, before = _victim(tmp_path)
     (storage / "planted" / "metrics.jsonl").symlink_to(victim)
-    code = torchrun_main(["--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={tabular_data}/train",
-                          f"data.val_path={tabular_data}/val", f"run.storage_path={storage}", "run.name=planted",
-                          "train.max_steps=2", "tracking.mlflow=false"])
+    code = launch.in_process(tiny(storage, tabular_data, None, "train.max_steps=2", name="planted",
+                                  config="trainers/configs/tabular_mlp.yaml"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "metrics.jsonl is a symlink" in err[0], err
     assert _sha(victim) == before and sorted(p.name for p in (storage / "planted").iterdir()) == ["metrics.jsonl"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli, run_cli_forked, torchrun_launcher
+from runs import tiny
 from stride.errors import UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
@@ -288,11 +289,10 @@ def test_a_checkpoint_write_checks_the_fence_before_the_shards_and_before_the_ma
 # ---- two runs of one run.name (torchrun's launcher, one process each) ----
 
 def _args(tmp_path, data, steps, *extra):
-    return ["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={tmp_path}", "run.name=shared", "train.epochs=null",
-            f"train.max_steps={steps}", "train.log_every_steps=10", "train.eval_every_steps=100000",
-            "checkpoint.every_steps=100", "model.hidden_sizes=[32]", "train.batch_size_per_worker=64",
-            "tracking.mlflow=false", *extra]
+    return ["trainers/torchrun.py", *tiny(tmp_path, data, steps, "train.log_every_steps=10",
+                                          "train.eval_every_steps=100000", "checkpoint.every_steps=100",
+                                          "model.hidden_sizes=[32]", "train.batch_size_per_worker=64", *extra,
+                                          name="shared", config="trainers/configs/tabular_mlp.yaml")]
 
 
 def _env() -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, read_jsonl, run_cli_forked
+from runs import OVERLAY
 from s3_server import s3_server_fixture
 
 pytestmark = pytest.mark.slow  # starts a server (make test-fast leaves it out)
@@ -27,7 +28,7 @@ CONFIG = "trainers/configs/tabular_mlp.yaml"
 STEPS = 20
 # One process (torchrun.py without WORLD_SIZE: one worker, no Ray), a short run, no MLflow.
 QUICK = [f"train.max_steps={STEPS}", "train.epochs=null", "train.log_every_steps=5", f"train.eval_every_steps={STEPS}",
-         f"checkpoint.every_steps={STEPS}", "tracking.mlflow=false"]
+         f"checkpoint.every_steps={STEPS}", *OVERLAY]
 
 
 def run_job(s3, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -117,7 +118,7 @@ def test_init_from_an_s3_uri_loads_what_the_local_file_loads(s3_server, tab_on_s
     from exactly the weights of the same file on disk (the same untrained loss and sha256)."""
     local, _ = tab_on_s3
     data = [f"data.train_path={local}/train", f"data.val_path={local}/val", "train.max_steps=2", "train.epochs=null",
-            "tracking.mlflow=false", "checkpoint.every_steps=2"]
+            *OVERLAY, "checkpoint.every_steps=2"]
     r = run_job(s3_server, *data, f"run.storage_path={tmp_path}/runs", "run.name=src")
     assert r.returncode == 0, r.stderr[-3000:]
     weights = tmp_path / "weights"
@@ -145,7 +146,7 @@ def test_a_manifest_and_its_files_on_s3_train_as_the_local_copy(s3_server, tmp_p
     subprocess.run([PYTHON, "prepare.py", "--clips", "120"], cwd=project, check=True, capture_output=True, timeout=120)
     uri = s3_server.upload(project / "data", BUCKET, "clips")
     log_before = s3_server.log_path.stat().st_size
-    quick = ["--config", str(project / "audio_clips.yaml"), "tracking.mlflow=false", "train.max_steps=6",
+    quick = ["--config", str(project / "audio_clips.yaml"), *OVERLAY, "train.max_steps=6",
              "train.eval_every_steps=6", "checkpoint.every_steps=6", "train.batch_size_per_worker=8"]
     outcomes = []
     for name, root in (("s3", uri), ("local", str(project / "data"))):

@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import PYTHON, REPO, read_jsonl  # noqa: E402
+from runs import OVERLAY
 
 from stride.ray_cluster.slurm.ports import PortError, PortScheme, expand_cpus_per_node, local_indices  # noqa: E402
 from test_user_task import TASK, assert_reports_accuracy, copy_project, summary  # noqa: E402
@@ -243,7 +244,7 @@ def pair(slurm_cluster, work, user_project, outside_head):
     common = ["--nodes=2", "--cpus-per-task=1"]
     ids = {"U": sbatch(cluster, work, "U", common,
                        ["--config", "signal.yaml", f"run.storage_path={root / 'runs' / 'U'}",
-                        "scaling.num_workers=auto", "tracking.mlflow=false", "train.max_steps=20",
+                        "scaling.num_workers=auto", *OVERLAY, "train.max_steps=20",
                         "train.eval_every_steps=10"],
                        cwd=user_project, STRIDE_CPUS_PER_NODE="2", STRIDE_KEEP_RAY_TMP="1")}
     ids["P"] = submit(cluster, work, "P", [*common, "--hold"],

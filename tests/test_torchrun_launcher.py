@@ -9,14 +9,12 @@ import time
 
 import pytest
 
-from conftest import REPO
+from runs import tiny
 
 
 def tabular(data, storage, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
-            f"data.val_path={data}/val", f"run.storage_path={storage}", "run.name=r", "train.epochs=null",
-            "train.max_steps=2", "train.eval_every_steps=2", "checkpoint.every_steps=2", "model.hidden_sizes=[8]",
-            "tracking.mlflow=false", *extra]
+    return tiny(storage, data, 2, "train.eval_every_steps=2", "checkpoint.every_steps=2", "model.hidden_sizes=[8]",
+                *extra)
 
 
 def error_lines(capsys) -> list[str]:

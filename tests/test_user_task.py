@@ -29,6 +29,8 @@ import yaml
 from cluster_fixtures import RAY, clean_env
 from conftest import (PYTHON, REPO, descendants, kill_pids, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases,
                       torchrun_case, torchrun_launcher, wait_for_step)
+from runs import OVERLAY
+from runs import losses as train_losses
 
 PROJECT = Path(__file__).resolve().parent / "user_project"
 TASK = "signal_task:SignalTask"
@@ -91,10 +93,6 @@ def torchrun(project: Path, nproc: int, *overrides: str, env: dict | None = None
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train_loss" in r}
 
 
 def evals(run_dir: Path) -> list[dict]:
@@ -197,7 +195,7 @@ def torchrun_runs(project, tmp_path_factory):
     10 steps of the run that resumes on one worker (with the sample log). A test
     reads its run with case_run(), which fails that test alone if its case failed."""
     storage = tmp_path_factory.mktemp("torchrun")
-    common = ["--config", "signal.yaml", f"run.storage_path={storage}", "tracking.mlflow=false", "train.log_every_steps=1"]
+    common = ["--config", "signal.yaml", f"run.storage_path={storage}", *OVERLAY, "train.log_every_steps=1"]
     short = ["train.max_steps=10", "train.eval_every_steps=10"]
     cases = {"ddp": [], "fsdp": ["train.strategy=fsdp"], "ddp_ac": ["train.activation_checkpointing=true"],
              "compiled": ["train.compile=true", "train.activation_checkpointing=true"],
@@ -336,7 +334,7 @@ def test_accumulating_two_micro_batches_equals_one_batch_twice_as_big(project, t
     """One process: 2 micro-batches of 16 per step, against 1 batch of 32. The rows of a step are the same (the
     order cuts the same permutation), the augmentation draws the same shifts (np.random, reseeded per step), so
     the runs differ only by float rounding."""
-    common = [f"run.storage_path={tmp_path}", "tracking.mlflow=false", "model.dropout=0.0", "train.max_steps=20",
+    common = [f"run.storage_path={tmp_path}", *OVERLAY, "model.dropout=0.0", "train.max_steps=20",
               "train.log_every_steps=1", "train.eval_every_steps=20", "scaling.num_workers=1"]
     torchrun(project, 1, "run.name=accum", "train.batch_size_per_worker=16", "train.grad_accum_steps=2", *common)
     torchrun(project, 1, "run.name=big", "train.batch_size_per_worker=32", "train.grad_accum_steps=1", *common)
@@ -468,7 +466,7 @@ def test_two_worker_checkpoint_resumes_on_one_worker_without_losing_samples(proj
     rows = 2048
     per_epoch = rows // 128
     first = train_losses(run)
-    r = torchrun(project, 1, f"run.storage_path={storage}", "run.name=elastic", "tracking.mlflow=false", *ELASTIC,
+    r = torchrun(project, 1, f"run.storage_path={storage}", "run.name=elastic", *OVERLAY, *ELASTIC,
                  "train.batch_size_per_worker=128", f"train.max_steps={per_epoch}", env={"STRIDE_SAMPLE_LOG": str(log)})
     assert "(step 10)" in r.stdout and "at step 10" in r.stdout
     s = summary(run)

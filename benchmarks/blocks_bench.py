@@ -43,6 +43,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
+
+from benchmarks.procs import rss_bytes  # noqa: E402
 
 MODELS = {  # overrides of trainers/configs/char_gpt.yaml
     "default": [],
@@ -58,9 +62,6 @@ VARIANTS = {  # name: (model, overrides)
 }
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
@@ -69,7 +70,7 @@ def one(variant: str, steps: int, warmup: int, smoke: bool) -> dict:
     import torch
 
     from stride.trainers import blocks
-    from stride.trainers.config_reader import load_config
+    from stride import load_config
     from stride.trainers.optim import build_optimizer
     from stride.trainers.step import Precision, train_step
     from stride.trainers.tasks import make_task

@@ -38,11 +38,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
+
+from benchmarks.procs import free_port, rss_bytes  # noqa: E402
+
+STATE = "state.pt"  # the earlier format's single file, as the rank-0 gather wrote it
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:
@@ -74,7 +77,6 @@ def gather_checkpoint(model, optimizer, folder: Path, rank: int) -> tuple[float,
     import torch.distributed as dist
 
     from stride.trainers import fsdp
-    from stride.trainers.run import checkpointing
 
     t0 = time.perf_counter()
     model_state, optim_state = fsdp.full_state_dict(model, optimizer)  # a collective: every rank sends its shards
@@ -86,7 +88,7 @@ def gather_checkpoint(model, optimizer, folder: Path, rank: int) -> tuple[float,
     blocked = time.perf_counter() - t0
     if rank == 0:
         folder.mkdir(parents=True)
-        with open(folder / checkpointing.STATE, "wb") as f:
+        with open(folder / STATE, "wb") as f:
             torch.save(staged, f)
             f.flush()
             os.fsync(f.fileno())
@@ -195,12 +197,6 @@ def report(raw: dict) -> dict:
     return {"figures": figs, "goals": f["goals"](figs), "per_rank": f["checkpoint_medians"]({"checkpoint": raw})}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

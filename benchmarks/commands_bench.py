@@ -22,6 +22,7 @@ is beside it (`worst`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -33,21 +34,20 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
+
+from benchmarks.procs import free_port, run_checked  # noqa: E402
+
 PY = sys.executable
 CONFIG = REPO / "trainers" / "configs" / "tabular_mlp.yaml"
 ROWS, PREDICT_ROWS = 4_000, 200_000
 HIDDEN = "[1024, 1024, 1024]"
 SMOKE = {"predict_rows": 20_000}
+_run = functools.partial(run_checked, who="commands_bench")  # a step that must succeed; its seconds
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _run(cmd: list[str], env: dict, timeout_s: int, cwd: Path = REPO) -> float:
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0:
-        raise RuntimeError(f"commands_bench: {' '.join(map(str, cmd[-6:]))} exited {r.returncode}: "
-                           f"{r.stdout[-1500:]} {r.stderr[-1500:]}")
-    return time.perf_counter() - t0
 
 
 def _train_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
@@ -150,8 +150,8 @@ def start_head() -> tuple[dict, object]:
     sys.path.insert(0, str(REPO))
     from stride.ray_cluster import local
 
-    head = local.start_head(temp_dir=Path(tempfile.mkdtemp(prefix="scb-", dir="/tmp")), port=_free_port(),
-                            dashboard_port=_free_port(), num_cpus=2)
+    head = local.start_head(temp_dir=Path(tempfile.mkdtemp(prefix="scb-", dir="/tmp")), port=free_port(),
+                            dashboard_port=free_port(), num_cpus=2)
     return head.client_env(), head
 
 
@@ -164,8 +164,7 @@ def local_stop(head) -> None:
 
 def preemption_run(tmp: Path, rep: int) -> dict:
     """benchmarks/preemption_bench.py's scenario (a node drained for preemption under a 2-worker run)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from preemption_bench import scenario
+    from benchmarks.preemption_bench import scenario
 
     work = tmp / f"preempt_{rep}"
     work.mkdir()
@@ -177,12 +176,6 @@ def preemption_run(tmp: Path, rep: int) -> dict:
             "resumed_after_deadline_s": r.get("resumed_after_deadline_s"), "wall_s": r.get("wall_s")}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(reps: int = 5, smoke: bool = False, timeout_s: int = 600) -> dict:

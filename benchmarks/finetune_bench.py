@@ -75,7 +75,7 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
 
 from benchmarks.report import print_json  # noqa: E402
-from stride.trainers.task import Task  # noqa: E402
+from stride import Task  # noqa: E402
 
 TASK = "benchmarks.finetune_bench:FinetuneTask"
 MODELS = {  # FinetuneTask.Config fields
@@ -148,13 +148,15 @@ def frozen_match(blocks: int) -> str:
 
 
 def config(dims: dict, storage: Path, **sections):
-    from stride.trainers.config_reader import build_config
+    from stride import load_config
 
     raw = {"run": {"name": "finetune-bench", "storage_path": str(storage)}, "model": {"name": TASK, **dims},
            "tracking": {"mlflow": False}, "train": {"max_steps": 10_000, "batch_size_per_worker": STEP_BATCH}}
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
-    return build_config(raw, origin="benchmarks/finetune_bench.py")
+    # Every key as a command-line override (`section.key=<value>`, the value as JSON, which YAML reads as it is).
+    return load_config(None, [f"{section}.{key}={json.dumps(value)}" for section, body in raw.items()
+                              for key, value in body.items()])
 
 
 def trainer(cfg, rank: int, world: int, local_rank: int, device: torch.device):
@@ -297,8 +299,6 @@ def step_worker(args) -> None:
     """One rank: two Trainers of the same model, half frozen and all trainable, stepped in alternating chunks."""
     import torch.distributed as dist
 
-    from stride.trainers.loop import to_device
-
     rank, world, local_rank, device = init_distributed()
     dims = json.loads(args.dims)
     frozen_group = {"match": frozen_match(dims["blocks"]), "freeze": True, "name": "frozen"}
@@ -320,7 +320,8 @@ def step_worker(args) -> None:
         rng = rngs[variant]
         rows = {"x": rng.standard_normal((STEP_BATCH, c.model.inputs), dtype=np.float32),
                 "y": rng.integers(0, c.model.classes, STEP_BATCH)}
-        return [to_device(trainers[variant].task.transform(rows), device, c.model.name)]
+        return [{k: torch.from_numpy(np.ascontiguousarray(v)).to(device)
+                 for k, v in trainers[variant].task.transform(rows).items()}]
 
     def chunk(variant: str, steps: int) -> float:
         t = trainers[variant]
@@ -424,10 +425,6 @@ def write_worker(args) -> None:
 
 # ---------------------------------------------------------------- launching
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(worker: str, nproc: int | None, tmp: Path, name: str, timeout_s: float, failed: list, **opts) -> dict:

@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,20 +51,13 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.procs import free_ports, read_jsonl  # noqa: E402
+
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).parent / "ray")
 RUN = "preempt"
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("0.0.0.0", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _nodes(head) -> list[dict]:
@@ -77,21 +69,14 @@ def _nodes(head) -> list[dict]:
         return json.loads(response.read())["data"]["result"]["result"]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return out
 
 
 def _complete_steps(run_dir: Path) -> list[int]:
-    from stride.trainers.run import checkpointing
-    from stride.trainers.launch.torchrun import complete_checkpoints
+    """The steps of the run's complete checkpoints (checkpoint_<step> folders that verify), oldest first."""
+    from stride.trainers.run.checkpointing import read_meta, verify
 
-    return [checkpointing.read_meta(c)["step"] for c in complete_checkpoints(run_dir)] if run_dir.is_dir() else []
+    folders = [c for c in run_dir.glob("checkpoint_*") if re.fullmatch(r"checkpoint_\d{8}", c.name)] if run_dir.is_dir() else []
+    return sorted(read_meta(c)["step"] for c in folders if c.is_dir() and verify(c) is None)
 
 
 def _wait(ready, proc: subprocess.Popen, timeout_s: float, what: str, poll_s: float = 0.2):
@@ -138,7 +123,7 @@ def scenario(work: Path, *, deadline_s: int = 12, max_steps: int = 3000, checkpo
     run_dir, job_log = work / RUN, work / "job.log"
     proc, deadline = None, None
     t_start = time.time()
-    gcs, dashboard = _free_ports(2)
+    gcs, dashboard = free_ports(2)
     head = local.start_head(head_dir, port=gcs, dashboard_port=dashboard, num_cpus=1)
     try:
         local.add_node(head, node_dir, num_cpus=1)
@@ -152,7 +137,7 @@ def scenario(work: Path, *, deadline_s: int = 12, max_steps: int = 3000, checkpo
                                                     RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=str(start_timeout_s),
                                                     **({} if watcher else {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"})))
         # Training goes on on both nodes: a logged step, and both ranks' sample logs.
-        _wait(lambda: any("train_loss" in r for r in _read_jsonl(run_dir / "metrics.jsonl"))
+        _wait(lambda: any("train_loss" in r for r in read_jsonl(run_dir / "metrics.jsonl", skip_partial=True))
               and (samples / "rank1.jsonl").exists(), proc, timeout_s, "a logged step")
         record["training_started_s"] = time.time() - t_start
         t0 = time.time()
@@ -221,9 +206,9 @@ def _message(line: str) -> str:
 def steps_lost(samples: Path) -> dict:
     """From the ranks' sample logs: the world size of each gang in order, the step the last one resumed at, and
     preemption_steps_lost (steps the first gang began beyond where the next one resumed)."""
-    records = [r for f in sorted(samples.glob("rank*.jsonl")) for r in _read_jsonl(f)]
+    records = [r for f in sorted(samples.glob("rank*.jsonl")) for r in read_jsonl(f, skip_partial=True)]
     sizes: list[int] = []
-    for r in _read_jsonl(samples / "rank0.jsonl"):  # each gang's rank 0 appends to it, in time order
+    for r in read_jsonl(samples / "rank0.jsonl", skip_partial=True):  # each gang's rank 0 appends to it, in time order
         if not sizes or sizes[-1] != r["world_size"]:
             sizes.append(r["world_size"])
     first = [r["step"] for r in records if r["world_size"] == 2]

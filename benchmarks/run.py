@@ -65,12 +65,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,7 +79,7 @@ PY = sys.executable
 
 from benchmarks.figures import BLOCKS, PARTS, block, ckpt_steps, part_headers, replay, run_stats, with_block  # noqa: E402
 from benchmarks.report import changed_since, run_header, stale_parts  # noqa: E402
-from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table, as the cluster tools stop processes
+from benchmarks.procs import launch, read_jsonl  # noqa: E402
 
 CONFIG = "trainers/configs/char_gpt.yaml"
 RESULTS = REPO / "benchmarks" / "results"
@@ -130,130 +127,7 @@ MODES = {
 }
 
 
-# ---------------------------------------------------------------- small helpers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def descendants(pid: int) -> dict[int, float]:
-    """Every process below `pid` with its start time (so a pid reused later is never killed by mistake)."""
-    procs = processes()
-    children: dict[int, list[int]] = {}
-    for child, info in procs.items():
-        children.setdefault(info["ppid"], []).append(child)
-    out, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out[child] = procs[child]["start_s"]
-            todo.append(child)
-    return out
-
-
-def _alive(procs: dict[int, float]) -> list[int]:
-    """Those of `procs` still running as the same process (same pid and start time)."""
-    now = processes()
-    return [pid for pid, started in procs.items() if pid in now and now[pid]["start_s"] == started]
-
-
-def kill_exact(procs: dict[int, float]) -> int:
-    """SIGKILL the processes we started that are still alive. Returns how many."""
-    n = 0
-    for pid in _alive(procs):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            n += 1
-        except ProcessLookupError:
-            pass
-    return n
-
-
-def clean_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "STRIDE_SAMPLE_LOG"):
-        env.pop(k, None)
-    return env
-
-
-@dataclass
-class Launch:
-    rc: int
-    wall_s: float
-    first_step_s: float | None
-    leftovers_killed: int
-    log: str
-    lines: list
-
-
-def launch(cmd: list[str], log_path: Path, timeout_s: float, sample_log: Path | None = None, env: dict | None = None) -> Launch:
-    """Run one job in its own session, from launch to exit. While it runs, poll (20 ms) for the end of its first
-    optimizer step: rank 0's sample log (STRIDE_SAMPLE_LOG, one line per micro-step, written as the step's batch is
-    built) gets its second line when step 2 starts, i.e. when step 1 has ended. Both runtimes write it the same way.
-    Afterwards, every process of the tree still alive (Ray daemons) is stopped by pid."""
-    env = dict(env or clean_env())
-    if sample_log is not None:
-        env["STRIDE_SAMPLE_LOG"] = str(sample_log)
-    rank0 = sample_log / "rank0.jsonl" if sample_log is not None else None
-    seen: dict[int, str | None] = {}
-    with open(log_path, "w") as logf:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        # Every output line goes to the log prefixed with its arrival time since launch: the startup phases.
-        stamped: list[tuple[float, str]] = []
-
-        def pump():
-            for raw in proc.stdout:
-                t = time.perf_counter() - t0
-                line = raw.decode(errors="replace").rstrip("\n")
-                stamped.append((t, line))
-                logf.write(f"{t:9.3f} {line}\n")
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        first = None
-        next_scan = t0 + 1.0
-        timed_out = False
-        while proc.poll() is None:
-            now = time.perf_counter()
-            if first is None and rank0 is not None:
-                try:
-                    if rank0.stat().st_size and rank0.read_bytes().count(b"\n") >= 2:
-                        first = now - t0
-                except OSError:
-                    pass
-            if now >= next_scan:
-                seen.update(descendants(proc.pid))
-                next_scan = now + 2.0
-            if now - t0 > timeout_s:
-                timed_out = True
-                seen.update(descendants(proc.pid))
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                kill_exact(seen)
-                proc.wait()
-                break
-            time.sleep(0.02 if first is None else 0.1)
-        wall = time.perf_counter() - t0
-        reader.join(timeout=15)
-    # Ray's daemons exit on their own after the driver; give them a moment, then stop what is left of ours.
-    deadline = time.time() + 10
-    while time.time() < deadline and _alive(seen):
-        time.sleep(0.25)
-    left = kill_exact(seen)
-    return Launch(124 if timed_out else proc.returncode, wall, first, left, str(log_path), stamped)
-
-
+# ---------------------------------------------------------------- jobs
 
 PHASES = {  # marker in the job's output -> phase that has ended when it appears (first occurrence)
     "stride": [("ray_init", "stride: Ray dashboard"), ("driver_ready", "stride: training "),

@@ -16,6 +16,7 @@ step_time_s of metrics.jsonl past the warm-up, on over off.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,21 +29,23 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # appended: the repository's datasets/ must not hide Hugging Face's `datasets`
+
+from benchmarks.procs import run_checked  # noqa: E402
+
 PY = sys.executable
 CONFIG = REPO / "trainers" / "configs" / "tabular_mlp.yaml"
 ROWS = 20_000
 STEPS, LOG_EVERY = 300, 10
 HIDDEN = "[1024, 1024, 1024]"
 EMA_STEPS, WARMUP = 120, 20
+_run = functools.partial(run_checked, who="sinks_bench")  # a step that must succeed
 SMOKE = {"steps": 60, "ema_steps": 30, "warmup": 5}
 SINKS = {"alone": "tracking.sinks=[]", "all": "tracking.sinks=[mlflow,tensorboard,wandb]"}
 EMA = {"off": "train.ema=null", "on": "train.ema={decay: 0.999, eval: raw}"}
 
 
-def _run(cmd: list[str], env: dict, timeout_s: int) -> None:
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0:
-        raise RuntimeError(f"sinks_bench: {' '.join(cmd[-4:])} exited {r.returncode}: {r.stderr[-2000:]}")
 
 
 def _common(data: Path, storage: Path, name: str, steps: int) -> list[str]:

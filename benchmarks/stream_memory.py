@@ -48,8 +48,7 @@ PY = sys.executable
 
 from benchmarks.figures import GOALS, FORMAT_GOALS, fmt, jsonl_memory_figure, memory_figure, spread, verdict  # noqa: E402
 from benchmarks.jsonl_copy import jsonl_copy  # noqa: E402
-from benchmarks.run import clean_env, kill_exact  # noqa: E402 - run.py defines helpers only; nothing runs at import
-from stride.ray_cluster.node import processes  # noqa: E402 - the /proc table: {pid: {ppid, sid, start_s, cmdline}}
+from benchmarks.procs import clean_env, kill_exact, meminfo, processes, rollup, system_used_bytes, tree  # noqa: E402
 
 FEATURES = 64
 CLASSES = 4
@@ -114,52 +113,6 @@ def make_jsonl_set(parquet: dict, out: Path, cache: Path) -> dict:
 
 
 # ---------------------------------------------------------------- memory of a process tree
-
-def rollup(pid: int) -> tuple[int, int] | None:
-    """(PSS, RSS) of one process in bytes, or None if it has exited or cannot be read."""
-    found = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith(("Pss:", "Rss:")):
-                    found[line[:3]] = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return (found["Pss"], found["Rss"]) if len(found) == 2 else None
-
-
-def tree(root: int, procs: dict[int, dict]) -> set[int]:
-    """The root and its live descendants, plus anything else in its session (the run starts in a session of its
-    own): a process whose parent has exited is re-parented out of the tree but keeps the session."""
-    children: dict[int, list[int]] = {}
-    for pid, info in procs.items():
-        children.setdefault(info["ppid"], []).append(pid)
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid in procs and pid not in out:
-            out.add(pid)
-            todo.extend(children.get(pid, []))
-    out.update(pid for pid, info in procs.items() if info["sid"] == root)
-    return out
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def system_used_bytes() -> int:
-    """Memory in use on the whole machine (MemTotal - MemAvailable): unlike PSS it also sees shared memory that no
-    process maps any more (a /dev/shm file), but also everything else running on the machine."""
-    m = meminfo()
-    return m["MemTotal"] - m["MemAvailable"]
-
 
 class TreeSampler:
     """Sums the PSS of a process tree on each call to sample(); keeps the peak, who held it, and a timeline."""

@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+# The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
+__all__ = ["LossFn", "LossOutput", "Precision", "StepResult", "evaluate", "resolve_precision", "train_step"]
+
 # The loss of one micro-batch: Task.loss, or any function of (model, batch) (benchmarks/gpu.py's hand-written one).
 # A scalar mean, or (loss_sum, count) for losses weighted by their terms (tokens) across micro-batches and ranks.
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
@@ -32,6 +35,9 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class Precision:
+    """train.precision on one device: the autocast a forward runs under and the GradScaler a step uses
+    (`Precision.create("bf16", device)`); `sharded` under FSDP."""
+
     device_type: str
     dtype: torch.dtype | None
     # FSDP (train.strategy=fsdp): bf16 comes from FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient
@@ -66,6 +72,9 @@ class Precision:
 
 @dataclass
 class StepResult:
+    """What train_step returns: the step's loss, its gradient norm (None when not computed), and whether both were
+    finite."""
+
     loss: float  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
     grad_norm: float | None
     finite: bool

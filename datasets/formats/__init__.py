@@ -19,6 +19,8 @@ from typing import ClassVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+# The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
+__all__ = ["FileLayout", "Format", "PartReader", "extensions", "format_of", "formats", "open_input", "stamp"]
 
 
 
@@ -98,6 +100,7 @@ def format_of(path: str) -> Format | None:
 
 
 def extensions() -> list[str]:
+    """Every file extension a format of this package reads, sorted (".csv", ".jsonl", ".parquet", ...)."""
     return sorted(e for f in formats().values() for e in f.extensions)
 
 

@@ -38,6 +38,11 @@ import torch
 
 from stride.trainers.run import folder as runfolder
 
+# The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
+__all__ = ["META", "CheckpointWriter", "checkpoint_folder", "is_sharded", "load_model_state", "load_sharded",
+           "newest_complete", "read_meta", "saved_keys", "saved_model_shapes", "shape_mismatch", "verify",
+           "write_marker"]
+
 STATE = "state.pt"  # the earlier format's single file
 META = "meta.json"
 DCP_METADATA = ".metadata"

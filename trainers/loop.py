@@ -75,6 +75,13 @@ class WorkerEnv:
     # so it must be cheap (Ray: this worker's own copy of the notice, no collective). None: no such notices (torchrun).
     preempted: Callable[[], Preemption | None] | None = None
 
+    @classmethod
+    def for_job(cls, world_rank: int, world_size: int, local_rank: int, device: torch.device, node: str) -> WorkerEnv:
+        """A command's job after training (eval, predict) on either launcher: the model as built (the job shards or
+        keeps it whole itself), no checkpoint to resume, nothing to report."""
+        return cls(world_rank, world_size, local_rank, device, wrap_model=lambda m: m, latest_checkpoint=lambda: None,
+                   report=lambda metrics, written: None, node=node)
+
 
 @dataclass(frozen=True)
 class RunPlan:

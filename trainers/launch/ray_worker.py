@@ -97,7 +97,6 @@ def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train.torch
 
     ctx = ray.train.get_context()
-    env = WorkerEnv(world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-                    device=ray.train.torch.get_device(), wrap_model=lambda m: m, latest_checkpoint=lambda: None,
-                    report=lambda metrics, written: None, node=ray.get_runtime_context().get_node_id())
+    env = WorkerEnv.for_job(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
+                            ray.train.torch.get_device(), ray.get_runtime_context().get_node_id())
     return config["job"](from_dict(config["cfg"]), env, config["plan"])

@@ -272,15 +272,13 @@ def on_rank0(fn: Callable[[], None], rank: int, world_size: int) -> None:
 def run_job(cfg, job, plan, before) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """A command's job (jobs.py) in place, on the gang torchrun started: (the result on rank 0, None elsewhere;
     where it ran). `before` runs on rank 0 first, and its refusal ends every rank alike."""
-    from stride.trainers.loop import WorkerEnv
 
     rank, world_size, local_rank = gang_rank()
     device = start_gang(cfg)
     try:
         if before is not None:
             on_rank0(before, rank, world_size)
-        env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=lambda m: m, latest_checkpoint=lambda: None,
-                        report=lambda metrics, written: None, node=socket.gethostname())
+        env = WorkerEnv.for_job(rank, world_size, local_rank, device, socket.gethostname())
         result = job(cfg, env, plan)
     finally:
         leave_gang()

@@ -95,13 +95,6 @@ class BlockReader:
         return self._files[f]
 
 
-def concat_columns(parts: list[Columns]) -> Columns:
-    if len(parts) == 1:
-        return parts[0]
-    return Columns({k: np.concatenate([p.data[k] for p in parts]) for k in parts[0].data},
-                   np.concatenate([p.sample_id for p in parts]))
-
-
 def rank_window(reader: BlockReader, order: Order, epoch: int, k: int, rank: int, world_size: int,
                 from_position: int = 0, to_position: int | None = None) -> Frame | None:
     """The rows `rank` trains on from window k of `epoch` (positions in [from_position, to_position)), in order;

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import REPO, run_cli, run_cli_forked
 from stride.errors import DataError
-from stride.datasets.stream import concat_columns, eval_stream
+from stride.datasets.frame import Columns
+from stride.datasets.stream import eval_stream
 from stride.datasets.prepare import stdlib_files
 from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
@@ -15,6 +16,12 @@ from stride.trainers.launch.checks import prepare
 
 def cfg_for(train, val, *extra, base="tabular_mlp.yaml"):
     return load_config(REPO / "trainers/configs" / base, [f"data.train_path={train}", f"data.val_path={val}", *extra])
+
+
+def concat_columns(parts: list[Columns]) -> Columns:
+    """A split's evaluation batches as one set of columns, in order."""
+    return Columns({k: np.concatenate([p.data[k] for p in parts]) for k in parts[0].data},
+                   np.concatenate([p.sample_id for p in parts]))
 
 
 def rows_of(task, spec):

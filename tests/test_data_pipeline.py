@@ -8,13 +8,11 @@ is the gang's, once for the command (tests/test_bad_inputs.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import run_cli, torchrun_launcher
-from runs import OVERLAY
-from test_examples import TORCHRUN, check, example, read_jsonl
+from runs import OVERLAY, launch
+from test_examples import check, example, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +25,9 @@ ARGS = ["--config", "image_classifier.yaml", "train.max_steps=12", "train.log_ev
 def train(folder, name, ray_env, *overrides):
     """2 workers from the example's folder: on Ray with `ray_env`, else 2 ranks under torchrun."""
     if ray_env is None:
-        command = [*torchrun_launcher(2), TORCHRUN, *ARGS, f"run.name={name}", *overrides]
-        proc = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600)
+        proc = launch.torchrun([*ARGS, f"run.name={name}", *overrides], nproc=2, cwd=folder)
     else:
-        proc = run_cli(["-m", "stride", *ARGS, f"run.name={name}", *overrides], timeout=600, cwd=folder, env=ray_env)
+        proc = launch.ray([*ARGS, f"run.name={name}", *overrides], ray_env, cwd=folder)
     check(proc, name)
     run_dir = folder / "runs" / name
     return proc.stdout, json.loads((run_dir / "summary.json").read_text()), read_jsonl(run_dir / "metrics.jsonl")

@@ -7,15 +7,14 @@ GPUs it does not have, by the rule Ray's driver applies."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, run_cli, run_cli_forked, torchrun_launcher
-from runs import losses, tiny
+from conftest import PYTHON, REPO, run_cli, run_cli_forked
+from runs import launch, losses, tiny
 
 from stride.trainers import fsdp
 from stride.trainers.run import checkpointing
@@ -39,8 +38,7 @@ def tiny_args(data, storage, name, steps=STEPS, *extra):
 
 def torchrun(nproc: int, args: list[str], script: str = "trainers/torchrun.py",
              env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run([*torchrun_launcher(nproc), script, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, **(env or {})))
+    r = launch.torchrun(args, nproc=nproc, entry=(script,), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

@@ -25,6 +25,7 @@ from stride.cli import reports_errors
 from stride.trainers.run import checkpointing
 from stride.trainers.callbacks import Callbacks, averages
 from stride.trainers.callbacks.base import CallbackState
+from stride.trainers.commands import trained
 from stride.trainers.loop import RunPlan, Trainer
 
 
@@ -37,48 +38,47 @@ class JobPlan(RunPlan):
     batch_rows: int = 64  # predict: rows per forward
     keep_columns: tuple[str, ...] = ()  # predict: input columns copied into the output rows
 
+    @classmethod
+    def of(cls, run, spec, **settings) -> JobPlan:
+        """The job over `spec`'s rows with the trained run's (trained.TrainedRun) checkpoint, facts and workers."""
+        return cls(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts, checkpoint=str(run.checkpoint),
+                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, **settings)
 
-class CheckpointModel(Trainer):
-    """The Trainer's model, precision and strategy with a checkpoint's weights, for work after training: no
-    optimizer, no data order, no sinks. `shard=False` keeps the whole model on every rank (predict: no rank waits
-    on another's collectives, so each can skip work that is already done)."""
+
+class CheckpointModel:
+    """The run's model, precision and strategy with a checkpoint's weights, for work after training: no optimizer,
+    no data order, no sinks. Composed of the training loop's own phases (a Trainer's setup_process, setup_precision,
+    build_model and evaluate, so that FSDP shards and evaluation are the run's), never a run of its own. `shard=False`
+    keeps the whole model on every rank (predict: no rank waits on another's collectives, so each can skip work that
+    is already done)."""
 
     def __init__(self, cfg, env, plan: JobPlan, shard: bool = True):
-        super().__init__(cfg, env, plan)
+        self.cfg, self.env, self.plan, self.shard = cfg, env, plan, shard
+        self.loop = Trainer(cfg, env, plan)  # its phases; fit() is never called
+        self.task = self.loop.task
         self.checkpoint_dir = Path(plan.checkpoint)
-        self.resume_meta = checkpointing.read_meta(self.checkpoint_dir)
-        self.shard = shard
+        # build_model reads init.from under a trainable_only checkpoint, as a resume does
+        self.meta = self.loop.resume_meta = checkpointing.read_meta(self.checkpoint_dir)
+        self.model = self.precision = self.ema = None
 
     def load(self) -> None:
-        self.setup_process()
-        self.setup_precision(self.shard)
-        model = self.model = self.raw_model = self.build_model()  # init.from too, under a trainable_only checkpoint
+        loop = self.loop
+        loop.setup_process()
+        loop.setup_precision(self.shard)
+        self.precision = loop.precision
+        self.model = loop.model = loop.raw_model = loop.build_model()
         # train.ema's callback, where the checkpoint holds the average: evaluate() then measures the weights the run
         # evaluated (train.ema.eval), and predict swaps it in. No other callback runs after training.
-        self.ema = next(iter(averages(self.cfg)), None) if self.resume_meta.get("ema") else None
-        self.callbacks = Callbacks([self.ema] if self.ema is not None else [], CallbackState(self))
+        self.ema = next(iter(averages(self.cfg)), None) if self.meta.get("ema") else None
+        loop.callbacks = Callbacks([self.ema] if self.ema is not None else [], CallbackState(loop))
         group = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
-        self.load_weights(group)
+        trained.load_weights(self.checkpoint_dir, self.meta, self.model, loop.callbacks, group)
         self.task.training = False
-        model.eval()
+        self.model.eval()
 
-    def load_weights(self, group) -> None:
-        """The checkpoint's model (and average) into this rank's tensors: DCP reads each rank's slices."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-        ckpt = self.checkpoint_dir
-        partial = bool(self.resume_meta.get("trainable_only"))  # the frozen base came from init.from
-        if not checkpointing.is_sharded(ckpt):  # the earlier one-file format: every rank reads it whole
-            set_model_state_dict(self.raw_model, checkpointing.load_model_state(ckpt),
-                                 options=StateDictOptions(full_state_dict=True, strict=not partial))
-            return
-        saved = checkpointing.saved_model_shapes(ckpt)
-        callback_tensors, present = self.callbacks.tensors_to_fill(checkpointing.saved_keys(ckpt))
-        state = {"model": {k: v for k, v in get_model_state_dict(self.raw_model).items() if not partial or k in saved},
-                 **callback_tensors}
-        checkpointing.load_sharded(ckpt, state, group)
-        self.callbacks.loaded(present)
-        set_model_state_dict(self.raw_model, state["model"], options=StateDictOptions(strict=not partial))
+    def evaluate(self) -> dict[str, Any]:
+        """The loop's evaluation of these weights (and of the average's, as train.ema.eval says)."""
+        return self.loop.evaluate()
 
 
 def evaluate_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
@@ -89,34 +89,23 @@ def evaluate_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
 
 
 def parse_args(argv):
-    from stride.cli import ArgumentParser
-    from stride.trainers.commands import trained
-
-    ap = ArgumentParser(prog="stride eval",
-                        description="Evaluate a run's checkpoint (val_loss and the task's metrics) on a gang.")
+    ap = trained.parser("stride eval", "Evaluate a run's checkpoint (val_loss and the task's metrics) on a gang.")
     ap.add_argument("--data", help="Parquet, JSON Lines or text files to evaluate on (default: the run's validation "
                                    "split); the task's columns")
     ap.add_argument("--name", help="the result's name: <run>/eval/<name>.json (default: the checkpoint's name, "
                                    "plus the data's with --data)")
-    trained.add_arguments(ap)
     return ap.parse_args(argv)
 
 
 @reports_errors
 def main(argv: list[str] | None = None) -> int:
-    return evaluate_command(parse_args(argv))
-
-
-def evaluate_command(args) -> int:
-    from stride.trainers.commands import trained
     from stride.trainers.launch import jobs as gang
     from stride.trainers.run.folder import atomic_write_text, make_folder, refuse_link
 
-    t0 = time.time()
+    t0, args = time.time(), parse_args(argv)
     run = trained.open_run(args)
     spec = trained.split_spec(run, "val", args.data)
-    plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts,
-                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint))
+    plan = JobPlan.of(run, spec)
     name = trained.output_name(args.name or run.checkpoint.name + (f"-{Path(args.data).stem}" if args.data else ""))
     if gang.rank0():
         print(f"stride: evaluating {run.checkpoint} (step {run.meta.get('step')}) on {spec.num_rows} rows of "

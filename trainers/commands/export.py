@@ -36,13 +36,14 @@ export (a folder with config.json and a *.safetensors file).
 
 from __future__ import annotations
 
-from stride.errors import RunFolderError, UnsafeCheckpointError
 import json
 import os
 import sys
 from pathlib import Path
 
 from stride.cli import ArgumentParser, reports_errors
+from stride.errors import ExportError, RunFolderError
+from stride.trainers.commands import trained
 from stride.trainers.run import checkpointing
 from stride.trainers.run import retention
 
@@ -50,9 +51,6 @@ EXIT_USAGE = 2
 # --dtype: the torch dtype floating-point tensors are written in (fp32: as Stride saves them).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FORMATS = ("safetensors", "hf")
-
-
-from stride.errors import ExportError  # noqa: E402 - a problem the user can fix (exit 2)
 
 
 def resolve(folder: Path, name: str = "checkpoint") -> Path:
@@ -83,7 +81,6 @@ def warn_line(line: str) -> None:
 def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
     """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it: inside the run folder,
     as eval takes it (trained.best_named). `label`: the argument that gave `run`."""
-    from stride.trainers.commands import trained
     from stride.trainers.run import folder as runfolder
 
     try:
@@ -110,8 +107,6 @@ def check_task(ckpt: Path, meta: dict, run_dir: Path | None, task: str | None, n
     """Another task's checkpoint is not exported as the run's: its model.name must be the one the run's
     summary.json names (as eval requires, trained.check_same_task), and a --task must name that task too, though
     safetensors imports none. `name`, `label`: the arguments that gave `ckpt` and `run_dir`."""
-    from stride.trainers.commands import trained
-
     if run_dir is None:  # a checkpoint folder on its own: its meta.json is all there is to match
         if task is not None and task != meta.get("model"):
             raise ExportError(f"--task ({task[:200]}) is not the task of {name} ({ckpt}), model.name "
@@ -138,20 +133,6 @@ def check_out_parent(out: Path) -> None:
                           f"can write")
 
 
-def checkpoint_weights(ckpt: Path, ema: bool) -> dict:
-    """The checkpoint's model weights; with `ema` the average's parameters in place of the weights'."""
-    try:
-        weights = checkpointing.load_model_state(ckpt)
-        average = checkpointing.load_model_state(ckpt, "ema") if ema else {}
-    except UnsafeCheckpointError as e:
-        raise ExportError(str(e)) from None
-    if ema and not average:
-        raise ExportError(f"--ema: checkpoint ({ckpt}) holds no average of the weights (the run had no train.ema); "
-                          f"export without --ema")
-    weights.update(average)  # the average's parameters; buffers (batch-norm statistics) are the model's
-    return weights
-
-
 def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False,
            dtype: str = "fp32", name: str = "checkpoint", task: str | None = None, run_dir: Path | None = None,
            run_label: str = "checkpoint's run folder") -> dict:
@@ -170,7 +151,7 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     ckpt = resolve(checkpoint, name)
     meta = checkpointing.read_meta(ckpt)
     check_task(ckpt, meta, run_dir or run_folder_of(ckpt), task, name, run_label)
-    weights = checkpoint_weights(ckpt, ema)
+    weights = trained.load_weights(ckpt, meta, ema=ema)
     if meta.get("trainable_only") and not trainable_only:
         raise ExportError(f"checkpoint ({ckpt}) holds only the trainable parameters (checkpoint.trainable_only): "
                           f"its frozen base is init.from's ({(meta.get('init') or {}).get('from')}); pass "
@@ -218,33 +199,19 @@ def check_out_folder(out: Path, force: bool) -> None:
 
 
 def hf_model_of(checkpoint: Path, run_dir: Path, ema: bool, task: str | None, trust_remote_code: bool, label: str):
-    """The run's task rebuilt from the run folder `run_dir` (its summary.json), its model with the checkpoint's
-    weights, as the task's `transformers.PreTrainedModel` (Task.hf_model). The task is found as eval and predict find
-    it (trained.run_config). `label` names the run folder's argument."""
-    from stride.errors import UsageError
-    from stride.trainers.commands import trained
-    from stride.errors import ConfigError
-    from stride.trainers.commands.generate import trained_model
-    from stride.trainers.tasks import make_task
-
+    """The run folder `run_dir` opened as eval and predict open it (trained.open_trained: its task rebuilt from its
+    summary.json), its model with the checkpoint's weights, as the task's `transformers.PreTrainedModel`
+    (Task.hf_model). `label` names the run folder's argument."""
+    run = trained.open_trained(run_dir, checkpoint, task, trust_remote_code, label=label, checkpoint_label="checkpoint")
+    model = trained.trained_model(run, ema)
     try:
-        summary = trained.read_summary(run_dir, label)
-        cfg = trained.run_config(run_dir, summary, task, trust_remote_code, label=label)  # before reading weights
-        meta = checkpointing.read_meta(checkpoint)
-        trained.check_same_task(cfg.model.name, checkpoint, meta, "checkpoint")  # before its facts build the run's task
-        built = make_task(cfg, meta.get("facts") or summary.get("facts"))
-        trained.check_fits(cfg, built, checkpoint, meta)
-        model = trained_model(built, cfg, checkpoint, checkpoint_weights(checkpoint, ema))
-    except (UsageError, ConfigError) as e:
-        raise ExportError(str(e)) from None
-    try:
-        hf = built.hf_model(model)
+        hf = run.task.hf_model(model)
     except NotImplementedError:
-        raise ExportError(f"--format hf: the task {cfg.model.name} has no Hugging Face form; implement "
+        raise ExportError(f"--format hf: the task {run.cfg.model.name} has no Hugging Face form; implement "
                           f"Task.hf_model, or export --format safetensors") from None
     if not callable(getattr(hf, "save_pretrained", None)):
-        raise ExportError(f"--format hf: the task {cfg.model.name}'s hf_model returned a {type(hf).__name__}, not a "
-                          f"transformers PreTrainedModel; return one (the model itself when build_model gives one)")
+        raise ExportError(f"--format hf: the task {run.cfg.model.name}'s hf_model returned a {type(hf).__name__}, not "
+                          f"a transformers PreTrainedModel; return one (the model itself when build_model gives one)")
     return hf
 
 
@@ -323,11 +290,7 @@ def parse_args(argv: list[str] | None, prog: str):
                     help="the run folder's best checkpoint (checkpoint.keep_best; summary.json names it)")
     ap.add_argument("--trainable-only", action="store_true",
                     help="only the parameters that were training (a LoRA run's adapters), not the frozen base")
-    ap.add_argument("--task", metavar="MODULE:CLASS",
-                    help="--format hf: import this task of your own (from the working directory or PYTHONPATH); "
-                         "must be the run's model.name (safetensors: checked, never imported)")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="--format hf: import whatever task module the run's summary.json names (it runs its code)")
+    trained.consent_arguments(ap, "--format hf: ", " (safetensors: checked, never imported)")
     args = ap.parse_args(argv)
     if args.run is not None:
         if args.checkpoint is not None:

@@ -29,6 +29,7 @@ import torch
 
 from stride.cli import reports_errors
 from stride.errors import TrainingError, UsageError
+from stride.trainers.commands import trained
 from stride.trainers.commands.evaluate import CheckpointModel, JobPlan
 
 # The end of a prediction, and what it is of (a resume checks it); "_" and "." keep readers of the folder (pyarrow,
@@ -233,11 +234,8 @@ def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dic
 
 
 def parse_args(argv):
-    from stride.cli import ArgumentParser
-    from stride.trainers.commands import trained
-
-    ap = ArgumentParser(prog="stride predict",
-                        description="Write the task's per-sample outputs (Task.predict) over a data set as Parquet.")
+    ap = trained.parser("stride predict", "Write the task's per-sample outputs (Task.predict) over a data set as "
+                                          "Parquet.")
     ap.add_argument("--data", required=True, help="Parquet, JSON Lines or text files with the task's columns")
     ap.add_argument("--out", required=True, type=Path, help="output folder (new; or an unfinished one to resume)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: max(64, "
@@ -245,21 +243,15 @@ def parse_args(argv):
     ap.add_argument("--keep-columns", type=keep_columns_arg, default=(), metavar="NAME,...",
                     help="input columns to copy, as read, beside sample_id into every output row (an ID, a path)")
     ap.add_argument("--force", action="store_true", help="replace an earlier prediction in --out")
-    trained.add_arguments(ap)
     return ap.parse_args(argv)
 
 
 @reports_errors
 def main(argv: list[str] | None = None) -> int:
-    return predict_command(parse_args(argv))
-
-
-def predict_command(args) -> int:
-    from stride.trainers.commands import trained
     from stride.trainers.launch import jobs as gang
     from stride.trainers.task import Task
 
-    t0 = time.time()
+    t0, args = time.time(), parse_args(argv)
     run = trained.open_run(args)
     if type(run.task).predict is Task.predict:
         raise UsageError(f"model.name ({run.cfg.model.name}) has no predict; implement Task.predict(self, model, "
@@ -277,9 +269,7 @@ def predict_command(args) -> int:
         print(f"stride: predicting {spec.num_rows} rows ({len(spec.blocks)} parts"
               + (f", {done} already written" if resumed and done else "") + f") with {run.checkpoint}", flush=True)
 
-    plan = JobPlan(run_dir=str(run.run_dir), train=None, val=spec, facts=run.facts, out=str(args.out.resolve()),
-                   cpus_per_worker=run.cfg.scaling.cpus_per_worker, checkpoint=str(run.checkpoint),
-                   batch_rows=batch_rows, keep_columns=keep)
+    plan = JobPlan.of(run, spec, out=str(args.out.resolve()), batch_rows=batch_rows, keep_columns=keep)
     results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}",
                                   before=open_output)
     if results is None:  # a torchrun rank other than 0

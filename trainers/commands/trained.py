@@ -1,11 +1,12 @@
-"""A trained run as the source of the commands that come after training (`stride eval`, `stride predict`; `stride
-export --format hf` takes its config and task): its folder, config, task and one of its checkpoints, each checked
-before any worker starts.
+"""A trained run as the source of the commands that come after training: its folder, config, task and one of its
+checkpoints, each checked before any worker starts (`open_trained`; `open_run` for `stride eval` and `stride
+predict`), and the one reader of a checkpoint's model weights for them all (`load_weights`: into a model on this
+rank, or whole for `stride export` and `stride generate`; `trained_model` builds the task's model around them).
 
 A run folder may sit on shared storage that someone else can write: its summary.json names the task module, and
-importing a module runs it. As trainers/commands/generate.py does, a task of your own is imported only with consent
-(`--task MODULE:CLASS`, the same as the run's, or `--trust-remote-code`); built-in tasks need neither. Consented to,
-it is found in the working directory or on PYTHONPATH, as training finds it (run_config).
+importing a module runs it. A task of your own is imported only with consent (`--task MODULE:CLASS`, the same as the
+run's, or `--trust-remote-code`); built-in tasks need neither. Consented to, it is found in the working directory or
+on PYTHONPATH, as training finds it (run_config; generate.py takes the working directory off first).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Union
 
 from stride.datasets.splits import DataSpec
-from stride.errors import UsageError
+from stride.errors import ConfigError, UsageError
 from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
 from stride.trainers.config import Config
@@ -37,35 +38,66 @@ class TrainedRun:
         return self.meta.get("facts") or self.summary.get("facts") or {}
 
 
+def consent_arguments(ap, where: str = "", task_help: str = "") -> None:
+    """--task and --trust-remote-code: consent to import a task of the user's own that a run folder names. `where`
+    starts each help line (export: "--format hf: "); `task_help` ends --task's."""
+    ap.add_argument("--task", metavar="MODULE:CLASS",
+                    help=f"{where}import this task of your own; must be the run's model.name{task_help}")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help=f"{where}import whatever task module the run's summary.json names (it runs that module's "
+                         f"code)")
+
+
+def parser(prog: str, description: str):
+    """The command line of a command over a trained run on a gang (eval, predict), with add_arguments' options."""
+    from stride.cli import ArgumentParser
+
+    ap = ArgumentParser(prog=prog, description=description)
+    add_arguments(ap)
+    return ap
+
+
 def add_arguments(ap) -> None:
-    """The options every command over a trained run takes."""
+    """The options every command over a trained run on a gang takes (eval, predict)."""
     # --run-dir: the same, for torchrun's command line, whose own parser takes --run for its --run-path.
     ap.add_argument("--run", "--run-dir", dest="run", required=True, type=Path,
                     help="run folder: <run.storage_path>/<run.name> (under torchrun: --run-dir)")
     ap.add_argument("--checkpoint", default="last", metavar="last|best|PATH",
                     help="the newest complete checkpoint (last), the best kept one (best: checkpoint.keep_best), or "
                          "a checkpoint folder of the run")
-    ap.add_argument("--task", metavar="MODULE:CLASS",
-                    help="import this task of your own; must be the run's model.name")
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="import whatever task module the run's summary.json names (it runs that module's code)")
+    consent_arguments(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.field=value",
                     help="changes to the run's config (scaling.num_workers=2, train.batch_size_per_worker=64)")
 
 
+Pick = Union[str, Path, Callable[[Path, dict], Path]]
+
+
 def open_run(args) -> TrainedRun:
-    """The run of `args.run` with the checkpoint `args.checkpoint`; UsageError/ConfigError (exit 2) otherwise."""
+    """`stride eval`, `stride predict`: the run of `args.run` with the checkpoint `args.checkpoint`."""
+    return open_trained(Path(args.run), args.checkpoint, args.task, args.trust_remote_code, args.overrides)
+
+
+def open_trained(run_dir: Path, which: Pick = "last", task: str | None = None, trust_remote_code: bool = False,
+                 overrides=(), label: str = "--run", checkpoint_label: str = "--checkpoint") -> TrainedRun:
+    """The one opener of a trained run: its summary.json, its config (with `overrides`), its task (imported only
+    with consent), the checkpoint `which` names (last, best or a folder of the run: pick_checkpoint; a Path already
+    chosen; or a function of the run folder and its summary), checked to be of the run's task and to fit its model.
+    UsageError/ConfigError (exit 2) otherwise, one line naming `label` (the argument that gave `run_dir`) or
+    `checkpoint_label` (the one that gave the checkpoint)."""
     from stride.trainers.tasks import make_task
 
-    run_dir = Path(args.run)
-    summary = read_summary(run_dir)
-    cfg = run_config(run_dir, summary, args.task, args.trust_remote_code, args.overrides)
-    checkpoint = pick_checkpoint(run_dir, summary, args.checkpoint)
+    summary = read_summary(run_dir, label)
+    cfg = run_config(run_dir, summary, task, trust_remote_code, overrides, label)
+    if callable(which):
+        checkpoint = which(run_dir, summary)
+    else:
+        checkpoint = which if isinstance(which, Path) else pick_checkpoint(run_dir, summary, which)
     meta = checkpointing.read_meta(checkpoint)
-    check_same_task(cfg.model.name, checkpoint, meta)  # before its facts build the run's task
-    task = make_task(cfg, meta.get("facts") or summary.get("facts"))
-    check_fits(cfg, task, checkpoint, meta)
-    return TrainedRun(run_dir.resolve(), summary, cfg, task, checkpoint.resolve(), meta)  # workers run elsewhere
+    check_same_task(cfg.model.name, checkpoint, meta, checkpoint_label)  # before its facts build the run's task
+    built = make_task(cfg, meta.get("facts") or summary.get("facts"))
+    check_fits(built, checkpoint, meta)
+    return TrainedRun(run_dir.resolve(), summary, cfg, built, checkpoint.resolve(), meta)  # workers run elsewhere
 
 
 def run_config(run_dir: Path, summary: dict, task: str | None, trust_remote_code: bool, overrides=(),
@@ -178,11 +210,11 @@ def check_same_task(run_name: str, checkpoint: Path, meta: dict, label: str = "-
                          f"checkpoint of this run")
 
 
-def check_fits(cfg: Config, task, checkpoint: Path, meta: dict) -> None:
-    """A checkpoint of another task, or of this task with other model settings, is refused before any worker."""
+def check_fits(task, checkpoint: Path, meta: dict) -> None:
+    """A checkpoint of this task with other model settings is refused before any worker (another task's:
+    check_same_task, first)."""
     import torch
 
-    check_same_task(cfg.model.name, checkpoint, meta)
     with torch.device("meta"):
         model = task.build_model()
     saved = checkpointing.saved_model_shapes(checkpoint)
@@ -192,6 +224,66 @@ def check_fits(cfg: Config, task, checkpoint: Path, meta: dict) -> None:
                          f"checkpoint of this run, or the model.* overrides it was trained with")
 
 
+# ---- the weights: one reader for every command ----
+
+def load_weights(checkpoint: Path, meta: dict, model=None, callbacks=None, group=None, ema: bool = False) -> dict:
+    """A checkpoint's model weights, read for the commands through the checkpoint's allow-list (no pickle runs).
+    * Without `model` (export, generate): the full tensors, consolidated in this process on the CPU, named as the
+      model's state_dict() names them; `ema`: train.ema's average's parameters in place of the weights' (buffers,
+      such as batch-norm statistics, stay the model's); a checkpoint without an average is refused (UsageError).
+    * With `model` (eval, predict on a gang): into this rank's tensors of `model` (FSDP: its shards; DCP reads the
+      slices each rank needs, whatever world size wrote them), with `callbacks`' tensors that the checkpoint holds
+      (train.ema's average); a collective over `group` (None: one process). Returns the model's loaded state.
+    A checkpoint.trainable_only checkpoint holds the trainable parameters alone: the rest is init.from's, which
+    `model` holds already (built as training builds it; trained_model for a full state dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    if model is None:
+        weights = checkpointing.load_model_state(checkpoint)
+        if ema:
+            average = checkpointing.load_model_state(checkpoint, "ema")
+            if not average:
+                raise UsageError(f"--ema: checkpoint ({checkpoint}) holds no average of the weights (the run had no "
+                                 f"train.ema); export without --ema")
+            weights.update(average)
+        return weights
+    partial = bool(meta.get("trainable_only"))  # the frozen base came from init.from
+    if not checkpointing.is_sharded(checkpoint):  # the earlier one-file format: every rank reads it whole
+        state = checkpointing.load_model_state(checkpoint)
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=not partial))
+        return state
+    saved = checkpointing.saved_model_shapes(checkpoint)
+    callback_tensors, present = callbacks.tensors_to_fill(checkpointing.saved_keys(checkpoint))
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if not partial or k in saved},
+             **callback_tensors}
+    checkpointing.load_sharded(checkpoint, state, group)
+    callbacks.loaded(present)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))
+    return state["model"]
+
+
+def trained_model(run: TrainedRun, ema: bool = False):
+    """The run's task's model, whole in this process, with its checkpoint's weights (load_weights; `ema`: the
+    average's): for generate and export --format hf. A checkpoint of the trainable parameters only
+    (checkpoint.trainable_only) goes on the frozen base that init.from gives, as in training; a base that changed
+    since is refused (ConfigError)."""
+    model = run.task.build_model()
+    weights = load_weights(run.checkpoint, run.meta, ema=ema)
+    if not run.meta.get("trainable_only"):
+        model.load_state_dict(weights)
+        return model
+    from stride.trainers import pretrained
+
+    init = run.cfg.init
+    plan = pretrained.init_model(model, init.from_, strict=init.strict, include=init.include, exclude=init.exclude,
+                                 rename=init.rename, adapt=pretrained.adapter(run.task))
+    recorded = (run.meta.get("init") or {}).get("sha256")
+    if recorded != plan.sha256:
+        raise ConfigError(pretrained.changed_base_line(init.from_, recorded, plan.sha256))
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
 def output_name(text: str) -> str:
     """A name safe as a file name from a checkpoint's or data set's name."""
     import re
@@ -199,7 +291,8 @@ def output_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "eval"
 
 
-__all__ = ["TrainedRun", "add_arguments", "open_run", "run_config", "read_summary", "output_name"]
+__all__ = ["TrainedRun", "add_arguments", "open_run", "open_trained", "load_weights", "trained_model", "run_config",
+           "read_summary", "output_name"]
 
 
 def split_spec(run, split: str, path: str | None, columns: tuple[str, ...] | None = None) -> DataSpec:

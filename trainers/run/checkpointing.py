@@ -613,8 +613,8 @@ def saved_keys(folder: Path) -> set[str]:
 
 def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The full (consolidated) model weights of a checkpoint of either format, in one process, as plain CPU
-    tensors: for trainers/commands/generate.py and trainers/commands/export.py. `part`: "ema" for train.ema's average (sharded
-    checkpoints; empty when the run had none)."""
+    tensors: for the commands' one weights reader (trainers/commands/trained.py load_weights) and init.from of a
+    Stride checkpoint. `part`: "ema" for train.ema's average (sharded checkpoints; empty when the run had none)."""
     folder = Path(folder)
     if not is_sharded(folder):
         return load_state(folder / STATE)["model"] if part == "model" else {}

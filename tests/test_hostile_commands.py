@@ -135,3 +135,18 @@ def test_python_m_stride_drops_the_working_directory_first(tmp_path):
     probe = "import sys, stride; print(sys.path[0] == '')"
     r = run_cli(["-c", probe], cwd=tmp_path / "..", timeout=120)
     assert r.stdout.strip() == "True", r.stderr[-2000:]
+
+
+def test_export_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path):
+    """stride export writes a fresh random temporary name beside --out (created without following links) and renames
+    it: a link planted at the name earlier versions used (.<out>.tmp) is left alone, and so is its target."""
+    import torch
+
+    from stride.trainers.commands.export import write_weights
+
+    victim, out = tmp_path / "victim.txt", tmp_path / "m.safetensors"
+    victim.write_text("victim")
+    (tmp_path / ".m.safetensors.tmp").symlink_to(victim)
+    write_weights({"w": torch.ones(2)}, out, {"format": "pt"})
+    assert victim.read_text() == "victim" and out.is_file() and not out.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.safetensors.tmp", "m.safetensors", "victim.txt"]

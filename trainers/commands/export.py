@@ -45,6 +45,7 @@ from stride.cli import ArgumentParser, reports_errors
 from stride.errors import ExportError, RunFolderError
 from stride.trainers.commands import trained
 from stride.trainers.run import checkpointing
+from stride.trainers.run import folder as runfolder
 from stride.trainers.run import retention
 
 EXIT_USAGE = 2
@@ -81,7 +82,6 @@ def warn_line(line: str) -> None:
 def best_of(run: Path, flag: str = "--best", label: str = "run folder") -> Path:
     """A run folder's best checkpoint (checkpoint.keep_best), as its summary.json names it: inside the run folder,
     as eval takes it (trained.best_named). `label`: the argument that gave `run`."""
-    from stride.trainers.run import folder as runfolder
 
     try:
         summary = runfolder.read_summary(run / "summary.json")
@@ -140,9 +140,6 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them.
     `name`: the argument that gave `checkpoint`, for the error lines. `task`, `run_dir` (default: the run folder
     holding the checkpoint), `run_label`: see check_task."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     if out.is_dir():
         raise ExportError(f"out ({out}) is a folder; pass a file path such as {out / 'model.safetensors'}")
     if out.exists() and not force:
@@ -164,16 +161,27 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
               "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),
               "ema": str(ema).lower(), "dtype": dtype}
-    tmp = out.with_name(f".{out.name}.tmp")
+    write_weights(weights, out, header)
+    return {"checkpoint": str(ckpt), "out": str(out), "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
+
+
+def write_weights(weights: dict, out: Path, header: dict[str, str]) -> None:
+    """`weights` as one safetensors file at `out`. Written under a fresh random name beside it, created without
+    following links (a name planted in advance is never written through), then renamed onto `out`: a reader never
+    sees half a file, and a failed export leaves `out` as it was."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tmp = runfolder.temp_name(out)
     try:
+        os.close(runfolder.create_new(tmp))
         save_file(weights, str(tmp), metadata=header)
-        os.replace(tmp, out)  # a reader never sees half a file; a failed export leaves `out` as it was
+        os.replace(tmp, out)
     except (OSError, SafetensorError) as e:  # safetensors reports an I/O error as its own SafetensorError
         tmp.unlink(missing_ok=True)
         raise ExportError(f"out ({out}) could not be written ({' '.join(str(e).split())[:200]}); pass a path in a "
                           f"folder you can write, with room for the file") from None
-    return {"checkpoint": str(ckpt), "out": str(out), "tensors": len(weights),
-            "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
 
 
 # ---- --format hf ----
@@ -222,8 +230,8 @@ def write_folder(model, out: Path) -> None:
 
     from safetensors import SafetensorError
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    old = out.with_name(f".{out.name}.{os.getpid()}.old")
+    # Fresh random names (runfolder.temp_name): nothing can be planted there in advance, and mkdir never follows.
+    tmp, old = runfolder.temp_name(out), runfolder.temp_name(out).with_suffix(".old")
     try:
         tmp.mkdir()
         model.save_pretrained(tmp, safe_serialization=True)

@@ -4,12 +4,13 @@ found, and how they are imported (load_class: one line naming the config key for
 The driver's working directory, then STRIDE_TASK_PATH: the driver passes its folders to every worker (Ray's, on any
 node) in that variable, and they are appended to sys.path (never prepended: a user's folder must not hide an
 installed package). Commands that read a run folder someone else may have written (generate) turn the
-working directory off (`search_working_directory(False)`). Standard library only: the cluster layer
+working directory off (`without_working_directory()`). Standard library only: the cluster layer
 (ray_cluster/connect.py) passes the path to its workers without importing trainers/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -21,11 +22,17 @@ TASK_PATH_ENV = "STRIDE_TASK_PATH"
 _search_working_directory = True
 
 
-def search_working_directory(on: bool) -> None:
-    """Whether a user's module may come from the working directory (training: yes; generate.py: no, a module
-    planted beside a run folder must not be found by accident)."""
+@contextlib.contextmanager
+def without_working_directory():
+    """A user's module may not come from the working directory while this lasts (training: it may; generate: no, a
+    module planted beside a run folder must not be found by accident). Scoped, so that a command called in-process
+    leaves the search as it found it."""
     global _search_working_directory
-    _search_working_directory = on
+    before, _search_working_directory = _search_working_directory, False
+    try:
+        yield
+    finally:
+        _search_working_directory = before
 
 
 def searches_working_directory() -> bool:

@@ -32,7 +32,7 @@ from stride.cli import ArgumentParser, reports_errors
 from stride.errors import UsageError
 from stride.trainers.commands import trained
 from stride.trainers.run import checkpointing
-from stride.user_code import search_working_directory
+from stride.user_code import without_working_directory
 
 
 def find_checkpoint(run_dir: Path, summary: dict) -> Path:
@@ -66,8 +66,8 @@ def parse_args(argv):
 @reports_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    search_working_directory(False)  # a module planted beside the run or in the working directory is not found
-    run = trained.open_trained(args.run, find_checkpoint, args.task, args.trust_remote_code)
+    with without_working_directory():  # a module planted beside the run or in the working directory is not found
+        run = trained.open_trained(args.run, find_checkpoint, args.task, args.trust_remote_code)
     model = trained.trained_model(run).eval()
     torch.manual_seed(args.seed)
     try:

@@ -5,7 +5,7 @@ The user's module is imported from the working directory or PYTHONPATH. The driv
 to every worker as STRIDE_TASK_PATH; those folders are appended to sys.path (never prepended: a user's folder must
 not hide an installed package). Training trusts the working directory because the user named model.name in their
 own config; commands that read a run folder someone else may have written (generate.py) turn that off
-(`search_working_directory(False)`) and import a user's module only with the user's consent (`consent`).
+(`user_code.without_working_directory()`) and import a user's module only with the user's consent (`consent`).
 """
 
 from __future__ import annotations

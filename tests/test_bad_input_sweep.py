@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, run_cli
+from runs import OVERLAY
 from forked_cli import digest
 from services import unavailable
 from test_run_folder_code import corrupt_pages
@@ -266,7 +267,7 @@ def results(finished, full_disk) -> dict[tuple, dict]:
 
 def base(tmp: Path) -> list[str]:
     return [f"data.train_path={tmp}/data/train", f"data.val_path={tmp}/data/val", f"run.storage_path={tmp}/runs",
-            "tracking.mlflow=false"]
+            *OVERLAY]
 
 
 def check(r: dict, names: str, before: dict) -> None:
@@ -373,7 +374,7 @@ def test_inputs_that_work_train(finished, tmp_path):
     storage = tmp_path / "runs"
     r = run_cli(["trainers/torchrun.py", "--config", str(config), *base(finished)[:2], f"run.storage_path={storage}",
                  "run.name=lauf-größe-日本",
-                 "tracking.mlflow=false", "train.max_steps=2", "train.epochs=null", "train.eval_every_steps=2"], timeout=300)
+                 *OVERLAY, "train.max_steps=2", "train.epochs=null", "train.eval_every_steps=2"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((storage / "lauf-größe-日本" / "summary.json").read_text())["global_step"] == 2
 

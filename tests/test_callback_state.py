@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, read_jsonl, run_cli, run_cli_forked, run_torchrun_cases, torchrun_case
+from runs import OVERLAY
 
 pytestmark = pytest.mark.slow
 CLUSTER_STREAM_FIXTURES = {"two_ranks"}  # the Ray test resumes a run of the torchrun batch
@@ -120,7 +121,7 @@ def overrides(project: Path, data: Path, name: str, *extra: str) -> list[str]:
     return [f"data.train_path={data}/train", f"data.val_path={data}/val", f"run.storage_path={project}/runs",
             f"run.name={name}", "train.epochs=null", f"train.max_steps={STEPS}", "train.log_every_steps=5",
             "train.eval_every_steps=5", "checkpoint.every_steps=5", "checkpoint.keep_last=1", "model.hidden_sizes=[32]",
-            "tracking.mlflow=false", f"train.ema={{decay: {DECAY}, eval: both}}",
+            *OVERLAY, f"train.ema={{decay: {DECAY}, eval: both}}",
             "checkpoint.keep_best={metric: val_loss, mode: min, k: 2}", *extra]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, read_jsonl, run_cli_forked, run_torchrun_cases, torchrun_case, torchrun_launcher
+from runs import OVERLAY
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +148,7 @@ def run_args(project: Path, data: Path, *extra: str) -> list[str]:
     return ["--config", str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={data}/train",
             f"data.val_path={data}/val", f"run.storage_path={project}/runs", "train.epochs=null",
             "train.log_every_steps=5", "train.eval_every_steps=10", "checkpoint.every_steps=10",
-            "model.hidden_sizes=[32]", "tracking.mlflow=false", *extra]
+            "model.hidden_sizes=[32]", *OVERLAY, *extra]
 
 
 def train(project: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -378,7 +379,7 @@ def test_a_sigkilled_fsdp_run_with_ema_resumes_on_one_rank_as_an_uninterrupted_r
            str(REPO / "trainers/configs/tabular_mlp.yaml"), f"data.train_path={tabular_data}/train",
            f"data.val_path={tabular_data}/val", f"run.storage_path={project}/runs", "run.name=ema_kill",
            "train.epochs=null", "train.max_steps=100000", "train.log_every_steps=5", "model.hidden_sizes=[32]",
-           "tracking.mlflow=false", "train.batch_size_per_worker=64", *common]
+           *OVERLAY, "train.batch_size_per_worker=64", *common]
     proc = subprocess.Popen(cmd, cwd=project, env=dict(os.environ, PYTHONPATH=str(project)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

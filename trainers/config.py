@@ -149,6 +149,14 @@ BUILTIN_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 
 
+def builtin_or_spec(value: str, builtins: tuple[str, ...], what: str, examples: str) -> str:
+    """`value` when it is a built-in name or has the form "<module>:<what>"; else ValueError saying both."""
+    module, colon, name = value.partition(":")
+    if value not in builtins and not (colon and module and name):
+        raise ValueError(f"is neither {', '.join(builtins)} nor \"<module>:<{what}>\"; use e.g. {examples}")
+    return value
+
+
 class OptimSection(Section):
     name: str = Field("adamw", description="Optimizer: adamw, adam, sgd, adafactor (torch.optim's), or "
                                            "\"<module>:<Class>\" of any torch.optim.Optimizer, e.g. torch.optim:RAdam or "
@@ -178,26 +186,17 @@ class OptimSection(Section):
                                      "unmatched parameters form the default group; each group's lr is logged as "
                                      "lr/<name or index> (docs/fine-tuning.md)")
 
+    # Only the form of these is checked here: the class or function is imported (and an optimizer built, a schedule
+    # called) on the driver by stride.trainers.optim.check_optimizer, which may run a user's module.
     @field_validator("name")
     @classmethod
     def _optimizer_name(cls, v: str) -> str:
-        # Only the form is checked here; whether the class imports and takes optim.kwargs is checked on the driver
-        # (stride.trainers.optim.check_optimizer), which may run a user's module.
-        module, colon, name = v.partition(":")
-        if v not in BUILTIN_OPTIMIZERS and not (colon and module and name):
-            raise ValueError(f"is neither {', '.join(BUILTIN_OPTIMIZERS)} nor \"<module>:<Class>\"; use e.g. "
-                             f"optim.name=adamw or optim.name=torch.optim:RAdam")
-        return v
+        return builtin_or_spec(v, BUILTIN_OPTIMIZERS, "Class", "optim.name=adamw or optim.name=torch.optim:RAdam")
 
     @field_validator("schedule")
     @classmethod
     def _schedule_name(cls, v: str) -> str:
-        # The form only, as for optim.name: the function is imported and called on the driver (optim.check_optimizer).
-        module, colon, name = v.partition(":")
-        if v not in SCHEDULES and not (colon and module and name):
-            raise ValueError(f"is neither {', '.join(SCHEDULES)} nor \"<module>:<function>\"; use e.g. "
-                             f"optim.schedule=cosine or optim.schedule=my_schedules:step_decay")
-        return v
+        return builtin_or_spec(v, SCHEDULES, "function", "optim.schedule=cosine or optim.schedule=my_schedules:step_decay")
 
     @field_validator("kwargs")
     @classmethod

@@ -107,6 +107,9 @@ def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
                "--out", str(project / "ema_predictions")),
         stride("predict ema raw", "predict", "--run-dir", str(runs / "ema"), "--data", str(unlabeled),
                "--out", str(project / "ema_raw_predictions"), "train.ema={decay: 0.9, eval: raw}"),
+        # --force over an earlier prediction of other inputs, beside a user's own files (FORCED_MINE)
+        stride("predict force", "predict", "--run-dir", str(runs / "ddp"), "--data", str(unlabeled),
+               "--out", str(plant_earlier_prediction(project / "forced")), "--force"),
     ]
     r, ranks = run_torchrun_cases(cases, tmp_path_factory.mktemp("commands_cases"), project,
                                   {"PYTHONPATH": str(project)})
@@ -115,6 +118,31 @@ def gang(project, tabular_data, text_data, unlabeled, tmp_path_factory):
               if c["code"] != expected.get(c["label"], 0)]
     assert len(ranks[0]) == len(ranks[1]) == len(cases) and not failed, (failed, r.stderr[-3000:])
     return {"runs": runs, "ranks": ranks}
+
+
+FORCED_MINE = {"part-notes.txt": "mine", "part-000000.parquet.bak": "my copy", ".part-mine": "mine too"}
+
+
+def plant_earlier_prediction(out: Path) -> Path:
+    """`out` holding an earlier prediction of other inputs (its record and a part) and a user's own files."""
+    out.mkdir()
+    (out / ".stride-predict.json").write_text(json.dumps({"run": "/elsewhere", "rows": 1, "blocks": 1}))
+    (out / "part-000000.parquet").write_text("an earlier part")
+    for name, text in FORCED_MINE.items():
+        (out / name).write_text(text)
+    return out
+
+
+@pytest.mark.slow
+def test_predict_force_replaces_the_earlier_prediction_and_keeps_the_users_files(gang, project, unlabeled):
+    """stride predict --force (issue 42): the earlier prediction's parts and records are replaced, every other file in
+    --out stays byte for byte, part-* names included."""
+    out = project / "forced"
+    for name, text in FORCED_MINE.items():
+        assert (out / name).read_text() == text
+    parts = sorted(out.glob("part-*.parquet"))
+    assert parts and sum(pq.ParquetFile(p).metadata.num_rows for p in parts) == pq.read_table(unlabeled).num_rows
+    assert json.loads((out / ".stride-predict.json").read_text())["rows"] == pq.read_table(unlabeled).num_rows
 
 
 def summary(run: Path) -> dict:

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import PYTHON, REPO, run_cli
 from runs import OVERLAY
+from test_export_checks import tensor_item_on_bytes_item, tensor_item_payload  # the same tampers, one home
 from forked_cli import digest
 from services import unavailable
 from test_run_folder_code import corrupt_pages
@@ -467,37 +468,6 @@ def _summary_model(name: str):
     return tamper
 
 
-def _tensor_item_payload(run: Path, outside: Path) -> None:
-    """The last checkpoint's first model tensor item pointed at a pickle payload appended to its shard (`touch
-    outside/pwned` if unpickled freely), digests forged; .metadata holds only DCP's classes (the allow-list passes)."""
-    import pickle
-
-    ckpt = run / LAST
-    payload = b"cposix\nsystem\n(V" + f"touch {outside / 'pwned'}".encode() + b"\ntR."
-    shard = ckpt / "__0_0.distcp"
-    offset = shard.stat().st_size
-    shard.write_bytes(shard.read_bytes() + payload)
-    md = pickle.loads((ckpt / ".metadata").read_bytes())
-    index = next(i for i in md.storage_data if i.fqn.startswith("model."))
-    md.storage_data[index].offset, md.storage_data[index].length = offset, len(payload)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    _rehash(ckpt, "__0_0.distcp")
-    _rehash(ckpt, ".metadata")
-
-
-def _tensor_item_on_bytes(run: Path, outside: Path) -> None:
-    """The last checkpoint's first model tensor item pointed at the optimizer's lr (a bytes item: a pickled float)."""
-    import pickle
-
-    ckpt = run / LAST
-    md = pickle.loads((ckpt / ".metadata").read_bytes())
-    lr = next(i for i in md.storage_data if i.fqn.endswith(".lr"))
-    weight = next(i for i in md.storage_data if i.fqn.startswith("model."))
-    md.storage_data[weight] = md.storage_data[lr]
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    _rehash(ckpt, ".metadata")
-
-
 _BEST_OUTSIDE = _summary_fields(best_checkpoints=lambda outside: [
     {"checkpoint": str(outside / "other-checkpoint"), "step": 2, "val_loss": 1.0}])
 
@@ -540,8 +510,8 @@ TAMPER = {
     "summary-other-task-hf": _summary_model("char_gpt"),
     "task-other": lambda run, outside: None,
     "task-other-hf": lambda run, outside: None,
-    "tensor-item-payload": _tensor_item_payload,
-    "tensor-item-on-bytes": _tensor_item_on_bytes,
+    "tensor-item-payload": tensor_item_payload,
+    "tensor-item-on-bytes": tensor_item_on_bytes_item,
 }
 
 

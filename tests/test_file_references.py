@@ -163,3 +163,22 @@ def _row_of(manifest: Path, name: str) -> int:
 def test_the_manifests_index_is_cached_under_the_run_storage_never_beside_the_data(clips, torchrun_runs):
     assert not any(p.name.endswith(".json") for p in (clips / "data").iterdir())  # the user's folder: untouched
     assert any((torchrun_runs["storage"] / ".stride-cache" / "index").iterdir())
+
+
+@pytest.mark.slow
+def test_data_file_root_reaches_the_ray_workers_and_a_manifest_inside_it_trains_as_under_torchrun(
+        clips, torchrun_runs, shared_ray_head, tmp_path):
+    """data.file_root (issue 42) set on a Ray run: every worker rebuilds the config from the driver's dict (a key
+    that failed validation there would fail the run) and checks each file it reads against the root; the manifest,
+    inside it, trains on 2 Ray workers exactly as torchrun's 2 ranks did without it."""
+    from conftest import run_cli
+
+    r = run_cli(["-m", "stride", "--config", "audio_clips.yaml", f"run.storage_path={tmp_path}", *QUICK,
+                 "run.name=jsonl", f"data.train_path={clips}/data/train.jsonl", f"data.val_path={clips}/data/val.jsonl",
+                 f"data.file_root={clips}/data", "scaling.num_workers=2"],
+                env={**shared_ray_head.env(), "PYTHONPATH": str(clips)}, cwd=clips, timeout=600)
+    assert not shared_ray_head.wait_idle()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "jsonl" / "summary.json").read_text())
+    assert summary["config"]["data"]["file_root"] == str(clips / "data") and summary["world_size"] == 2
+    assert outcome(tmp_path / "jsonl") == outcome(torchrun_runs["storage"] / "jsonl")

@@ -19,6 +19,8 @@ import numpy as np
 
 from stride.datasets.order import _rng
 
+__all__ = ["Padding"]
+
 
 def window_rows(rows: int, global_micro_batch: int) -> int:
     """A bucketed window holds whole global micro-batches."""

@@ -16,6 +16,8 @@ from itertools import repeat
 import numpy as np
 import pyarrow as pa
 
+__all__ = ["Columns", "column_to_numpy"]
+
 
 def column_to_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """One column as a numpy array with the rows as first dimension: numbers 1-D, fixed-size lists 2-D (n, size),

@@ -29,6 +29,8 @@ import numpy as np
 from stride.datasets import bucketing
 from stride.datasets.order import Order, WindowGrid, _rng
 
+__all__ = ["order_for"]
+
 
 @dataclass(frozen=True)
 class MixSource:

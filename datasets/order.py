@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+__all__ = ["Order"]
+
 
 def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([*key])

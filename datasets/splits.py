@@ -28,7 +28,8 @@ from stride.datasets.formats import FileLayout, extensions, first_line, format_o
 from stride.errors import DataError
 from stride.datasets.index import cached_layout
 
-__all__ = ["DataSpec", "DataSplit", "SAMPLE_ID", "inspect", "open_split", "resolve_files", "read_files"]
+__all__ = ["DataSpec", "DataSplit", "SAMPLE_ID", "cache_folder", "inspect", "open_split", "read_files", "read_layouts",
+           "resolve_files"]
 
 SAMPLE_ID = "sample_id"
 

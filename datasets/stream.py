@@ -32,6 +32,8 @@ from stride.datasets.splits import SAMPLE_ID, DataSpec, conform
 from stride.datasets.frame import Columns
 from stride.errors import DataError
 
+__all__ = ["READ_THREADS", "TrainStream"]
+
 
 READ_THREADS = 2  # windows read at once by each worker
 

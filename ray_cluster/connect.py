@@ -14,6 +14,8 @@ from pathlib import Path
 from stride.errors import UsageError  # noqa: E402
 from stride.ray_cluster import ray_edge  # noqa: E402
 
+__all__ = ["init_ray", "quiet_ray_env"]
+
 
 def _auth_env_for_embedded() -> None:
     """Token auth for the embedded cluster without Ray's world-readable ~/.ray/auth_token: a fresh token

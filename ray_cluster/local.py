@@ -40,6 +40,8 @@ from stride.errors import EXIT_FAILED, EXIT_USAGE, StrideError
 from stride.cli import ArgumentParser, error_line
 from stride.ray_cluster import node
 
+__all__ = ["Head", "HeadError", "add_node", "head_status", "load_head", "start_head", "stop_head", "stop_node"]
+
 DEFAULT_TEMP_DIR = Path("/tmp/stride-ray")
 HEAD_FILE = "stride-head.json"
 # Ray's unix sockets live in TEMP_DIR/ray/session_<41 chars>/sockets/plasma_store; Linux allows 107 bytes.

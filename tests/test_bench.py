@@ -156,14 +156,14 @@ def test_ray_bench_gives_pyarrow_the_streams_read_threads():
 
 
 def test_hashing_ratio_only_from_a_cold_digest(F, latest):
-    """init_model "hashing the file" is timed only where the load part emptied the process's digest cache first
+    """init_model "hashing the file" is timed only where the load part made the process's digest cache miss first
     (its raw runs say "digest": "cold"); the earlier runs reused the digest made before timing."""
     raw = json.loads(json.dumps(latest["raw"]))
     assert raw["finetune"]["load"]["digest"] == "cold"  # this latest.json: a cold digest, so the figure is there
     assert F.finetune_figures(raw)["init_load_ratio"]["hashing_ratio"]["n"] == 5
     del raw["finetune"]["load"]["digest"]  # a run from before: its "hashing" reused a digest, so no figure
     assert F.finetune_figures(raw)["init_load_ratio"]["hashing_ratio"] is None
-    assert "pretrained._DIGESTS.clear()" in (REPO / "benchmarks" / "finetune_bench.py").read_text()
+    assert "cold_digest(path)" in (REPO / "benchmarks" / "finetune_bench.py").read_text()
 
 
 @pytest.mark.skipif(not in_git_checkout(), reason="which figures are stale is git's answer: no git checkout here")

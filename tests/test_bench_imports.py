@@ -3,14 +3,14 @@ benchmarks/*.py is parsed with `ast`, nothing is imported or run.
 
 The public surface is:
 * `stride` itself: the names of stride/__init__.py's `_PUBLIC` (Task, Callback, Sink, fit, ...);
-* the loop's `Trainer`, `WorkerEnv` and `RunPlan` (stride.trainers.loop);
-* the `__all__` of the checkpoint, step and format modules (stride.trainers.run.checkpointing, stride.trainers.step,
-  stride.datasets.formats), read from their source.
+* the `__all__` of each module of PUBLIC_MODULES, read from its source. Each is there for a reason of its own: a
+  benchmark measures that part of the library directly (the stream, FSDP, the run lock, init.from's loader) or builds
+  what the launchers build (a RunPlan, a task, the driver's checks, Stride's TorchTrainer, a local Ray head), and its
+  `__all__` names what it offers for that.
 
 A module imported whole (`from stride.trainers.run import checkpointing`) may be used only through those names
-(`checkpointing.read_meta`). `NOT_YET_PUBLIC` lists what the benchmarks still reach beyond that surface, each with
-why: it may only shrink (an entry no benchmark uses any more fails too), and anything new outside the surface fails
-naming its file, line and name.
+(`checkpointing.read_meta`). Anything outside the surface fails, naming its file, line and name: a new need is met by
+a public name (an `__all__` entry, with its module here and why), never by an exception list.
 """
 
 from __future__ import annotations
@@ -23,52 +23,32 @@ from conftest import REPO
 BENCH = REPO / "benchmarks"
 # Stride's subpackages are the repository's top-level folders (stride/__init__.py extends its __path__).
 TOP = {"trainers", "datasets", "tune", "ray_cluster"}
-LOOP = {"Trainer", "WorkerEnv", "RunPlan"}
-ALL_MODULES = ("stride.trainers.run.checkpointing", "stride.trainers.step", "stride.datasets.formats")
 
-# (benchmark file, module, name) -> why it is still imported. Measuring the library's internals directly (the
-# stream, FSDP, the blocks, init.from's loader, a local Ray head) needs a public home for each in a module outside
-# this change; until then they are listed here, and only here.
-NOT_YET_PUBLIC = {
-    ("blocks_bench.py", "stride.trainers", "blocks"): "train.activation_checkpointing/train.compile, as the loop applies them",
-    ("blocks_bench.py", "stride.trainers.optim", "build_optimizer"): "the config's optimizer, without a Trainer's data",
-    ("blocks_bench.py", "stride.trainers.tasks", "make_task"): "the task of a config, without a Trainer's data",
-    ("bucketing_bench.py", "stride.datasets.splits", "DataSpec"): "the stream's input, measured directly",
-    ("bucketing_bench.py", "stride.datasets.splits", "open_split"): "the stream's input, measured directly",
-    ("bucketing_bench.py", "stride.datasets.bucketing", "Padding"): "length bucketing's padding, measured directly",
-    ("bucketing_bench.py", "stride.datasets.mixing", "order_for"): "the data order, measured directly",
-    ("bucketing_bench.py", "stride.datasets.stream", "TrainStream"): "the stream, measured directly",
-    ("checkpoint_bench.py", "stride.trainers", "fsdp"): "FSDP sharding and the rank-0 gather it compares DCP with",
-    ("checkpoint_bench.py", "stride.trainers.models", "CharGPT"): "the model checkpointed",
-    ("commands_bench.py", "stride.trainers.config_reader", "from_dict"): "the hand-written predict loop's config",
-    ("commands_bench.py", "stride.trainers.tasks", "make_task"): "the hand-written predict loop's task",
-    ("commands_bench.py", "stride.ray_cluster", "local"): "a local Ray head on free ports, stopped by pid",
-    ("file_read_bench.py", "stride.datasets.splits", "DataSpec"): "the stream's input, measured directly",
-    ("file_read_bench.py", "stride.datasets.splits", "open_split"): "the stream's input, measured directly",
-    ("file_read_bench.py", "stride.datasets.mixing", "order_for"): "the data order, measured directly",
-    ("file_read_bench.py", "stride.datasets.stream", "TrainStream"): "the stream, measured directly",
-    ("finetune_bench.py", "stride.datasets.splits", "DataSpec"): "a RunPlan's train spec",
-    ("finetune_bench.py", "stride.trainers.loop", "plan_run"): "a RunPlan as the launchers build it (init.from's digest)",
-    ("finetune_bench.py", "stride.trainers", "fsdp"): "each rank's local parameter bytes",
-    ("finetune_bench.py", "stride.trainers", "pretrained"): "init.from's loader, measured directly",
-    ("finetune_bench.py", "stride.trainers.tasks", "make_task"): "the task of a config, without a Trainer",
-    ("gpu.py", "stride.trainers", "blocks"): "train.compile/activation checkpointing; torch alone (no pydantic)",
-    ("gpu.py", "stride.trainers.models", "CharGPT"): "the model; torch alone (no pydantic)",
-    ("gpu.py", "stride.trainers.telemetry", "peak_table"): "the GPU peak table of MFU; torch alone",
-    ("lock_bench.py", "stride.trainers.run", "lock"): "the run lock's fence and heartbeat, measured directly",
-    ("preemption_bench.py", "stride.ray_cluster", "local"): "a two-node local Ray cluster, stopped by pid",
-    ("ray_bench.py", "stride.datasets.order", "Order"): "the data order, measured directly",
-    ("ray_bench.py", "stride.datasets.frame", "column_to_numpy"): "the stream's column conversion",
-    ("ray_bench.py", "stride.datasets.stream", "READ_THREADS"): "the stream's read threads",
-    ("ray_bench.py", "stride.datasets.stream", "TrainStream"): "the stream, measured directly",
-    ("ray_bench.py", "stride.datasets.splits", "cache_folder"): "the driver's layout cache",
-    ("ray_bench.py", "stride.datasets.splits", "open_split"): "the driver's data check",
-    ("ray_bench.py", "stride.trainers.launch.checks", "prepare"): "the driver's pre-flight check, measured",
-    ("ray_bench.py", "stride.trainers.launch.ray", "build_trainer"): "Stride's TorchTrainer, in the bench's Ray",
-    ("ray_bench.py", "stride.ray_cluster.connect", "init_ray"): "one Ray for several measurements",
-    ("ray_bench.py", "stride.ray_cluster.connect", "quiet_ray_env"): "one Ray for several measurements",
-    ("stream_memory.py", "stride.datasets.splits", "read_layouts"): "the JSON Lines index made before the runs",
-    ("stream_memory.py", "stride.datasets.splits", "resolve_files"): "the JSON Lines index made before the runs",
+# module -> why its __all__ is public.
+PUBLIC_MODULES = {
+    "stride.trainers.loop": "Trainer, WorkerEnv and RunPlan: the loop as the launchers build it (plan_run)",
+    "stride.trainers.step": "the optimizer step and evaluation both launchers run",
+    "stride.trainers.run.checkpointing": "the checkpoint format: find, verify, read and load checkpoints",
+    "stride.trainers.run.lock": "the run lock and the fence every worker checks before it writes",
+    "stride.trainers.tasks": "the task of a config (model.name), without a Trainer",
+    "stride.trainers.config_reader": "a Config from a YAML file and overrides, or from a run's summary",
+    "stride.trainers.optim": "the config's optimizer and schedule, without a Trainer's data",
+    "stride.trainers.models": "the built-in models: plain nn.Modules, torch alone",
+    "stride.trainers.blocks": "train.activation_checkpointing and train.compile on a task's blocks; torch alone",
+    "stride.trainers.telemetry": "the GPU peak table behind MFU; torch alone",
+    "stride.trainers.fsdp": "FSDP2 sharding, each rank's parameter bytes, and the earlier format's rank-0 gather",
+    "stride.trainers.pretrained": "init.from's loader, as a worker runs it",
+    "stride.trainers.launch.checks": "the driver's checks before a run: the task and its data specs (prepare)",
+    "stride.trainers.launch.ray": "Stride's TorchTrainer for a config (build_trainer), in a caller's own Ray",
+    "stride.datasets.formats": "the input formats and their file layouts",
+    "stride.datasets.splits": "a split's files, layouts and spec: the stream's input",
+    "stride.datasets.order": "the deterministic sample order",
+    "stride.datasets.mixing": "the order a spec is read in (several sources mixed, lengths bucketed)",
+    "stride.datasets.bucketing": "length bucketing's padding",
+    "stride.datasets.stream": "the stream each worker reads its batches from",
+    "stride.datasets.frame": "a batch's columns, converted as the stream converts them",
+    "stride.ray_cluster.connect": "Ray started or joined as Stride's driver does it",
+    "stride.ray_cluster.local": "a local Ray head (and worker nodes) with token auth, stopped by pid",
 }
 
 
@@ -89,8 +69,8 @@ def _literal(path: Path, name: str):
 
 def public_surface() -> dict[str, set[str]]:
     """module -> the names of it a benchmark may import."""
-    surface = {"stride": set(_literal(REPO / "stride" / "__init__.py", "_PUBLIC")), "stride.trainers.loop": LOOP}
-    for module in ALL_MODULES:
+    surface = {"stride": set(_literal(REPO / "stride" / "__init__.py", "_PUBLIC"))}
+    for module in PUBLIC_MODULES:
         surface[module] = set(_literal(_module_file(module), "__all__"))
     return surface
 
@@ -132,17 +112,10 @@ def bench_files() -> list[Path]:
 
 def test_benchmarks_import_only_strides_public_names():
     surface = public_surface()
-    found, used = [], set()
-    for path in bench_files():
-        for line, module, name in stride_uses(path):
-            if name in surface.get(module, ()):
-                continue
-            used.add((path.name, module, name))
-            if (path.name, module, name) not in NOT_YET_PUBLIC:
-                found.append(f"benchmarks/{path.name}:{line}: {module}.{name} is not public")
+    found = [f"benchmarks/{path.name}:{line}: {module}.{name} is not public"
+             for path in bench_files() for line, module, name in stride_uses(path)
+             if name not in surface.get(module, ())]
     assert not found, "\n".join(found)
-    gone = sorted(set(NOT_YET_PUBLIC) - used)
-    assert not gone, f"no benchmark imports these any more; remove them from NOT_YET_PUBLIC: {gone}"
 
 
 def test_the_public_surface_exists():
@@ -167,13 +140,13 @@ def test_the_checker_sees_private_names(tmp_path):
     """The checker itself: a private name, a public module's private attribute and a whole-module import are caught;
     public names pass."""
     f = tmp_path / "b.py"
-    f.write_text("import stride\nfrom stride import Task\nfrom stride.trainers.loop import Trainer, plan_run\n"
+    f.write_text("import stride\nfrom stride import Task\nfrom stride.trainers.loop import Trainer, to_device\n"
                  "def g():\n    from stride.trainers.run import checkpointing\n"
                  "    return checkpointing.read_meta, checkpointing.STATE, stride.fit, stride.hidden\n"
-                 "import stride.trainers.fsdp\n")
+                 "import stride.trainers.policies\n")
     surface = public_surface()
     bad = [(line, m, n) for line, m, n in stride_uses(f) if n not in surface.get(m, ())]
-    assert bad == [(3, "stride.trainers.loop", "plan_run"), (7, "stride.trainers", "fsdp"),
+    assert bad == [(3, "stride.trainers.loop", "to_device"), (7, "stride.trainers", "policies"),
                    (6, "stride.trainers.run.checkpointing", "STATE"), (6, "stride", "hidden")], bad
 
 

@@ -18,6 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from stride.errors import TrainingError
 
+__all__ = ["checkpoint_activations", "compile_blocks"]
+
 
 def checkpoint_activations(blocks: list[nn.Module], every: int = 1) -> int:
     """Recompute the activations of every `every`-th block in the backward pass instead of keeping them: the block's

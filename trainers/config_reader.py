@@ -24,6 +24,8 @@ from stride.errors import ConfigError, quote
 from stride.safe_yaml import RefusedYAML, load_yaml, read_mapping
 from stride.trainers.config import SECTIONS, Config, Section, redact
 
+__all__ = ["from_dict", "load_config", "to_yaml"]
+
 
 def _task_name(raw: dict[str, Any] | None) -> str:
     from stride.trainers.tasks import DEFAULT

@@ -22,6 +22,8 @@ import contextlib
 from typing import Any
 
 import torch
+__all__ = ["full_state_dict", "is_sharded", "local_param_bytes", "shard_model"]
+
 import torch.nn as nn
 
 

@@ -44,6 +44,8 @@ from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_reduc
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 
+__all__ = ["RunPlan", "Trainer", "WorkerEnv", "plan_run"]
+
 log = logging.getLogger("stride")
 
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+__all__ = ["CharGPT", "MLP"]
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, width: int, n_heads: int, dropout: float):

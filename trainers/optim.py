@@ -16,6 +16,8 @@ import torch.nn as nn
 if TYPE_CHECKING:  # config needs pydantic
     from stride.trainers.config import Config
 
+__all__ = ["build_optimizer", "build_scheduler"]
+
 
 # optim.name's short names: the class, and the config fields it takes beyond lr (optim.kwargs override them).
 BUILTIN_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[[Any], dict[str, Any]]]] = {

@@ -33,6 +33,8 @@ from stride.trainers.config import redact
 from stride.errors import ConfigError
 from stride.errors import quote
 
+__all__ = ["Source", "check_init", "init_model", "known_sha256", "open_source"]
+
 KINDS = "<a .safetensors file, a Hugging Face model folder, a .pt state dict or a Stride run folder>"
 INDEX = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin")

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["PEAK_FLOPS", "peak_flops", "peak_table"]
+
 # Dense peak FLOP/s per dtype from NVIDIA's datasheets (the sparse figures halved). `tf32` is what fp32 matmuls
 # get with --allow-tf32; `fp32` is plain fp32 (no tensor cores). None: the GPU has no such tensor-core path.
 # First match wins, so specific names come before the names they contain.

@@ -15,6 +15,8 @@ from stride.trainers import sinks
 from stride.trainers.config import Config
 from stride.trainers.launch.scaling import elastic
 
+__all__ = ["prepare"]
+
 
 def prepare(cfg: Config, num_workers: int | None = None):
     """The task of `cfg` with the facts its `inspect` found, and the specs of the splits the workers read.

@@ -22,6 +22,8 @@ from stride.trainers.launch.scaling import elastic, resolve_scaling
 from stride.trainers.run import folder as runfolder
 from stride.trainers.run.folder import atomic_write_text
 
+__all__ = ["build_trainer"]
+
 
 def choose_pipeline(cfg: Config, num_workers: int, use_gpu: bool, resources: dict) -> tuple[str, float]:
     """data.pipeline -> ("thread" or "ray_data", CPUs per Ray Data task). Ray Data needs CPUs the gang does not

@@ -37,6 +37,8 @@ from pathlib import Path
 from stride.ray_cluster.connect import process_start
 from stride.errors import UsageError
 
+__all__ = ["Fence", "RunLock", "acquire"]
+
 LOCK = "stride.lock"
 MAX_LOCK_BYTES = 64 * 1024  # a lock record is ~300 bytes; a bigger file is not Stride's
 log = logging.getLogger("stride")

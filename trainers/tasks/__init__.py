@@ -14,6 +14,8 @@ from __future__ import annotations
 from stride.errors import ConfigError
 from stride.user_code import load_class
 
+__all__ = ["make_task", "task_class"]
+
 # The registry of built-in names: the only place besides the tasks themselves that names them.
 BUILTIN = {
     "char_gpt": "stride.trainers.tasks.char_gpt:CharGPTTask",

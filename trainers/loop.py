@@ -78,11 +78,27 @@ class WorkerEnv:
     preempted: Callable[[], Preemption | None] | None = None
 
     @classmethod
-    def for_job(cls, world_rank: int, world_size: int, local_rank: int, device: torch.device, node: str) -> WorkerEnv:
-        """A command's job after training (eval, predict) on either launcher: the model as built (the job shards or
-        keeps it whole itself), no checkpoint to resume, nothing to report."""
-        return cls(world_rank, world_size, local_rank, device, wrap_model=lambda m: m, latest_checkpoint=lambda: None,
-                   report=lambda metrics, written: None, node=node)
+    def for_gang(cls, world_rank: int, world_size: int, local_rank: int, device: torch.device, node: str,
+                 plan: RunPlan | None = None, *, wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 report: Callable[[dict[str, Any], Future | None], None] | None = None,
+                 progress_bar: Callable[..., Any] | None = None, **runtime: Any) -> WorkerEnv:
+        """This rank's env on either launcher, which passes only what differs: its place in the gang and its node's
+        name; for a run's `plan`, how it wraps the model for a gang of more than one (DDP, Ray's prepare_model),
+        where reports go, its progress bar (shown when the plan asks for one) and its extras (`runtime`: Ray's
+        metrics, data pipeline and preemption notices). Without a plan, a command's job after training (eval,
+        predict): the model as built (the job shards or keeps it whole itself), no checkpoint to resume, nothing to
+        report."""
+        if plan is None:
+            return cls(world_rank, world_size, local_rank, device, wrap_model=lambda m: m,
+                       latest_checkpoint=lambda: None, report=lambda metrics, written: None, node=node)
+        run_dir = Path(plan.run_dir)
+        return cls(world_rank, world_size, local_rank, device,
+                   wrap_model=wrap_model if world_size > 1 and wrap_model is not None else lambda m: m,
+                   # Not Ray's pointer (ray.train.get_checkpoint): it misses a checkpoint written but never registered
+                   # (driver killed in between); every worker reads the run folder. What the newest complete one
+                   # passes over, the driver said (lifecycle.check_resume).
+                   latest_checkpoint=lambda: checkpointing.newest_complete(run_dir),
+                   report=report, progress_bar=progress_bar if plan.progress_bar else None, node=node, **runtime)
 
 
 @dataclass(frozen=True)

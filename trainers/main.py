@@ -77,20 +77,25 @@ def _resolve(config, overrides: list[str]) -> Config:
 def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict]:
     t_start = time.time()
     task, specs = prepare(cfg)  # check the data before writing anything: a bad path leaves no run folder behind
-    run_dir = cfg.run_dir
-    # Held from before the resume check to after the summary: nothing of this run touches the folder without it.
-    with lifecycle.open_run(cfg, task, runlock.launcher_instance()) as lock:
+    code, signals = EXIT_OK, []
+
+    def train(token: str | None) -> dict:
+        nonlocal code, signals
         quiet_ray_env()
         init_ray()
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
-        signals = install_signal_handlers(run_dir)
-        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=lock.token)
-        if signals and summary.get("status") in ("preempted", "interrupted"):
-            code = 128 + signals[-1]
-        if lock.held():  # a run that lost its folder to another run leaves that run's summary alone
-            summary["summary_path"] = lifecycle.finish(run_dir, summary, cfg, t_start, runtime="ray")
-            if summary["status"] == "failed":  # a completed run whose summary the storage refused
-                code = code or EXIT_FAILED
+        signals = install_signal_handlers(cfg.run_dir)
+        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=token)
+        return summary
+
+    # The lock is held from before the resume check to after the summary: nothing of this run touches the folder
+    # without it.
+    summary = lifecycle.train_and_record(cfg, lifecycle.take_run(cfg, task, runlock.launcher_instance()), train,
+                                         t_start=t_start, runtime="ray")
+    if signals and summary.get("status") in ("preempted", "interrupted"):
+        code = 128 + signals[-1]
+    if summary["status"] == "failed":  # a completed run whose summary the storage refused
+        code = code or EXIT_FAILED
     return code, summary
 
 

@@ -100,29 +100,30 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict,
         # report the final result again instead of training it again.
         tune.report({"step": done.get("global_step"), metric: done.get(metric), "stride_restored": True})
         return
-    # The trial id is the instance: Tune's restart of this trial (a new actor, perhaps on another node while the old
-    # one's workers still run) takes the folder over at once, and the old workers' fences stop them.
-    with lifecycle.open_run(cfg, make_task(cfg, facts), f"tune-trial:{trial_id}") as lock:
+    def train(token: str | None) -> dict[str, Any]:
         repaired = repair_snapshot(cfg.run_dir)
         if repaired:
             print(f"stride: trial {trial_id}: {repaired}", flush=True)
         trainer, _, _ = build_trainer(cfg, specs, facts, callbacks=[MetricReportCallback(metric, str(cfg.run_dir))],
                                       sink_options=sink_options,
-                                      run_lock_token=lock.token,
+                                      run_lock_token=token,
                                       report_log_steps=True)  # Tune's schedulers read train_* figures too
-        t0 = time.time()
-        try:
-            result = trainer.fit()
-        except ray.train.TrainingFailedError as e:
-            if lock.held():
-                lifecycle.finish(cfg.run_dir, {"status": "failed", "error": lifecycle.last_line(e)}, cfg, t0,
-                                 params=params, runtime="ray")
-            raise
+        result = trainer.fit()
         summary = dict(result.return_value or {})
         summary.setdefault("status", "completed")
         summary["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-        if lock.held():
-            lifecycle.finish(cfg.run_dir, summary, cfg, t0, params=params, runtime="ray")
+        return summary
+
+    def failed(e: BaseException) -> dict[str, Any] | None:
+        # Recorded, then raised again: Tune marks the trial errored.
+        if isinstance(e, ray.train.TrainingFailedError):
+            return {"status": "failed", "error": lifecycle.last_line(e)}
+        return None
+
+    # The trial id is the instance: Tune's restart of this trial (a new actor, perhaps on another node while the old
+    # one's workers still run) takes the folder over at once, and the old workers' fences stop them.
+    take = lifecycle.take_run(cfg, make_task(cfg, facts), f"tune-trial:{trial_id}")
+    lifecycle.train_and_record(cfg, take, train, failed=failed, params=params, runtime="ray")
 
 
 class ConsoleCallback(Callback):

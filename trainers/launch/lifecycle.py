@@ -1,8 +1,9 @@
 """A run's start and finish, the same for every launcher (the Ray driver, torchrun's rank 0, a Tune trial).
 
 Start: trainers/launch/ray.py's `prepare` (the config's, data's and model's checks, the batch-fit check: before
-anything is written), then `open_run` (the storage, the run folder's lock, the resume check). Finish: `finish`
-(summary.json) and `last_line` (the one error line). The exit codes are stride/errors.py's.
+anything is written), then `open_run` (the storage, the run folder's lock, the resume check). Between them and the
+end, `train_and_record`: the run trained by the launcher's own callable and its summary written (`finish`) while the
+run still holds its folder; `last_line` is the one error line. The exit codes are stride/errors.py's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from stride.errors import UsageError
+
+if TYPE_CHECKING:
+    from stride.trainers.run.lock import RunLock
 
 
 def open_run(cfg, task, instance: str):
@@ -38,6 +42,50 @@ def open_run(cfg, task, instance: str):
         lock.release()
         raise
     return lock
+
+
+def take_run(cfg, task, instance: str | None) -> Callable[[], tuple[RunLock, str]]:
+    """train_and_record's `take` for a launcher whose one process holds the run (the Ray driver, a Tune trial):
+    open_run, and the lock's token for the workers' fences."""
+    def take() -> tuple[RunLock, str]:
+        lock = open_run(cfg, task, instance)
+        return lock, lock.token
+    return take
+
+
+def train_and_record(cfg, take: Callable[[], tuple[RunLock | None, str | None]], train: Callable[[str | None], dict],
+                     *, t_start: float | None = None, failed: Callable[[BaseException], dict | None] | None = None,
+                     still_ours: Callable[[RunLock], bool] | None = None, **fields: Any) -> dict[str, Any]:
+    """One run from its folder's lock to its summary, the same for every launcher. `take()` opens the run: (the lock
+    this process holds, or None where another process records the run (torchrun's ranks but 0); the lock's token,
+    which the workers' fences check). `train(token)` trains and returns rank 0's summary fields. An exception that
+    `failed` turns into summary fields (None: not one it knows) is recorded as the run's end, then raised again;
+    any other propagates with no summary. The summary is written (`finish`, with `fields`: the runtime, a trial's
+    params) only while `still_ours(lock)` (default: the lock file still holds our token): a run that lost its
+    folder to another run leaves that run's summary alone. The wall time counts from `t_start` (default: when
+    `train` is called). The lock is released on the way out. Returns the summary, with summary_path once written."""
+    lock, token = take()
+    try:
+        t_start = time.time() if t_start is None else t_start
+        try:
+            summary = train(token)
+        except Exception as e:
+            ending = failed(e) if failed is not None else None
+            if ending is not None:
+                _record(cfg, lock, ending, t_start, still_ours, fields)
+            raise
+        _record(cfg, lock, summary, t_start, still_ours, fields)
+        return summary
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _record(cfg, lock: RunLock | None, summary: dict, t_start: float, still_ours, fields: dict) -> None:
+    if lock is None:
+        return
+    if still_ours(lock) if still_ours is not None else lock.held():
+        summary["summary_path"] = finish(cfg.run_dir, summary, cfg, t_start, **fields)
 
 
 def ensure_writable(folder: Path, key: str, value) -> Path:

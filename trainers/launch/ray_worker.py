@@ -38,11 +38,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     cfg = from_dict(config["cfg"])
     plan: RunPlan = config["plan"]
 
-    def latest_checkpoint() -> Path | None:
-        # Not ray.train.get_checkpoint(): Ray's pointer misses a checkpoint written but never registered (driver
-        # killed in between), and run.storage_path is a local (or shared) folder that every worker reads.
-        return checkpointing.newest_complete(Path(plan.run_dir))  # what it passes over: lifecycle.check_resume
-
     def report(metrics: dict[str, Any], written: Future | None) -> None:
         if written is None or ctx.get_world_rank() != 0:
             ray.train.report(metrics)
@@ -73,16 +68,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         stream_factory = partial(RayDataStream, cpus_per_task=plan.data_cpus_per_task,
                                  timeout_s=cfg.data.pipeline_timeout_s)
 
-    env = WorkerEnv(
-        world_rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-        device=ray.train.torch.get_device(),
-        wrap_model=lambda m: ray.train.torch.prepare_model(m) if ctx.get_world_size() > 1 else m,
-        latest_checkpoint=latest_checkpoint, report=report,
-        progress_bar=progress_bar if plan.progress_bar else None,
+    env = WorkerEnv.for_gang(
+        ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ray.train.torch.get_device(),
+        ray.get_runtime_context().get_node_id(), plan, wrap_model=ray.train.torch.prepare_model, report=report,
+        progress_bar=progress_bar,
         # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
         record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,
         stream_factory=stream_factory,
-        node=ray.get_runtime_context().get_node_id(),
         # A node announced as preempted: checkpoint at the next step, then wait for Ray to restart the gang from it.
         preempted=preemption_notice,
     )
@@ -97,6 +89,6 @@ def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train.torch
 
     ctx = ray.train.get_context()
-    env = WorkerEnv.for_job(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
-                            ray.train.torch.get_device(), ray.get_runtime_context().get_node_id())
+    env = WorkerEnv.for_gang(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
+                             ray.train.torch.get_device(), ray.get_runtime_context().get_node_id())
     return config["job"](from_dict(config["cfg"]), env, config["plan"])

@@ -18,7 +18,6 @@ import sys
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -28,7 +27,6 @@ from stride.errors import EXIT_FAILED, StrideError
 from stride.errors import UsageError
 from stride.trainers.launch.scaling import gpu_shortfall
 from stride.trainers.launch import lifecycle
-from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
 from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
@@ -189,9 +187,7 @@ def train(config: str, overrides: list[str]) -> int:
 
     run_dir = cfg.run_dir
 
-    def wrap_model(m: torch.nn.Module) -> torch.nn.Module:
-        if world_size == 1:
-            return m
+    def ddp(m: torch.nn.Module) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None)
 
     def report(metrics: dict, written: Future | None) -> None:
@@ -207,39 +203,38 @@ def train(config: str, overrides: list[str]) -> int:
     def prune_old() -> None:
         prune_checkpoints(run_dir, cfg.checkpoint.keep_last)
 
-    def latest_checkpoint() -> Path | None:
-        return checkpointing.newest_complete(run_dir)  # what it passes over, the driver said (lifecycle.check_resume)
-
     def progress_bar(**kwargs):
         from tqdm import tqdm
 
         return tqdm(**kwargs)
 
-    lock, token = take_run_lock(cfg, task, rank, world_size)
-    try:
+    def train_here(token: str | None) -> dict[str, Any]:
         if rank == 0:
             clear_stop_request(run_dir)
         if world_size > 1:
             dist.barrier()
-        env = WorkerEnv(rank, world_size, local_rank, device, wrap_model=wrap_model,
-                        latest_checkpoint=latest_checkpoint, report=report,
-                        progress_bar=progress_bar if sys.stdout.isatty() else None, node=socket.gethostname())
-        t0 = time.time()
-        summary = run(cfg, env, plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty(),
-                                         run_lock_token=token))
+        plan = plan_run(cfg, specs, task.facts, progress_bar=sys.stdout.isatty(), run_lock_token=token)
+        env = WorkerEnv.for_gang(rank, world_size, local_rank, device, socket.gethostname(), plan, wrap_model=ddp,
+                                 report=report, progress_bar=progress_bar)
+        summary = run(cfg, env, plan)
         if rank == 0:
             # A future's done-callbacks run after its waiters wake: the last write's prune may not have run yet.
             prune_old()
             ckpts = complete_checkpoints(run_dir)
-            runlock.Fence(run_dir, token, cfg.run.lock_stale_s).still_holds()
-            summary["summary_path"] = lifecycle.finish(run_dir, summary, cfg, t0,
-                                                       checkpoint=str(ckpts[-1]) if ckpts else None, runtime="torchrun")
-            # The Ray driver's end-of-run lines: status and figures, summary, metrics, checkpoint, trackers; and the
-            # error line of a completed run whose summary the storage refused (record_summary).
-            lifecycle.report_paths(cfg, run_dir, summary)
-    finally:
-        if lock is not None:
-            lock.release()
+            summary["checkpoint"] = str(ckpts[-1]) if ckpts else None
+        return summary
+
+    def still_ours(lock: runlock.RunLock) -> bool:
+        # A gang whose folder another run took over ends with the fence's error line, as its workers would.
+        runlock.Fence(run_dir, lock.token, cfg.run.lock_stale_s).still_holds()
+        return True
+
+    summary = lifecycle.train_and_record(cfg, lambda: take_run_lock(cfg, task, rank, world_size), train_here,
+                                         still_ours=still_ours, runtime="torchrun")
+    if rank == 0:
+        # The Ray driver's end-of-run lines: status and figures, summary, metrics, checkpoint, trackers; and the
+        # error line of a completed run whose summary the storage refused (record_summary).
+        lifecycle.report_paths(cfg, run_dir, summary)
     leave_gang()
     if summary["status"] == "failed":
         return EXIT_FAILED
@@ -278,7 +273,7 @@ def run_job(cfg, job, plan, before) -> tuple[dict[str, Any] | None, dict[str, An
     try:
         if before is not None:
             on_rank0(before, rank, world_size)
-        env = WorkerEnv.for_job(rank, world_size, local_rank, device, socket.gethostname())
+        env = WorkerEnv.for_gang(rank, world_size, local_rank, device, socket.gethostname())
         result = job(cfg, env, plan)
     finally:
         leave_gang()

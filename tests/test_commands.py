@@ -152,12 +152,38 @@ def summary(run: Path) -> dict:
 # ---- the dispatcher ----
 
 def test_stride_help_lists_every_command(capsys):
-    from stride.commands import COMMANDS, main
+    from stride.commands import commands, main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"  {name} " in out for name in COMMANDS)
-    assert list(COMMANDS) == ["train", "eval", "predict", "export", "generate", "sweep", "doctor", "prepare"]
+    assert all(f"  {name} " in out for name in commands())
+    assert list(commands()) == ["train", "eval", "predict", "export", "generate", "sweep", "doctor", "prepare"]
+
+
+def test_a_command_module_dropped_into_the_package_is_listed_and_dispatched(tmp_path, monkeypatch, capsys):
+    """A new command is one file: a module of stride.trainers.commands declaring NAME, HELP and main(argv), with no
+    list to edit. Listed by `stride --help` without importing it (the help stays fast), dispatched by its NAME."""
+    import sys
+
+    import stride.trainers.commands as package
+    from stride.commands import main
+
+    (tmp_path / "hello_cmd.py").write_text(
+        'NAME = "hello"\nHELP = "greet from a dropped-in module"\nORDER = 25\n'
+        'def main(argv):\n    print("hello", *argv)\n    return 7\n')
+    (tmp_path / "helper_mod.py").write_text("X = 1\n")  # no NAME: a helper, not a command
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "stride.trainers.commands.hello_cmd", raising=False)
+
+    assert main(["--help"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:12]]
+    assert listed == ["train", "eval", "predict", "hello", "export", "generate", "sweep", "doctor", "prepare"]
+    assert "stride.trainers.commands.hello_cmd" not in sys.modules  # read, not imported
+    try:
+        assert main(["hello", "a", "b"]) == 7
+        assert capsys.readouterr().out == "hello a b\n"
+    finally:
+        sys.modules.pop("stride.trainers.commands.hello_cmd", None)
 
 
 def test_an_unknown_command_exits_2_in_one_line(capsys):

@@ -28,6 +28,11 @@ from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.commands import trained
 from stride.trainers.loop import RunPlan, Trainer
 
+# `stride NAME`, its line in `stride --help` and its place there (stride/commands.py reads these unimported).
+NAME = "eval"
+HELP = "evaluate a run's checkpoint on its validation split or other data"
+ORDER = 10
+
 
 @dataclass(frozen=True)
 class JobPlan(RunPlan):

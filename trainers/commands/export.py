@@ -48,6 +48,11 @@ from stride.trainers.run import checkpointing
 from stride.trainers.run import folder as runfolder
 from stride.trainers.run import retention
 
+# `stride NAME`, its line in `stride --help` and its place there (stride/commands.py reads these unimported).
+NAME = "export"
+HELP = "a checkpoint's weights as safetensors, or a Hugging Face folder"
+ORDER = 30
+
 EXIT_USAGE = 2
 # --dtype: the torch dtype floating-point tensors are written in (fp32: as Stride saves them).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -34,6 +34,11 @@ from stride.trainers.commands import trained
 from stride.trainers.run import checkpointing
 from stride.user_code import without_working_directory
 
+# `stride NAME`, its line in `stride --help` and its place there (stride/commands.py reads these unimported).
+NAME = "generate"
+HELP = "sample text from a run whose task generates text"
+ORDER = 40
+
 
 def find_checkpoint(run_dir: Path, summary: dict) -> Path:
     """summary.json's `checkpoint`, else the newest complete checkpoint of `run_dir`. The one summary.json names is

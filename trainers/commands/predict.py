@@ -32,6 +32,11 @@ from stride.errors import TrainingError, UsageError
 from stride.trainers.commands import trained
 from stride.trainers.commands.evaluate import CheckpointModel, JobPlan
 
+# `stride NAME`, its line in `stride --help` and its place there (stride/commands.py reads these unimported).
+NAME = "predict"
+HELP = "the task's per-sample outputs over a data set, as Parquet parts"
+ORDER = 20
+
 # The end of a prediction, and what it is of (a resume checks it); "_" and "." keep readers of the folder (pyarrow,
 # pandas, Ray Data) to the parts.
 MANIFEST, JOB = "_predict.json", ".stride-predict.json"

@@ -55,6 +55,12 @@ class RunFolderError(UsageError):
     checkpoint folder: refused, never followed. The message names the path."""
 
 
+class CheckpointFormatError(UsageError):
+    """A checkpoint in a format this version no longer reads (the single-file state.pt from before DCP): refused by
+    name, never skipped for an older checkpoint or a fresh start (exit 2). Not a ValueError: the checks that pass
+    over an unreadable meta.json must not pass over this one."""
+
+
 class RunLockedError(UsageError):
     """Another live run holds the run folder (exit 2, one line naming the folder and the holder)."""
 

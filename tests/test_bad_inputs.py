@@ -233,62 +233,41 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _plant(folder: Path, marker: Path, fmt: str) -> tuple[Path, str]:
+def _plant(folder: Path, marker: Path) -> tuple[Path, str]:
     """A checkpoint that carries a pickle payload, with the digests in its meta.json forged to match: DCP's
-    `.metadata` replaced (fmt "dcp"), or the earlier format's state.pt (fmt "state.pt"). Returns it and its file."""
+    `.metadata` replaced. Returns it and its file."""
     import pickle
-
-    import torch
 
     from stride.trainers.run import checkpointing
     from stride.trainers.models import MLP
 
     meta = {"step": 10, "epoch": 0, "epoch_offset_samples": 0, "samples_seen": 0}
     folder.mkdir(parents=True)
-    if fmt == "dcp":
-        checkpointing.CheckpointWriter(0).save(folder, {"model": MLP(16, [32], 4).state_dict()}, meta).result()
-        evil = folder / checkpointing.DCP_METADATA
-        evil.write_bytes(pickle.dumps(_Payload(marker)))
-        checkpointing.write_marker(folder, meta)
-    else:
-        evil = folder / checkpointing.STATE
-        torch.save({"model": MLP(16, [32], 4).state_dict(), "evil": _Payload(marker)}, evil)
-        data = evil.read_bytes()
-        (folder / checkpointing.META).write_text(__import__("json").dumps(
-            dict(meta, state_sha256=hashlib.sha256(data).hexdigest(), state_bytes=len(data))))
-    # The digests match; verify() reads DCP's .metadata through the allow-list and so finds it, not the state.pt.
-    assert (checkpointing.verify(folder) is None) == (fmt != "dcp")
-    pickle.loads(evil.read_bytes()) if fmt == "dcp" else torch.load(evil, weights_only=False)
+    checkpointing.CheckpointWriter(0).save(folder, {"model": MLP(16, [32], 4).state_dict()}, meta).result()
+    evil = folder / checkpointing.DCP_METADATA
+    evil.write_bytes(pickle.dumps(_Payload(marker)))
+    checkpointing.write_marker(folder, meta)
+    # The digests match; verify() reads DCP's .metadata through the allow-list and so finds it.
+    assert checkpointing.verify(folder) is not None
+    pickle.loads(evil.read_bytes())
     assert marker.exists()  # what an unrestricted unpickler does with it: the payload runs
     marker.unlink()
     return folder, evil.name
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "state.pt"])
-def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_path, tabular_data, fmt):
+def test_a_planted_checkpoint_runs_no_code_when_resumed_sampled_or_exported(tmp_path):
+    from stride.trainers.run import checkpointing
+
     marker = tmp_path / "pwned"
     storage = tmp_path / "runs"
-    ckpt, evil = _plant(storage / "tabular_mlp" / "checkpoint_000010", marker, fmt)
+    ckpt, evil = _plant(storage / "tabular_mlp" / "checkpoint_000010", marker)
     says = f"{evil} holds more than tensors"
     before = _digest(ckpt)
-    if fmt == "dcp":
-        # DCP's .metadata fails verify() (the allow-list reads it): a resume skips it like any unusable checkpoint,
-        # with a warning naming it, and loads nothing of it (proven here without training a run: no Ray in this tier).
-        from stride.trainers.run import checkpointing
-
-        warnings: list[str] = []
-        assert checkpointing.newest_complete(storage / "tabular_mlp", warnings.append) is None
-        assert len(warnings) == 1 and says in warnings[0], warnings
-    else:
-        r = run_cli_forked([*TABULAR, f"data.train_path={tabular_data}/train", f"data.val_path={tabular_data}/val",
-                            f"run.storage_path={storage}", "model.hidden_sizes=[32]", *TINY], timeout=120)
-        _one_line_usage_error(r, "run.name (tabular_mlp)", says, "it was not loaded")
-        assert not marker.exists() and _digest(ckpt) == before
-        # torchrun's launcher refuses it the same way.
-        r = run_cli_forked(["trainers/torchrun.py", *tiny(storage, tabular_data, None, "model.hidden_sizes=[32]", *TINY,
-                                                          name=None, config="trainers/configs/tabular_mlp.yaml")],
-                           timeout=120)
-        _one_line_usage_error(r, says)
+    # DCP's .metadata fails verify() (the allow-list reads it): a resume skips it like any unusable checkpoint,
+    # with a warning naming it, and loads nothing of it (proven here without training a run: no Ray in this tier).
+    warnings: list[str] = []
+    assert checkpointing.newest_complete(storage / "tabular_mlp", warnings.append) is None
+    assert len(warnings) == 1 and says in warnings[0], warnings
     # generate.py and export.py, named this checkpoint, refuse it in one line.
     (storage / "tabular_mlp" / "summary.json").write_text(
         __import__("json").dumps({"config": {"model": {"name": "mlp", "hidden_sizes": [32]}},

@@ -1,5 +1,6 @@
 from stride.errors import CheckpointWriteError
-"""Checkpoints in one process (no Ray, no process group): the background writer, the marker, the earlier format."""
+"""Checkpoints in one process (no Ray, no process group): the background writer, the marker, the refused format before
+DCP."""
 
 import json
 import shutil
@@ -112,52 +113,73 @@ def test_a_rewrite_of_the_same_step_unmarks_the_stale_folder_first(tmp_path, mon
     writer.close()
 
 
-def _to_earlier_format(folder, cfg_args) -> None:
-    """Rewrite a 1-process DCP checkpoint as the format before DCP: one state.pt (positional optimizer state)
-    and meta.json with its digest, as `checkpointing.save` wrote them."""
+def _to_format_before_dcp(folder) -> None:
+    """Rewrite a DCP checkpoint as the format before DCP wrote it: one state.pt and a meta.json with its digest in
+    place of `files`."""
     import hashlib
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from stride.trainers.config_reader import load_config
-    from stride.trainers.optim import build_optimizer, build_scheduler
-    from stride.trainers.tasks import make_task
-
     meta = checkpointing.read_meta(folder)
-    cfg = load_config(cfg_args[1], cfg_args[2:])
-    model = make_task(cfg, meta["facts"]).build_model()
-    optimizer = build_optimizer(cfg, model, 1)
-    scheduler = build_scheduler(cfg, optimizer, 1)  # first, as the loop does: it sets the groups' lr when built
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    checkpointing.load_sharded(folder, state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(meta["scheduler"])
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": meta["scaler"]}, folder / checkpointing.STATE)
+    torch.save({"model": checkpointing.load_model_state(folder)}, folder / "state.pt")
     for f in meta["files"]:
         (folder / f).unlink()
-    data = (folder / checkpointing.STATE).read_bytes()
-    old = {k: v for k, v in meta.items() if k not in ("files", "format", "scheduler", "scaler")}
+    data = (folder / "state.pt").read_bytes()
+    old = {k: v for k, v in meta.items() if k not in ("files", "format")}
     (folder / checkpointing.META).write_text(json.dumps(
         dict(old, state_sha256=hashlib.sha256(data).hexdigest(), state_bytes=len(data))))
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_exactly(tmp_path, tabular_data):
-    """Run folders written before DCP (one state.pt) keep working: a resume from one continues bitwise as the
-    uninterrupted run, and the run's next checkpoints are DCP's."""
-    assert launch.in_process(_args(tmp_path, tabular_data, "full", 20)) == 0
-    args = _args(tmp_path, tabular_data, "old", 10)
-    assert launch.in_process(args) == 0
-    folder = tmp_path / "old" / "checkpoint_00000010"
-    _to_earlier_format(folder, args)
+def test_a_checkpoint_of_the_format_before_dcp_is_refused_by_name_and_left_as_it_was(tmp_path, tabular_data):
+    """The single-file state.pt format is no longer read. A run whose newest checkpoint has it must not start over
+    (losing its progress, then pruning the old folder): the resume, init.from and export each end in exit 2 with
+    one line naming the folder and what to do, and no file of the run folder is changed."""
+    import hashlib
+
+    from stride.trainers.run.retention import complete_checkpoints
+
+    assert launch.in_process(_args(tmp_path, tabular_data, "old", 10)) == 0
+    run = tmp_path / "old"
+    folder = run / "checkpoint_00000010"
+    _to_format_before_dcp(folder)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "state.pt"]
-    assert checkpointing.verify(folder) is None and not checkpointing.is_sharded(folder)
-    assert launch.in_process(_args(tmp_path, tabular_data, "old", 20)) == 0
-    assert losses(tmp_path / "old") == losses(tmp_path / "full")
-    s = json.loads((tmp_path / "old" / "summary.json").read_text())
-    assert s["param_checksums"] == json.loads((tmp_path / "full" / "summary.json").read_text())["param_checksums"]
-    assert checkpointing.is_sharded(tmp_path / "old" / "checkpoint_00000020")
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*")) if p.is_file()}
+    out = tmp_path / "out.safetensors"
+    refusals = {"resume": launch.forked(_args(tmp_path, tabular_data, "old", 20)),
+                "init.from": launch.forked(_args(tmp_path, tabular_data, "new", 5, f"init.from={folder}")),
+                "export": launch.forked([str(run), str(out)], entry=("-m", "stride", "export"))}
+    says = f"checkpoint {folder} has the single-file state.pt format from before DCP, which this version of Stride " \
+           f"no longer reads"
+    for what, r in refusals.items():
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (what, r.stderr[-3000:])
+        assert len(lines) == 1 and lines[0].startswith("stride: error: ") and says in lines[0], (what, lines)
+        assert "stride export" in lines[0] and "run.name" in lines[0], (what, lines)
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert {p: after.get(p) for p in before} == before and not out.exists()
+    assert [p.name for p in run.iterdir() if p.name.startswith("checkpoint_")] == [folder.name]
+    assert complete_checkpoints(run) == []  # never listed by keep_last's pruning, so never removed
+
+
+def test_a_folder_of_the_format_before_dcp_is_refused_only_where_a_resume_would_take_it(tmp_path):
+    """newest_complete: a DCP checkpoint newer than a state.pt one is the resume's (the old folder stays, unread);
+    a state.pt one newer than the newest usable checkpoint is refused, not passed over for the older one."""
+    from stride.errors import CheckpointFormatError
+
+    writer = checkpointing.CheckpointWriter(0)
+    for step in (10, 20):
+        writer.save(checkpointing.checkpoint_folder(tmp_path, step), {"model": {"w": torch.ones(3)}},
+                    {"step": step}).result()
+    writer.close()
+    old = checkpointing.checkpoint_folder(tmp_path, 15)
+    old.mkdir()
+    (old / "state.pt").write_bytes(b"weights")
+    (old / checkpointing.META).write_text(json.dumps({"step": 15, "state_bytes": 7, "state_sha256": "0" * 64}))
+    assert checkpointing.newest_complete(tmp_path) == checkpointing.checkpoint_folder(tmp_path, 20)
+    shutil.rmtree(checkpointing.checkpoint_folder(tmp_path, 20))
+    with pytest.raises(CheckpointFormatError, match=f"checkpoint {old} has the single-file state.pt format"):
+        checkpointing.newest_complete(tmp_path)
+    with pytest.raises(CheckpointFormatError):
+        checkpointing.verify(old)
+    assert (old / "state.pt").read_bytes() == b"weights"
 
 
 def test_a_kill_mid_write_leaves_the_previous_checkpoint_to_resume_from(tmp_path, tabular_data):

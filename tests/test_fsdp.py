@@ -415,31 +415,6 @@ def test_accumulation_nonfinite_shard_and_bf16_inside_the_step(tmp_path):
     assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout
 
 
-def test_optimizer_state_converts_between_positions_and_names():
-    from stride.trainers.models import MLP
-    from stride.trainers.optim import build_optimizer
-    from stride.trainers.config_reader import load_config
-
-    cfg = load_config(None, ["model.name=mlp"])
-    m = MLP(4, [8, 8], 3)
-    opt = build_optimizer(cfg, m, 1)
-    m(torch.randn(5, 4)).sum().backward()
-    opt.step()
-    names = fsdp.optimizer_param_names(m, opt)
-    assert names == [["net.0.weight", "net.2.weight", "net.4.weight"], ["net.0.bias", "net.2.bias", "net.4.bias"]]
-    by_ids = opt.state_dict()
-    by_names = fsdp.optimizer_state_by_names(by_ids, names)
-    assert fsdp.keyed_by_names(by_names) and set(by_names["state"]) == {n for g in names for n in g}
-    back = fsdp.optimizer_state_by_ids(by_names, names)
-    assert back["param_groups"] == by_ids["param_groups"]
-    assert all(torch.equal(back["state"][i]["exp_avg"], by_ids["state"][i]["exp_avg"]) for i in by_ids["state"])
-    assert fsdp.optimizer_state_by_ids(by_ids, names) is by_ids  # positional stays as it is
-    opt2 = build_optimizer(cfg, m, 1)
-    opt2.load_state_dict(back)
-    with pytest.raises(ValueError, match="parameter groups of sizes"):
-        fsdp.optimizer_state_by_ids(by_names, [names[0], names[1][:2]])
-
-
 @pytest.mark.slow
 def test_a_torchrun_fsdp_checkpoint_resumes_on_ray_and_ends_where_torchrun_did(runs, small_text, ray_cluster):
     """The same loop on Ray Train (sharding in the loop, not prepare_model): 10 FSDP steps under torchrun (the

@@ -324,7 +324,7 @@ def test_pruning_keeps_what_it_did_not_write_and_survives_an_unreadable_meta(tmp
     for folder, meta in ((ray_ckpt, '{"step": 1}'), (unreadable, "{not json")):
         folder.mkdir()
         (folder / checkpointing.META).write_text(meta)
-        (folder / checkpointing.STATE).write_bytes(b"x")
+        (folder / "state.pt").write_bytes(b"x")
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert launch.in_process(_args(tmp_path, tabular_data, 50, "checkpoint.keep_last=2")) == 0
     assert [p.name for p in complete_checkpoints(run)] == ["checkpoint_00000040", "checkpoint_00000050"]

@@ -6,11 +6,9 @@ forward/backward and freed afterwards, then the root takes what is left (embeddi
 sharded on dim 0 over the data-parallel mesh, so a worker holds 1/world_size of the weights, of their gradients
 (reduce-scattered instead of all-reduced) and of the AdamW moments (the optimizer is built on the shards).
 
-Checkpoints are sharded (trainers/run/checkpointing.py: every rank writes its DTensor shards with DCP). What remains
-here for checkpoints serves the earlier format, which still loads: `full_state_dict` gathers the full model and
-optimizer state on rank 0 (what that format saved; benchmarks/checkpoint_bench.py measures it against DCP), and
-`load_full_state_dict` broadcasts such a state from rank 0 and re-shards it; `optimizer_state_by_ids` /
-`optimizer_state_by_names` convert its optimizer state between positions (DDP, 1 worker) and parameter names (FSDP).
+Checkpoints are sharded (trainers/run/checkpointing.py: every rank writes its DTensor shards with DCP).
+`full_state_dict` gathers the full model and optimizer state on rank 0, as the format before DCP saved it:
+benchmarks/checkpoint_bench.py measures that against DCP.
 
 Plain PyTorch, no Ray: the loop calls these on Ray Train and under torchrun alike, after the process group is
 up.
@@ -129,7 +127,7 @@ def full_param_checksum(model: nn.Module) -> float:
     return float(total)
 
 
-# ---- checkpoints: full state on rank 0 ----
+# ---- the full state on rank 0 (benchmarks/checkpoint_bench.py's baseline) ----
 
 def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full (unsharded) model and optimizer state on rank 0, on CPU; empty dicts on the other ranks.
@@ -138,67 +136,3 @@ def full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 
     reshard(model)
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any] | None,
-                         optim_state: dict[str, Any] | None, rank: int) -> None:
-    """Load a full state (an FSDP checkpoint's, or a DDP/1-worker one's) into the sharded model and optimizer:
-    rank 0 passes it and broadcasts tensor by tensor, every rank keeps its shard. A collective."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    if rank == 0:
-        optim_state = optimizer_state_by_names(optim_state, optimizer_param_names(model, optimizer))
-    # Two calls, not set_state_dict(model, optimizer, ...): set_state_dict treats an empty model_state_dict as
-    # "optimizer only" (torch/distributed/checkpoint/state_dict.py, `optim_only=not model_state_dict`), so the
-    # ranks that pass {} would skip the model broadcast that rank 0 starts, and both would hang.
-    set_model_state_dict(model, model_state if rank == 0 else {}, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state if rank == 0 else {}, options=options)
-
-
-# ---- optimizer state: by position (torch's Optimizer.state_dict) or by parameter name (FSDP checkpoints) ----
-
-def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The parameter names of each optimizer group, in the optimizer's order."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-
-
-def keyed_by_names(optim_state: dict[str, Any]) -> bool:
-    return any(isinstance(p, str) for g in optim_state.get("param_groups", []) for p in g["params"])
-
-
-def optimizer_state_by_names(optim_state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
-    """Positional optimizer state (Optimizer.state_dict()) -> keyed by parameter names; unchanged if it already is."""
-    if keyed_by_names(optim_state):
-        return optim_state
-    saved = optim_state["param_groups"]
-    _check_groups([len(g["params"]) for g in saved], [len(g) for g in group_names])
-    name_of = {i: n for g, names in zip(saved, group_names) for i, n in zip(g["params"], names)}
-    return {"state": {name_of[i]: s for i, s in optim_state["state"].items()},
-            "param_groups": [dict(g, params=[name_of[i] for i in g["params"]]) for g in saved]}
-
-
-def optimizer_state_by_ids(optim_state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
-    """Optimizer state keyed by parameter names (an FSDP checkpoint) -> positional, for Optimizer.load_state_dict
-    of an optimizer whose groups hold `group_names`; unchanged if it is positional already."""
-    if not keyed_by_names(optim_state):
-        return optim_state
-    saved = optim_state["param_groups"]
-    _check_groups([len(g["params"]) for g in saved], [len(g) for g in group_names])
-    index, groups = {}, []
-    for g, names in zip(saved, group_names):
-        if set(g["params"]) != set(names):
-            missing = sorted(set(names) - set(g["params"])) or sorted(set(g["params"]) - set(names))
-            raise ValueError(f"the checkpoint's optimizer groups do not match the model's (parameter {missing[0]})")
-        ids = list(range(len(index), len(index) + len(names)))
-        index.update(zip(names, ids))
-        groups.append(dict(g, params=ids))
-    return {"state": {index[n]: s for n, s in optim_state["state"].items()}, "param_groups": groups}
-
-
-def _check_groups(saved: list[int], model: list[int]) -> None:
-    if saved != model:
-        raise ValueError(f"the checkpoint's optimizer has parameter groups of sizes {saved} but this model's has "
-                         f"{model}; resume with the model and optim settings it was trained with")

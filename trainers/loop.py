@@ -404,10 +404,7 @@ class Trainer:
         if mismatch := checkpointing.shape_mismatch(shapes, saved):
             raise DataError(f"checkpoint {ckpt_dir} does not fit model (the {mismatch}); use a new run.name "
                             f"or the model settings it was trained with")
-        if checkpointing.is_sharded(ckpt_dir):
-            self._load_sharded(ckpt_dir, meta)
-        else:
-            self._load_full(ckpt_dir)
+        self._load_sharded(ckpt_dir, meta)
         # The data position is (epoch, samples into the epoch): valid for any world size with the same global
         # micro-batch (elastic resume), translated into this run's micro-step counter. Micro-batches sized by a
         # token budget have no such arithmetic: the stream starts from the position itself.
@@ -469,20 +466,6 @@ class Trainer:
             frozen = {n for n, p in self.raw_model.named_parameters(remove_duplicate=False) if not p.requires_grad}
             model_state = {k: v for k, v in model_state.items() if k not in frozen}
         return model_state, optim_state
-
-    def _load_full(self, ckpt_dir: Path) -> None:
-        """The earlier format: one state.pt holding the full model (FSDP: rank 0 reads it and broadcasts, the other
-        ranks map the file)."""
-        saved, _ = checkpointing.load(ckpt_dir, mmap=self.sharded)
-        # The optimizer is keyed by position (DDP, 1 worker) or by parameter name (FSDP).
-        if self.sharded:
-            fsdp.load_full_state_dict(self.model, self.optimizer, saved["model"], saved["optimizer"], self.env.world_rank)
-        else:
-            self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(fsdp.optimizer_state_by_ids(
-                saved["optimizer"], fsdp.optimizer_param_names(self.model, self.optimizer)))
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.scaler.load_state_dict(saved["scaler"])
 
     # ---- rank-0 duties and the sinks ----
 

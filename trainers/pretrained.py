@@ -225,20 +225,16 @@ def _load_state_dict(path: Path, location: str) -> dict[str, torch.Tensor]:
 
 
 class _Checkpoint(Source):
-    """A Stride checkpoint folder (either format). Its headers come from DCP's metadata; the first read() loads
+    """A Stride checkpoint folder. Its headers come from DCP's metadata; the first read() loads
     the whole model state (consolidated, on every rank that reads) and later reads slice it."""
 
     def __init__(self, location: str, folder: Path):
         super().__init__(location, "stride_checkpoint", folder)
         self._state: dict[str, torch.Tensor] | None = None
         try:
-            if checkpointing.is_sharded(folder):
-                meta = checkpointing.dcp_metadata(folder).state_dict_metadata
-                self._infos = {n: TensorInfo(tuple(s), meta["model." + n].properties.dtype)
-                               for n, s in checkpointing.saved_model_shapes(folder).items()}
-            else:
-                self._infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in
-                               checkpointing.load_state(folder / checkpointing.STATE, mmap=True)["model"].items()}
+            meta = checkpointing.dcp_metadata(folder).state_dict_metadata
+            self._infos = {n: TensorInfo(tuple(s), meta["model." + n].properties.dtype)
+                           for n, s in checkpointing.saved_model_shapes(folder).items()}
         except (UnsafeCheckpointError, OSError, KeyError, RuntimeError) as e:
             raise _unusable(location, f"is a Stride checkpoint that cannot be read ({_short(e)})") from None
 
@@ -254,8 +250,7 @@ class _Checkpoint(Source):
     def sha256(self) -> str:
         # meta.json lists every file's sha256, and verify() checked them when the source was opened
         if self._sha256 is None:
-            meta = checkpointing.read_meta(self.root)
-            files = meta.get("files") or {checkpointing.STATE: {"sha256": meta["state_sha256"]}}
+            files = checkpointing.read_meta(self.root)["files"]
             self._sha256 = _digest((name, entry["sha256"]) for name, entry in files.items())
         return self._sha256
 

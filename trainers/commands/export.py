@@ -161,7 +161,7 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     if trainable_only and meta.get("trainable") is not None:
         weights = {k: v for k, v in weights.items() if k in set(meta["trainable"])}
     # Tied weights (a head sharing the embedding) are separate tensors here, each under its own name, as
-    # load_state_dict expects; safetensors refuses tensors that share memory, so copies of the earlier format's.
+    # load_state_dict expects; safetensors refuses tensors that share memory: each is copied.
     weights = {k: v.detach().contiguous().clone() for k, v in cast(weights, dtype).items()}
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
               "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),

@@ -203,8 +203,8 @@ def usable(folder: Path, named: str) -> Path:
 def check_same_task(run_name: str, checkpoint: Path, meta: dict, label: str = "--checkpoint") -> None:
     """A checkpoint of another task than the run's (`run_name`, its config.model.name) is refused before that
     task is built from the checkpoint's facts or given its weights. `label`: the argument that gave `checkpoint`.
-    A meta.json that records no model (the earlier state.pt format) has nothing to compare: eval's shape check
-    (check_fits) still applies, and export of it reads only tensors."""
+    A meta.json that records no model has nothing to compare: eval's shape check (check_fits) still applies, and
+    export of it reads only tensors."""
     if meta.get("model") is not None and meta.get("model") != run_name:
         raise UsageError(f"{label} ({checkpoint}) holds model.name {meta.get('model')}, not the run's {run_name}; pass a "
                          f"checkpoint of this run")
@@ -248,10 +248,6 @@ def load_weights(checkpoint: Path, meta: dict, model=None, callbacks=None, group
             weights.update(average)
         return weights
     partial = bool(meta.get("trainable_only"))  # the frozen base came from init.from
-    if not checkpointing.is_sharded(checkpoint):  # the earlier one-file format: every rank reads it whole
-        state = checkpointing.load_model_state(checkpoint)
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=not partial))
-        return state
     saved = checkpointing.saved_model_shapes(checkpoint)
     callback_tensors, present = callbacks.tensors_to_fill(checkpointing.saved_keys(checkpoint))
     state = {"model": {k: v for k, v in get_model_state_dict(model).items() if not partial or k in saved},

@@ -12,8 +12,8 @@ A checkpoint folder (`checkpoint_<step>`) holds:
 Nothing read from a checkpoint is unpickled with an unrestricted unpickler: whoever can write the run folder (a shared
 filesystem, a bucket) must not run code in every process that resumes from it, and the hashes do not help there (who
 writes the files writes meta.json too). DCP's `.metadata` goes through an allow-list of DCP's own classes, its tensors
-and other items through torch.load(weights_only=True). Folders of the earlier format (one `state.pt` written by
-rank 0) still load, through torch.load(weights_only=True).
+and other items through torch.load(weights_only=True). Folders of the format before DCP (one `state.pt` written by
+rank 0) are no longer read: read_meta refuses them by name (CheckpointFormatError), never passes over them.
 """
 
 from __future__ import annotations
@@ -39,16 +39,15 @@ import torch
 from stride.trainers.run import folder as runfolder
 
 # The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
-__all__ = ["META", "CheckpointWriter", "checkpoint_folder", "is_sharded", "load_model_state", "load_sharded",
+__all__ = ["META", "CheckpointWriter", "checkpoint_folder", "load_model_state", "load_sharded",
            "newest_complete", "read_meta", "saved_keys", "saved_model_shapes", "shape_mismatch", "verify",
            "write_marker"]
 
-STATE = "state.pt"  # the earlier format's single file
 META = "meta.json"
 DCP_METADATA = ".metadata"
 log = logging.getLogger("stride")
 
-from stride.errors import CheckpointWriteError, RunFolderError, UnsafeCheckpointError
+from stride.errors import CheckpointFormatError, CheckpointWriteError, RunFolderError, UnsafeCheckpointError
 from stride.trainers.run.folder import atomic_write_text
 
 
@@ -306,14 +305,21 @@ def _sha256(path: Path) -> str:
 
 def read_meta(folder: Path) -> dict[str, Any]:
     """meta.json, checked against its schema (runfolder.CheckpointMeta). Raises ValueError (not JSON, a field of the
-    wrong type: runfolder.SchemaError), OSError, or RunFolderError (not a regular file)."""
+    wrong type: runfolder.SchemaError), OSError, RunFolderError (not a regular file), or CheckpointFormatError (a
+    checkpoint of the format before DCP)."""
     path = Path(folder) / META
-    return runfolder.validated(runfolder.CheckpointMeta, runfolder.read_json(path), path)
+    data = runfolder.read_json(path)
+    if _before_dcp(data):
+        raise CheckpointFormatError(
+            f"checkpoint {folder} has the single-file state.pt format from before DCP, which this version of Stride "
+            f"no longer reads (nothing in it was changed); export its weights with the previous release's `stride "
+            f"export` and start a new run from them (init.from=<the .safetensors>), or use another run.name")
+    return runfolder.validated(runfolder.CheckpointMeta, data, path)
 
 
-def is_sharded(folder: Path) -> bool:
-    """A DCP checkpoint (this format), not the earlier single state.pt."""
-    return os.path.lexists(Path(folder) / DCP_METADATA) or not os.path.lexists(Path(folder) / STATE)
+def _before_dcp(meta: Any) -> bool:
+    """meta.json as the format before DCP wrote it: the digest of its one state.pt, no list of files."""
+    return isinstance(meta, dict) and "files" not in meta and "state_sha256" in meta
 
 
 def verify(folder: Path) -> str | None:
@@ -322,7 +328,8 @@ def verify(folder: Path) -> str | None:
     (runfolder.CheckpointMeta); every file it lists is a regular file of this folder, checked with lstat before it
     is opened (a FIFO never hangs, a device is never read); DCP's `.metadata` names only those files; its bytes
     items (the optimizer's hyperparameters) unpickle as plain values; and its tensor items hold tensors of their
-    dtype and shape (no pickle payload, no other item's bytes). Never raises for what it finds on disk."""
+    dtype and shape (no pickle payload, no other item's bytes). Raises only CheckpointFormatError (read_meta): a
+    checkpoint of the format before DCP is refused by name, never passed over for an older one or the start."""
     folder = Path(folder)
     st = runfolder.lstat_or_none(folder)
     if st is None or not stat.S_ISDIR(st.st_mode):
@@ -333,9 +340,7 @@ def verify(folder: Path) -> str | None:
         return f"{META} is not what Stride writes: {e.problem}"
     except (OSError, ValueError, RunFolderError) as e:
         return _unreadable(folder / META, e)
-    files = meta.get("files")
-    if files is None:  # the earlier format: state.pt and its digest
-        files = {STATE: {"bytes": meta["state_bytes"], "sha256": meta["state_sha256"]}}
+    files = meta["files"]
     if not files:
         return f"{META} lists no files"
     for name, want in files.items():
@@ -343,9 +348,7 @@ def verify(folder: Path) -> str | None:
             return f"{META} lists an unexpected entry {name!r}"
         if problem := _file_problem(folder / name, want):
             return problem
-    if DCP_METADATA in files or is_sharded(folder):
-        return _dcp_problem(folder, files)
-    return None
+    return _dcp_problem(folder, files)
 
 
 def _unreadable(path: Path, e: BaseException) -> str:
@@ -595,10 +598,7 @@ def load_sharded(folder: Path, state: dict[str, Any], process_group=None) -> Non
 
 
 def saved_model_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """The model tensors' names and full shapes in a checkpoint (either format), without loading them."""
-    folder = Path(folder)
-    if not is_sharded(folder):
-        return {k: tuple(v.shape) for k, v in load_state(folder / STATE, mmap=True)["model"].items()}
+    """The model tensors' names and full shapes in a checkpoint, without loading them."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return {k.removeprefix("model."): tuple(m.size) for k, m in dcp_metadata(folder).state_dict_metadata.items()
@@ -612,12 +612,9 @@ def saved_keys(folder: Path) -> set[str]:
 
 
 def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
-    """The full (consolidated) model weights of a checkpoint of either format, in one process, as plain CPU
+    """The full (consolidated) model weights of a checkpoint, in one process, as plain CPU
     tensors: for the commands' one weights reader (trainers/commands/trained.py load_weights) and init.from of a
-    Stride checkpoint. `part`: "ema" for train.ema's average (sharded checkpoints; empty when the run had none)."""
-    folder = Path(folder)
-    if not is_sharded(folder):
-        return load_state(folder / STATE)["model"] if part == "model" else {}
+    Stride checkpoint. `part`: "ema" for train.ema's average (empty when the run had none)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = dcp_metadata(folder).state_dict_metadata
@@ -626,22 +623,6 @@ def load_model_state(folder: Path, part: str = "model") -> dict[str, torch.Tenso
     if model:
         load_sharded(folder, {part: model})
     return model
-
-
-def load_state(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """An earlier-format state.pt, unpickled only as tensors, numbers, strings and containers (torch's
-    weights_only)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        raise _refused(path, _unpickler_reason(e)) from None
-
-
-def load(folder: Path, mmap: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An earlier-format checkpoint: state.pt and meta.json; `mmap`: tensors map the file and are read only when
-    touched (FSDP's other ranks)."""
-    folder = Path(folder)
-    return load_state(folder / STATE, mmap=mmap), read_meta(folder)
 
 
 def shape_mismatch(model: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> str | None:
@@ -653,6 +634,15 @@ def shape_mismatch(model: dict[str, tuple[int, ...]], saved: dict[str, tuple[int
             return f"tensor {name} has shape {tuple(saved[name])} in the checkpoint but {tuple(shape)} in the model"
     extra = sorted(set(saved) - set(model))
     return f"the checkpoint has tensor {extra[0]} that the model lacks" if extra else None
+
+
+def _step_before_dcp(folder: Path) -> int:
+    """The step a checkpoint of the format before DCP names (0 when it names none, or is gone meanwhile)."""
+    try:
+        step = runfolder.read_json(folder / META).get("step")
+    except (OSError, ValueError, RunFolderError):
+        return 0
+    return step if isinstance(step, int) and not isinstance(step, bool) else 0
 
 
 def _mtime(folder: Path) -> float | None:
@@ -678,6 +668,8 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None,
             continue
         try:
             candidates.append((read_meta(folder)["step"], folder))
+        except CheckpointFormatError:  # refused (verify, below) only where it is the one a resume would take
+            candidates.append((_step_before_dcp(folder), folder))
         except runfolder.SchemaError as e:
             bad.append((_mtime(folder), folder, f"{META} is not what Stride writes: {e.problem}"))
         except (OSError, ValueError, RunFolderError) as e:

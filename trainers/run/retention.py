@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from stride.errors import RunFolderError
+from stride.errors import CheckpointFormatError, RunFolderError
 from stride.trainers.run import folder as runfolder
 from stride.trainers.run.checkpointing import META, read_meta, verify
 
@@ -37,7 +37,7 @@ class BestCheckpoints:
         whoever loads one (export.py --best) verifies it."""
         try:
             meta = read_meta(folder)
-        except (OSError, ValueError, RunFolderError):
+        except (OSError, ValueError, RunFolderError, CheckpointFormatError):
             return None
         value = (meta.get("metrics") or {}).get(self.metric)
         if not isinstance(value, (int, float)) or value != value:  # missing, or NaN
@@ -94,7 +94,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                 _verified.add(key)
             if key in _verified:
                 found.append((read_meta(p)["step"], p))
-        except (OSError, ValueError, KeyError, RunFolderError):
+        except (OSError, ValueError, KeyError, RunFolderError, CheckpointFormatError):  # never listed, never pruned
             continue
     return [p for _, p in sorted(found)]
 

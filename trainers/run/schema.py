@@ -50,16 +50,7 @@ class CheckpointMeta(BaseModel):
     metrics: dict[str, Number | None] | None = None
     scheduler: dict[str, JsonValue] | None = None
     scaler: dict[str, JsonValue] | None = None
-    files: dict[str, FileDigest] | None = None
-    # The earlier format (one state.pt): its digest instead of `files`.
-    state_bytes: Count | None = None
-    state_sha256: Sha256 | None = None
-
-    @model_validator(mode="after")
-    def _lists_its_files(self):
-        if self.files is None and (self.state_bytes is None or self.state_sha256 is None):
-            raise ValueError("lists no files (neither files nor state_bytes and state_sha256)")
-        return self
+    files: dict[str, FileDigest]  # every other file of the folder (checkpointing.write_marker)
 
 
 def _figures_are_numbers(extra: dict[str, Any] | None, keys: tuple[str, ...]) -> None:

@@ -130,7 +130,7 @@ def _to_format_before_dcp(folder) -> None:
 
 def test_a_checkpoint_of_the_format_before_dcp_is_refused_by_name_and_left_as_it_was(tmp_path, tabular_data):
     """The single-file state.pt format is no longer read. A run whose newest checkpoint has it must not start over
-    (losing its progress, then pruning the old folder): the resume, init.from and export each end in exit 2 with
+    (losing its progress, then pruning the old folder): the resume, init.from, export and eval each end in exit 2 with
     one line naming the folder and what to do, and no file of the run folder is changed."""
     import hashlib
 
@@ -145,7 +145,8 @@ def test_a_checkpoint_of_the_format_before_dcp_is_refused_by_name_and_left_as_it
     out = tmp_path / "out.safetensors"
     refusals = {"resume": launch.forked(_args(tmp_path, tabular_data, "old", 20)),
                 "init.from": launch.forked(_args(tmp_path, tabular_data, "new", 5, f"init.from={folder}")),
-                "export": launch.forked([str(run), str(out)], entry=("-m", "stride", "export"))}
+                "export": launch.forked([str(run), str(out)], entry=("-m", "stride", "export")),
+                "eval": launch.forked(["--run", str(run), "--checkpoint", str(folder)], entry=("-m", "stride", "eval"))}
     says = f"checkpoint {folder} has the single-file state.pt format from before DCP, which this version of Stride " \
            f"no longer reads"
     for what, r in refusals.items():

@@ -16,7 +16,8 @@ from stride.trainers import optim as optim_module
 from stride.errors import ConfigError
 from stride.trainers.config_reader import load_config
 from stride.trainers.models import MLP
-from stride.trainers.optim import SCHEDULES, build_optimizer, build_scheduler, check_optimizer, cosine_factor
+from stride.trainers.optim import build_optimizer, build_scheduler, check_optimizer
+from stride.trainers.schedules import SCHEDULES, cosine_factor
 from stride.trainers.task import Task
 
 TABULAR = REPO / "trainers/configs/tabular_mlp.yaml"
@@ -84,6 +85,25 @@ def lrs_seen(cfg, total_steps: int, steps: int) -> list[float]:
 def test_config_and_step_name_the_same_schedules_and_optimizers():
     assert set(config_module.SCHEDULES) == set(SCHEDULES)
     assert set(config_module.BUILTIN_OPTIMIZERS) == set(optim_module.BUILTIN_OPTIMIZERS)
+
+
+def test_a_schedule_added_to_the_registry_is_accepted_by_the_config_and_drives_the_optimizer(monkeypatch):
+    """A new built-in schedule is one function under @builtin in trainers/schedules.py: the config's schema takes its
+    name (it validates against the registry), the driver's check calls it, and the scheduler follows it."""
+    from stride.trainers import schedules
+
+    for registry in (schedules.SCHEDULES, schedules.DESCRIPTIONS):
+        monkeypatch.setitem(registry, "halving", None)  # removed again after the test
+
+    @schedules.builtin("halving", "half the peak lr after the warm-up")
+    def halving_factor(step, warmup_steps, total_steps, min_lr_ratio, decay_fraction):
+        return (step + 1) / warmup_steps if step < warmup_steps else 0.5
+
+    cfg = cfg_of("optim.schedule=halving", "optim.lr=0.01", "optim.warmup_steps=2")
+    check_optimizer(cfg)
+    assert lrs_seen(cfg, total_steps=10, steps=6) == pytest.approx([0.005, 0.01, 0.005, 0.005, 0.005, 0.005])
+    with pytest.raises(ConfigError, match=r"is neither cosine, linear, constant, wsd, inverse_sqrt, halving nor "):
+        cfg_of("optim.schedule=doubling")
 
 
 def test_the_default_schedule_is_the_old_cosine_bitwise():

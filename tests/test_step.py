@@ -9,7 +9,8 @@ import torch
 from conftest import REPO
 from stride.trainers.config_reader import load_config
 from stride.trainers.models import MLP, CharGPT
-from stride.trainers.optim import build_optimizer, build_scheduler, cosine_factor
+from stride.trainers.optim import build_optimizer, build_scheduler
+from stride.trainers.schedules import cosine_factor
 from stride.trainers.step import Precision, resolve_precision, train_step
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
 from stride.errors import quote
+from stride.trainers.schedules import DESCRIPTIONS, SCHEDULES
 
 
 # Upper bounds of step and epoch counts: far above any real run (a billion steps at 10 ms is four months), low
@@ -146,7 +147,6 @@ class TaskConfig(Section):
 
 # The optimizers optim.name can call by a short name; anything else is "<module>:<Class>" (trainers/step.py).
 BUILTIN_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
-SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 
 
 def builtin_or_spec(value: str, builtins: tuple[str, ...], what: str, examples: str) -> str:
@@ -170,12 +170,11 @@ class OptimSection(Section):
     momentum: float = Field(0.9, allow_inf_nan=False, ge=0.0, description="sgd momentum")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="Scale lr by global batch / reference_batch_size")
     reference_batch_size: int = Field(64, ge=1, description="Global batch size that optim.lr was tuned for")
-    schedule: str = Field("cosine", description="lr schedule after the warm-up: cosine (to min_lr_ratio at the last "
-                          "step), linear (likewise), constant (the peak lr), wsd (the peak lr, then linear to "
-                          "min_lr_ratio over the last decay_fraction of training), inverse_sqrt (peak x "
-                          "sqrt(warmup_steps / n) at step n, never below min_lr_ratio), or \"<module>:<function>\" of "
-                          "your own: f(step, warmup_steps, total_steps, min_lr_ratio, decay_fraction) -> the peak lr's "
-                          "multiplier")
+    # The built-in schedules and their words are trainers/schedules.py's: a new one is added there alone.
+    schedule: str = Field("cosine", description="lr schedule after the warm-up: "
+                          + ", ".join(f"{name} ({text})" for name, text in DESCRIPTIONS.items())
+                          + ", or \"<module>:<function>\" of your own: f(step, warmup_steps, total_steps, min_lr_ratio, "
+                          "decay_fraction) -> the peak lr's multiplier")
     warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps before the schedule")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak lr (constant: unused)")
     decay_fraction: float = Field(0.1, allow_inf_nan=False, gt=0.0, le=1.0, description="schedule=wsd: the last fraction of "
@@ -196,7 +195,8 @@ class OptimSection(Section):
     @field_validator("schedule")
     @classmethod
     def _schedule_name(cls, v: str) -> str:
-        return builtin_or_spec(v, SCHEDULES, "function", "optim.schedule=cosine or optim.schedule=my_schedules:step_decay")
+        return builtin_or_spec(v, tuple(SCHEDULES), "function",
+                               "optim.schedule=cosine or optim.schedule=my_schedules:step_decay")
 
     @field_validator("kwargs")
     @classmethod

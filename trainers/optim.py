@@ -1,7 +1,8 @@
 """The optimizer and its schedule: optim.name's classes, parameter groups (optim.groups), freezing and the lr
-schedules (optim.schedule). A schedule is a function of (step, warmup_steps, total_steps, min_lr_ratio,
-decay_fraction) -> the peak lr's multiplier; `optim.schedule` names a built-in one or a "<module>:<function>" of
-your own. Imports with torch alone, as the step does (benchmarks/gpu.py)."""
+scheduler (optim.schedule). A schedule is a function of (step, warmup_steps, total_steps, min_lr_ratio,
+decay_fraction) -> the peak lr's multiplier; `optim.schedule` names a built-in one (trainers/schedules.py, where
+each is defined and registered) or a "<module>:<function>" of your own. Imports with torch alone, as the step does
+(benchmarks/gpu.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
+
+from stride.trainers.schedules import SCHEDULES, Schedule
 
 if TYPE_CHECKING:  # config needs pydantic
     from stride.trainers.config import Config
@@ -163,62 +166,6 @@ def check_optimizer(cfg: Config) -> None:
                           f"to what the optimizer's constructor takes") from None
 
 
-# ---- schedules: the multiplier of the peak lr at optimizer step `step` (0-based), after a linear warm-up ----
-
-def _warmup(step: int, warmup_steps: int) -> float:
-    return (step + 1) / warmup_steps
-
-
-def cosine_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float = 1.0) -> float:
-    """Cosine from the peak to min_lr_ratio at total_steps (Stride's schedule before optim.schedule existed)."""
-    if step < warmup_steps:
-        return _warmup(step, warmup_steps)
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-
-
-def linear_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
-    """A straight line from the peak to min_lr_ratio at total_steps."""
-    if step < warmup_steps:
-        return _warmup(step, warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-
-
-def constant_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
-    """The peak lr after the warm-up."""
-    return _warmup(step, warmup_steps) if step < warmup_steps else 1.0
-
-
-def wsd_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
-    """Warm-up, stable at the peak, then a straight line to min_lr_ratio over the last
-    round(decay_fraction x total_steps) steps (at least 1; never starting inside the warm-up)."""
-    if step < warmup_steps:
-        return _warmup(step, warmup_steps)
-    decay_start = max(warmup_steps, total_steps - max(1, round(decay_fraction * total_steps)))
-    if step < decay_start:
-        return 1.0
-    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-
-
-def inverse_sqrt_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> float:
-    """sqrt(warmup_steps / n) at the n-th optimizer step (n = step + 1; warmup_steps=0 counts as 1), so it continues
-    the warm-up's peak; never below min_lr_ratio."""
-    if step < warmup_steps:
-        return _warmup(step, warmup_steps)
-    return max(min_lr_ratio, math.sqrt(max(1, warmup_steps) / (step + 1)))
-
-
-SCHEDULES: dict[str, Callable[[int, int, int, float, float], float]] = {
-    "cosine": cosine_factor, "linear": linear_factor, "constant": constant_factor, "wsd": wsd_factor,
-    "inverse_sqrt": inverse_sqrt_factor,
-}
-
-
 def group_factor(factor: Callable[[int], float], spec: Any, warmup_steps: int) -> Callable[[int], float]:
     """A group's lr multiplier: 0 while frozen; from unfreeze_at_step on, the schedule's times a linear warm-up of
     its own over warmup_steps (a group that starts training late does not start at the peak lr)."""
@@ -234,7 +181,7 @@ def group_factor(factor: Callable[[int], float], spec: Any, warmup_steps: int) -
     return frozen_then_warm
 
 
-def schedule_function(name: str) -> Callable[[int, int, int, float, float], float]:
+def schedule_function(name: str) -> Schedule:
     """optim.schedule -> its function: a built-in one, or the "<module>:<function>" found as optim.name finds a
     class. Raises ConfigError (exit 2) for a name that is not a function."""
     from stride.errors import ConfigError

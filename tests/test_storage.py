@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from gcs_server import gcs_server_fixture
 from s3_server import s3_server_fixture
 from stride.trainers.run import storage
 from stride.trainers.run.storage import Location, ObjectStore, parse_uri
 
 s3_server = s3_server_fixture()
+gcs_server = gcs_server_fixture()
 
 
 @pytest.fixture
@@ -28,10 +30,21 @@ def s3_env(s3_server, monkeypatch):
 
 
 @pytest.fixture
-def bucket_store(s3_env):
+def gcs_env(gcs_server, monkeypatch):
+    for k, v in gcs_server.env_vars().items():
+        monkeypatch.setenv(k, v)
+    return gcs_server
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket_store(request):
+    """A fresh bucket on the S3 server, then on the GCS emulator: every test below runs against both."""
     bucket = f"b-{uuid.uuid4().hex[:12]}"
-    s3_env.create_bucket(bucket)
-    return ObjectStore(Location("s3", bucket, "runs"))
+    if request.param == "s3":
+        request.getfixturevalue("s3_env").create_bucket(bucket)
+    else:
+        request.getfixturevalue("gcs_env").make_bucket(bucket)
+    return ObjectStore(Location(request.param, bucket, "runs"))
 
 
 # ---- parsing: pure functions ---------------------------------------------------------------------------------

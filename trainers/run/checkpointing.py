@@ -660,7 +660,8 @@ def newest_complete(run_dir: Path, warn: Callable[[str], Any] | None = None,
     it. Ray's own pointer is not enough: a driver killed between a checkpoint's write and Ray's registration of
     it leaves a complete checkpoint that Ray does not know. Torn or corrupted folders are skipped; `warn` gets one
     line naming those newer than the folder returned, each with its reason, and what is done instead (`using`:
-    "resuming from", "exporting")."""
+    "resuming from", "exporting"). A checkpoint of the format before DCP where the returned one would be is refused
+    (CheckpointFormatError): passed over, its run would start again from an older step or from the start."""
     candidates, bad = [], []
     for folder in Path(run_dir).glob("checkpoint_*"):
         # lstat: a symlinked folder is listed as unusable (verify says why), never followed

@@ -23,6 +23,9 @@ from stride.ray_cluster import updown
 RAY_UP_CONFIGS = sorted({REPO / "cluster.yaml", *(p for p in (REPO / "ray_cluster").glob("*.yaml")
                                                    if "kuberay" not in p.name)})
 KUBERAY = REPO / "ray_cluster" / "kuberay-rayjob.yaml"
+DEFAULT_JOB = "python trainers/main.py --config trainers/configs/char_gpt.yaml"
+# Where each cluster file sends runs, and the setup.cfg extras its nodes install for that (issue 44).
+RUNS_BUCKET = {"aws.yaml": ("s3", ["s3"]), "gcp.yaml": ("gs", ["gcs"]), "kuberay-rayjob.yaml": ("s3", ["s3", "gcs"])}
 
 
 def load(path: Path) -> dict:
@@ -33,6 +36,13 @@ def install_requires() -> list[str]:
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     return [line.strip() for line in cfg["options"]["install_requires"].splitlines() if line.strip()]
+
+
+def extra_requires(extra: str) -> list[str]:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return [line.strip() for line in cfg["options.extras_require"][extra].splitlines()
+            if line.strip() and not line.strip().startswith("#")]
 
 
 def ray_version() -> str:
@@ -140,7 +150,7 @@ def test_kuberay_job_runs_the_default_entrypoint_on_the_projects_ray():
     job = load(KUBERAY)
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
-    assert spec["entrypoint"] == "python trainers/main.py --config trainers/configs/char_gpt.yaml"
+    assert spec["entrypoint"].startswith(DEFAULT_JOB + " ")  # and settings for the cluster (runs: a bucket)
     assert (REPO / "trainers/configs/char_gpt.yaml").exists()
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == ray_version() == "2.60.0"
@@ -156,3 +166,41 @@ def test_kuberay_job_runs_the_default_entrypoint_on_the_projects_ray():
 def test_rayignore_keeps_data_runs_and_venv_out_of_job_uploads():
     patterns = (REPO / ".rayignore").read_text().split()
     assert {"data/", "runs/", ".venv/", ".git/"} <= set(patterns)
+
+
+def runs_uris(name: str) -> list[str]:
+    """The run.storage_path of the job each file runs: KubeRay's entrypoint; the `ray job submit` command in the
+    header comment of a `ray up` config (those files have no other place for a job's settings)."""
+    if name == "kuberay-rayjob.yaml":
+        words = shlex.split(load(KUBERAY)["spec"]["entrypoint"])
+        assert " ".join(words[:4]) == DEFAULT_JOB
+        return [w.split("=", 1)[1] for w in words[4:] if w.startswith("run.storage_path=")]
+    text = (REPO / "ray_cluster" / name).read_text()
+    return re.findall(rf"-- {re.escape(DEFAULT_JOB)} \\\n#\s+run\.storage_path=(\S+)\n", text)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS_BUCKET))
+def test_runs_go_to_a_bucket_the_nodes_can_reach(name):
+    scheme, extras = RUNS_BUCKET[name]
+    text = (REPO / "ray_cluster" / name).read_text()
+    (uri,) = runs_uris(name)
+    assert re.fullmatch(rf"{scheme}://YOUR-BUCKET/[a-z0-9-]+", uri), uri  # a placeholder that names no real bucket
+    # every mention of run.storage_path names that bucket (no shared or mounted folder left over)
+    assert set(re.findall(r"run\.storage_path[=:]\s*(\S+)", text)) == {uri}
+    # the nodes install the extras that reach it, pinned like setup.cfg
+    wanted = [r for extra in extras for r in extra_requires(extra)]
+    assert wanted
+    if name == "kuberay-rayjob.yaml":
+        pip = yaml.safe_load(load(KUBERAY)["spec"]["runtimeEnvYAML"])["pip"]
+        assert set(wanted) <= set(pip)
+    else:
+        prepared = prepare_config(copy.deepcopy(load(REPO / "ray_cluster" / name)))
+        for kind in ("head_setup_commands", "worker_setup_commands"):
+            (ray_line,) = [c for c in prepared[kind] if "ray[train,tune,data,default]" in c]
+            assert set(wanted) <= set(shlex.split(ray_line)), kind
+    # and the file names the identity the nodes need for it, where it goes
+    identity = {"aws.yaml": ["IamInstanceProfile", "s3:PutObject", "s3:ListBucket", "iam:PassRole"],
+                "gcp.yaml": ["serviceAccounts:", "roles/storage.objectAdmin"],
+                "kuberay-rayjob.yaml": ["serviceAccountName: stride-runs", "eks.amazonaws.com/role-arn",
+                                        "roles/storage.objectAdmin", "workloadIdentityPools"]}[name]
+    assert all(word in text for word in identity), identity

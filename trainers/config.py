@@ -30,7 +30,9 @@ class Section(BaseModel):
 
 class RunSection(Section):
     name: str = Field("char_gpt", description="Run name; results, checkpoints and resume live under storage_path/name")
-    storage_path: str = Field("./runs", description="Folder (shared by all nodes on a cluster) holding run folders")
+    storage_path: str = Field("./runs", description="Where run folders live: a folder (shared by all nodes on a "
+                              "cluster), or a bucket: s3://bucket/prefix or gs://bucket/prefix (credentials from the "
+                              "cloud's own chain; docs/clusters-and-security.md)")
     seed: int = Field(0, description="Seed of the data order, the weight init and each step's random streams (dropout, augmentation)")
     lock_stale_s: float = Field(60.0, ge=1, le=3600, allow_inf_nan=False, description="A run holds its run folder's lock (stride.lock) and beats it every few seconds; a lock not beaten for this long is taken over by the next run, and the workers of a run whose driver stopped beating stop by themselves")
 
@@ -47,12 +49,15 @@ class RunSection(Section):
 
     @field_validator("storage_path")
     @classmethod
-    def _a_folder(cls, v: str) -> str:
-        # Checkpoints are verified and resumed from the folder itself (trainers/run/checkpointing.py), so an object
-        # store must be mounted; a URI here would silently become a local folder named "s3:".
-        if "://" in v:
-            raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "
-                             "bucket (s3fs, gcsfuse) and use e.g. run.storage_path=/mnt/bucket/runs")
+    def _a_folder_or_bucket(cls, v: str) -> str:
+        from stride.trainers.run.storage import is_uri, parse_uri
+
+        if is_uri(v):
+            found = parse_uri(v)  # ValueError: the reason, never a credential the URI carried
+            if isinstance(found, Path):  # file:///x is the folder /x
+                v = str(found)
+            else:
+                return str(found)  # normalized: s3://bucket/prefix, no trailing slash
         try:
             Path(v).expanduser().resolve()  # Config.run_dir resolves it: a loop would be a traceback there
         except RuntimeError:
@@ -383,6 +388,13 @@ class CheckpointSection(Section):
                                               "(docs/fault-tolerance.md)")
     every_steps: int | None = Field(200, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and always at the end)")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on storage")
+    staging_dir: str | None = Field(None, description="Runs on a bucket: the node-local folder where each rank writes "
+                                    "its checkpoint shards before they upload, and the run's working files (default: "
+                                    "a private folder under the node's temporary directory)")
+    upload: Literal["async", "sync"] = Field("async", description="Runs on a bucket: upload checkpoint shards while "
+                                             "training goes on (async), or before the next step (sync)")
+    max_upload_failures: int = Field(3, ge=1, description="Runs on a bucket: a checkpoint whose upload still fails "
+                                     "after retries is skipped with a warning; this many in a row fail the run")
     trainable_only: bool = Field(False, description="Save only the trainable parameters and their optimizer state "
                                  "(adapters: LoRA); a resume reads the frozen rest from init.from again, and exits 2 "
                                  "if that file changed")
@@ -565,7 +577,24 @@ class Config(Section):
 
     @property
     def run_dir(self) -> Path:
+        """The run's folder; for a run on a bucket, this node's private working copy of it (trainers/run/remote.py
+        says what reaches the bucket, and when)."""
+        from stride.trainers.run.storage import location_of
+
+        location = location_of(self.run.storage_path)
+        if location is not None:
+            from stride.trainers.run.remote import working_copy
+
+            return working_copy(location, self.run.name, self.checkpoint.staging_dir)
         return Path(self.run.storage_path).expanduser().resolve() / self.run.name
+
+    @property
+    def run_location(self) -> str:
+        """Where the run lives, as the user reads it: its folder, or s3://bucket/prefix/<run.name>."""
+        from stride.trainers.run.storage import location_of
+
+        location = location_of(self.run.storage_path)
+        return str(location.join(self.run.name)) if location is not None else str(self.run_dir)
 
     def to_dict(self) -> dict[str, Any]:
         """The keys the user set, as validated here (paths resolved): what workers, Tune trials and the eval and

@@ -31,6 +31,7 @@ from stride.trainers import blocks as trainer_blocks
 from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
+from stride.trainers.run.remote import RunRemote
 from stride.trainers.callbacks import Callbacks, build as build_callbacks
 from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
@@ -216,7 +217,8 @@ class Trainer:
         self.stream = None  # fit()'s stream of training micro-batches: it knows the data position
         self.ended: str | None = None  # the status of a run a callback ended (its rerun trains no further)
         # Checked before every checkpoint and metrics write: a worker whose run lost the folder never writes again.
-        self.fence = runlock.Fence(self.run_dir, plan.run_lock_token, cfg.run.lock_stale_s)
+        self.fence = runlock.fence_for(cfg, self.run_dir, plan.run_lock_token)
+        self.remote = RunRemote.of(cfg)  # a run on a bucket: what reaches it, and when (None: a folder)
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
@@ -257,7 +259,7 @@ class Trainer:
                  len(train.blocks), val.num_rows if val else 0, self.order.window_rows, self.batch_text(W))
 
         self.setup_precision()
-        self.checkpoint_dir = env.latest_checkpoint()
+        self.checkpoint_dir = self.remote.resume_copy(env.world_rank) if self.remote else env.latest_checkpoint()
         self.resume_meta = checkpointing.read_meta(self.checkpoint_dir) if self.checkpoint_dir else None
         model = self.build_model()
         self.sample_flops = self.task.flops_per_sample(model)
@@ -285,7 +287,9 @@ class Trainer:
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group, self.written,
-                                                     fence=self.fence.still_holds)
+                                                     fence=self.fence.still_holds, remote=self.remote,
+                                                     sync=cfg.checkpoint.upload == "sync")
+        self.writer.keep_last = cfg.checkpoint.keep_last
 
     def written(self, folder: Path, seconds: float) -> None:
         """Rank 0, once a checkpoint's files are all in (the writer's thread)."""
@@ -392,6 +396,8 @@ class Trainer:
         if not self.sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded in setup
             self.model = self.env.wrap_model(self.model)
         self.raw_model = getattr(self.model, "module", self.model)
+        if self.remote is not None:
+            self.remote.drop_resume_copy(self.env.world_rank)  # everything is loaded: staging holds no checkpoint
 
     def _load(self, ckpt_dir: Path) -> None:
         meta = self.resume_meta

@@ -32,7 +32,11 @@ def open_run(cfg, task, instance: str):
     (exit 2) that leaves the folder as it was. Returns the held lock: release it (or use it in `with`) at the end."""
     from stride.trainers.run import folder as runfolder
     from stride.trainers.run import lock as runlock
+    from stride.trainers.run.remote import RunRemote
 
+    remote = RunRemote.of(cfg)
+    if remote is not None:
+        return open_remote_run(cfg, task, instance, remote)
     run_dir = check_storage(cfg)
     runfolder.check_run_folder(run_dir)  # a link planted where the run writes: refused before its lock is written
     lock = runlock.acquire(run_dir, cfg.run.lock_stale_s, instance)
@@ -42,6 +46,43 @@ def open_run(cfg, task, instance: str):
         lock.release()
         raise
     return lock
+
+
+def open_remote_run(cfg, task, instance: str, remote):
+    """open_run for a run on a bucket: the prefix is writable with these credentials, the lock is taken there (on
+    conditional writes), and a checkpoint already there is of this task's model."""
+    from stride.trainers.run import lock as runlock
+    from stride.trainers.run.storage import ObjectStore, location_of
+
+    check_job_storage(cfg)
+    ObjectStore(location_of(cfg.run.storage_path)).check_writable("run.storage_path")
+    ensure_writable(cfg.run_dir, "checkpoint.staging_dir", cfg.checkpoint.staging_dir or cfg.run_dir.parent)
+    lock = runlock.acquire_object(remote.store, cfg.run.name, cfg.run.lock_stale_s, instance)
+    try:
+        check_remote_resume(cfg, remote, task)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_remote_resume(cfg, remote, task) -> None:
+    """check_resume for a run on a bucket, on the newest complete checkpoint's meta.json and DCP metadata alone."""
+    import shutil
+
+    complete = remote.complete()
+    if not complete:
+        return
+    step, name = complete[-1]
+    probe = cfg.run_dir / ".resume-check"
+    shutil.rmtree(probe, ignore_errors=True)
+    (probe / name).mkdir(parents=True)
+    try:
+        for part in ("meta.json", ".metadata"):
+            remote.store.download(f"{name}/{part}", probe / name / part)
+        _check_model_matches(cfg, probe / name, task, where=str(remote))
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def take_run(cfg, task, instance: str | None) -> Callable[[], tuple[RunLock, str]]:
@@ -187,8 +228,15 @@ def check_resume(cfg, run_dir: Path, task) -> None:
 
     # An unusable newer checkpoint (torn, tampered) is passed over: said here, once, with the reason.
     newest = checkpointing.newest_complete(run_dir, lambda line: print(f"stride: warning: {line}", flush=True))
-    if newest is None:
-        return
+    if newest is not None:
+        _check_model_matches(cfg, newest, task)
+
+
+def _check_model_matches(cfg, newest: Path, task, where: str | None = None) -> None:
+    import torch
+
+    from stride.trainers.run import checkpointing
+
     with torch.device("meta"):  # shapes only: no memory for the weights
         model = task.build_model()
     try:
@@ -200,7 +248,8 @@ def check_resume(cfg, run_dir: Path, task) -> None:
     if mismatch := checkpointing.shape_mismatch(shapes, saved):
         raise UsageError(f"run.name ({cfg.run.name}) holds checkpoint {newest.name} of another model (the {mismatch}); "
                          f"use a new run.name, or the model.* settings it was trained with")
-    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})", flush=True)
+    print(f"stride: resuming {cfg.run.name} from {newest.name} (step {checkpointing.read_meta(newest)['step']})"
+          + (f" in {where}" if where else ""), flush=True)
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
@@ -242,9 +291,15 @@ def finish(run_dir: Path, summary: dict[str, Any], cfg, t_start: float, **fields
     redacted), `fields` (the runtime, a trial's params); recorded as record_summary does. Returns where it went."""
     from stride.trainers.config import public_dict
 
+    from stride.trainers.run.remote import RunRemote
+
     summary.update(wall_s=time.time() - t_start, config=public_dict(cfg), **fields)
     summary.setdefault("restarts", 0)
-    return record_summary(run_dir, summary)
+    written = record_summary(run_dir, summary)
+    remote = RunRemote.of(cfg)
+    if remote is not None and Path(written).is_file():
+        return remote.publish_record(Path(written).name, summary)
+    return written
 
 
 def report_paths(cfg, run_dir: Path, summary: dict) -> None:
@@ -260,7 +315,7 @@ def report_paths(cfg, run_dir: Path, summary: dict) -> None:
     if summary.get("error"):
         error_line(summary['error'])
     print(f"stride: summary     {summary.get('summary_path', run_dir / 'summary.json')}")
-    print(f"stride: metrics     {run_dir / 'metrics.jsonl'}")
+    print(f"stride: metrics     {cfg.run_location}/metrics.jsonl")
     print(f"stride: checkpoint  {summary.get('checkpoint')}")
     for line in sinks.where(cfg, summary):
         print(f"stride: {line}", flush=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from stride.trainers import telemetry
 from stride.trainers.run import checkpointing
+from stride.trainers.run.remote import RunRemote
 from stride.trainers.config_reader import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
 from stride.trainers.policies import Preemption
@@ -38,8 +39,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     cfg = from_dict(config["cfg"])
     plan: RunPlan = config["plan"]
 
+    on_bucket = RunRemote.of(cfg) is not None  # its checkpoints are Stride's to upload and find, not Ray's
+
     def report(metrics: dict[str, Any], written: Future | None) -> None:
-        if written is None or ctx.get_world_rank() != 0:
+        if written is None or ctx.get_world_rank() != 0 or on_bucket:
             ray.train.report(metrics)
             return
         from ray.train import CheckpointUploadMode

@@ -226,7 +226,7 @@ def train(config: str, overrides: list[str]) -> int:
 
     def still_ours(lock: runlock.RunLock) -> bool:
         # A gang whose folder another run took over ends with the fence's error line, as its workers would.
-        runlock.Fence(run_dir, lock.token, cfg.run.lock_stale_s).still_holds()
+        runlock.fence_for(cfg, run_dir, lock.token).still_holds()
         return True
 
     summary = lifecycle.train_and_record(cfg, lambda: take_run_lock(cfg, task, rank, world_size), train_here,

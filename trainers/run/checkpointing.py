@@ -125,7 +125,7 @@ class CheckpointWriter:
     interleave with training's; None without torch.distributed (one process)."""
 
     def __init__(self, rank: int, process_group=None, written: Callable[[Path, float], Any] | None = None,
-                 fence: Callable[[], None] = lambda: None):
+                 fence: Callable[[], None] = lambda: None, remote=None, sync: bool = False):
         # DCP's modules take about 0.3 s to import: here, at setup, not inside the first checkpoint's blocking time.
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.staging  # noqa: F401
@@ -133,6 +133,9 @@ class CheckpointWriter:
 
         self.rank, self.process_group, self.written = rank, process_group, written
         self.fence = fence  # raises when this run no longer holds its run folder (trainers/run/lock.py)
+        # A run on a bucket (trainers/run/remote.py): the folder is node-local staging, published after the write.
+        self.remote, self.sync = remote, sync
+        self.keep_last = 1 << 30  # the run sets checkpoint.keep_last (a bucket's retention is the writer's)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stride-checkpoint")
         self._pending: Future | None = None
 
@@ -146,8 +149,13 @@ class CheckpointWriter:
             # Before staging, so before this save's collective plan step: no other rank writes into `folder` until
             # rank 0 is past that step, and so past this.
             fresh_folder(Path(folder))
+        elif self.remote is not None and not Path(folder).is_dir():
+            Path(folder).mkdir(parents=True, exist_ok=True)  # staging is node-local: rank 0's is on its node only
         staged = DefaultStager(StagingOptions(False, False, False, False)).stage(state)
         self._pending = self._pool.submit(self._write, Path(folder), staged, meta)
+        if self.sync:  # checkpoint.upload=sync: the step waits for the upload
+            pending = self._pending
+            pending.exception()
         return self._pending
 
     def wait(self) -> Path | None:
@@ -192,6 +200,8 @@ class CheckpointWriter:
         try:
             # A failed write fails on every rank (DCP gathers each rank's result), so every rank retries it together.
             with_retries(save, str(folder), errors=(OSError, CheckpointException))
+            if self.remote is not None:
+                return self._publish(folder, meta, t0)
             if self.rank == 0:
                 with_retries(lambda: (self.fence(), write_marker(folder, meta)), str(folder))
         except CheckpointWriteError as e:
@@ -205,6 +215,59 @@ class CheckpointWriter:
         if self.rank == 0 and self.written is not None:
             self.written(folder, time.perf_counter() - t0)
         return folder
+
+
+    def _publish(self, folder: Path, meta: dict[str, Any], t0: float) -> Path | None:
+        """A run on a bucket: every rank uploads its own staged files (retried with backoff); rank 0 writes meta.json
+        into the bucket last, only once every rank's files are there, and prunes past checkpoint.keep_last. The staged
+        files are removed either way. A failed upload is one warning, and the previous checkpoint stays the newest
+        (None is returned); `max_upload_failures` in a row fail the run (CheckpointWriteError, exit 1)."""
+        from stride.trainers.run.storage import with_backoff
+
+        remote = self.remote
+        try:
+            files, error = with_backoff(lambda: remote.upload_shards(folder, self.rank)), None
+        except OSError as e:
+            files, error = {}, _reason(e)
+        every = self._gather((files, error))
+        errors = [err for _, err in every if err]
+        if not errors and self.rank == 0:
+            merged = {name: want for own, _ in every for name, want in own.items()}
+            try:
+                with_backoff(lambda: (self.fence(), remote.commit(folder.name, meta, merged)))
+            except OSError as e:
+                errors.append(_reason(e))
+        errors = self._gather(errors)[0]  # rank 0's verdict, on every rank
+        for p in remote.own_files(folder, self.rank):
+            p.unlink(missing_ok=True)
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        if errors:
+            remote.failures += 1
+            line = (f"checkpoint {folder.name} could not be uploaded to {remote} ({errors[0]}); "
+                    f"{remote.failures} in a row (checkpoint.max_upload_failures={remote.max_upload_failures})")
+            if remote.failures >= remote.max_upload_failures:
+                raise CheckpointWriteError(line + "; the newest complete checkpoint there is kept: rerun to resume "
+                                                  "from it", errors[0], None)
+            if self.rank == 0:
+                log.warning("%s; training goes on, the previous checkpoint stays the newest", line)
+            return None
+        remote.failures = 0
+        if self.rank == 0:
+            remote.prune(self.keep_last)
+            if self.written is not None:
+                self.written(folder, time.perf_counter() - t0)
+        return folder
+
+    def _gather(self, obj):
+        """Every rank's `obj`, in rank order, over the writer's own group (one process: just this one)."""
+        if self.process_group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
 
 
 def storage_failure_line(what: str, run_dir: Path, reason: str, errno_: int | None = None) -> str:

@@ -350,3 +350,148 @@ def launcher_instance() -> str | None:
     """What makes a relaunch "the same run restarted" outside Tune: the SLURM job id, which a requeue keeps."""
     job = os.environ.get("SLURM_JOB_ID")
     return f"slurm:{job}" if job else None
+
+
+# ---- the lock of a run on a bucket ------------------------------------------------------------------------------
+# The same semantics on an object store, built on its conditional writes instead of O_EXCL and rename: the lock is
+# created only if absent; a beat rewrites it only if it is unchanged since this holder's last write (so a takeover in
+# between makes the beat fail, not undo the takeover); a stale lock is taken over by replacing exactly the version
+# judged stale. Staleness is judged on the storage's clock (the object's modification time against a probe's), as
+# the folder lock judges it on the file server's.
+
+
+class ObjectRunLock(RunLock):
+    """The run lock of a run on a bucket (`store`: trainers/run/storage.py at the run's prefix)."""
+
+    def __init__(self, store, record: dict, version: str, stale_s: float):
+        self.store, self.version = store, version
+        self._version_lock = threading.Lock()
+        super().__init__(Path(store.describe(LOCK)), record, stale_s)
+
+    def beat(self) -> bool:
+        try:
+            with self._version_lock:
+                record = dict(self.record, beat=self.record.get("beat", 0) + 1)
+                new = self.store.replace(LOCK, json.dumps(record).encode(), self.version)
+                if new is not None:
+                    self.record, self.version = record, new
+                    return True
+        except OSError as e:
+            log.warning("run lock %s: heartbeat failed (%s); retrying", self.store.describe(LOCK), e)
+            return True
+        self.lost = True
+        found = _read_object_lock(self.store)
+        holder = describe(found[0], None) if found else "nobody: the lock is gone"
+        print(f"stride: warning: {self.store.describe()} is no longer this run's (its run lock is now held by "
+              f"{holder}); this run's workers stop before their next write", file=sys.stderr, flush=True)
+        return False
+
+    def held(self) -> bool:
+        try:
+            found = _read_object_lock(self.store)
+        except OSError:
+            return False
+        return found is not None and found[0].get("token") == self.token
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.held():
+            self.store.delete(LOCK)
+
+
+def _read_object_lock(store) -> tuple[dict, str] | None:
+    """(record, version) of the lock object, or None. A record that is not Stride's JSON reads as {}."""
+    found = store.read_versioned(LOCK)
+    if found is None:
+        return None
+    data, version = found
+    try:
+        record = json.loads(data[:MAX_LOCK_BYTES])
+    except ValueError:
+        record = {}
+    return (record if isinstance(record, dict) else {}), version
+
+
+def _new_record(fence: int, instance: str | None) -> dict:
+    return {"token": uuid.uuid4().hex, "fence": fence, "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()), "started": time.time(), "instance": instance, "beat": 0}
+
+
+def acquire_object(store, run_name: str, stale_s: float, instance: str | None = None) -> ObjectRunLock:
+    """acquire() for a run on a bucket: create the lock if absent; take over a stale one by replacing exactly the
+    version judged stale; else RunLockedError naming the run and the holder."""
+    for _ in range(10):
+        found = _read_object_lock(store)
+        if found is None:
+            record = _new_record(1, instance)
+            version = store.create(LOCK, json.dumps(record).encode())
+            if version is not None:
+                return ObjectRunLock(store, record, version, stale_s)
+            continue
+        held, version = found
+        modified = store.modified(LOCK)
+        age = max(0.0, store.now() - modified) if modified is not None else 0.0
+        why = takeover_reason(held, age, stale_s, instance)
+        if why is None:
+            raise RunLockedError(f"run.name ({_short(run_name)}): {store.describe()} is in use by another run "
+                                 f"({describe(held, age)}); wait for it, stop it, or use another run.name")
+        fence = held.get("fence")
+        record = _new_record((fence if isinstance(fence, int) and fence > 0 else 0) + 1, instance)
+        new = store.replace(LOCK, json.dumps(record).encode(), version)
+        if new is None:  # another contender changed it first: look again
+            continue
+        print(f"stride: warning: taking over the run lock of {store.describe()} from {describe(held, age)} ({why})",
+              file=sys.stderr, flush=True)
+        return ObjectRunLock(store, record, new, stale_s)
+    raise RunLockedError(f"run.name ({_short(run_name)}): {store.describe()}'s run lock changed hands 10 times while "
+                         f"this run tried to take it; another run is starting there: wait for it, or use another "
+                         f"run.name")
+
+
+class ObjectFence(Fence):
+    """Fence for a run on a bucket: one metadata read of the lock object per check; its content is read again only
+    when its version moved, and a version that stands still for stale_s on this worker's clock is a driver gone."""
+
+    def __init__(self, store, token: str | None, stale_s: float, clock: Callable[[], float] = time.monotonic):
+        super().__init__(Path(store.describe()), token, stale_s, clock)
+        self.store = store
+        self._seen_version: str | None = None
+
+    def still_holds(self) -> None:
+        if self.token is None:
+            return
+        with self._mutex:
+            try:
+                found = _read_object_lock(self.store)
+            except OSError:  # storage down for a moment: not a beat, so a lasting failure ends as a stale heartbeat
+                found = False
+            if found is None:
+                self._lost("its run lock is gone")
+            now = self._clock()
+            if found:
+                record, version = found
+                if record.get("token") != self.token:
+                    self._lost(f"its run lock is held by {describe(record, None)}")
+                if version != self._seen_version:
+                    self._seen_version, self._since = version, now
+                    return
+            if now - self._since > self.stale_s:
+                raise RunLockLostError(
+                    f"{self.store.describe(LOCK)}: the driver's heartbeat has not moved for {now - self._since:.0f}s "
+                    f"(run.lock_stale_s={self.stale_s:g}): the run's driver is gone; this worker stops before writing "
+                    f"anything more there")
+
+    def _lost(self, why: str):
+        raise RunLockLostError(f"{self.store.describe()} is no longer this run's ({why}); this worker stops before "
+                               f"writing anything more there")
+
+
+def fence_for(cfg, run_dir: Path | str, token: str | None, clock: Callable[[], float] = time.monotonic) -> Fence:
+    """The fence of a config's run: on its bucket's lock object, or on its folder's lock file."""
+    from stride.trainers.run.remote import RunRemote
+
+    remote = RunRemote.of(cfg)
+    if remote is not None:
+        return ObjectFence(remote.store, token, cfg.run.lock_stale_s, clock)
+    return Fence(run_dir, token, cfg.run.lock_stale_s, clock)

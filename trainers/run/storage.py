@@ -26,7 +26,7 @@ from typing import Any
 
 from stride.errors import ConfigError
 
-__all__ = ["Location", "ObjectStore", "FolderStore", "Store", "is_uri", "parse_uri", "open_store"]
+__all__ = ["Location", "ObjectStore", "FolderStore", "Store", "is_uri", "parse_uri", "open_store", "with_backoff"]
 
 SCHEMES = ("s3", "gs")
 # S3's and GCS's bucket naming rules, the part they share (lower case, digits, dots, dashes; 3-63 characters);
@@ -478,3 +478,16 @@ def open_store(where: str | Path) -> Store:
     """The store of a run folder's parent or of a run: a Location's bucket, else the folder."""
     loc = location_of(str(where))
     return ObjectStore(loc) if loc is not None else FolderStore(Path(where))
+
+
+def with_backoff(fn: Callable[[], Any], attempts: int = 4, first_wait_s: float = 0.5):
+    """`fn`, retried on OSError with exponential backoff; the last failure is raised."""
+    wait = first_wait_s
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except OSError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(wait)
+            wait *= 2

@@ -64,11 +64,31 @@ class MetricsFileSink(Sink):
     essential = True  # the run's own record: a failure to write it (disk full) ends the run, as any write does
 
     def open(self, run: RunInfo) -> None:
+        from stride.trainers.run.remote import RunRemote
+
+        # A run on a bucket: the bucket's file is the record (this node's copy may be another node's, or none); it is
+        # trimmed to the resumed step here as a folder's is, then every write reaches the bucket whole.
+        self.remote = RunRemote.of(run.cfg)
+        if self.remote is not None:
+            self.remote.pull(runfolder.METRICS)
         self.file = MetricsFile(run.run_dir / runfolder.METRICS, run.resume_step)
+        self._published()
 
     def train(self, metrics: dict[str, Any], own: dict[str, Any], eta_s: float) -> None:
         extra = [k for k in metrics if k.startswith(("lr/", "samples_seen/", "train_")) and k not in TRAIN_FIELDS]
         self.file.write({k: metrics[k] for k in (*TRAIN_FIELDS, *extra) if k in metrics})
+        self._published()
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         self.file.write({"step": step, **metrics})
+        self._published()
+
+    def close(self, status: str) -> None:
+        if self.remote is not None:  # the last lines, then no copy on this node's disk
+            self.remote.flush()
+            self.remote.push(runfolder.METRICS)
+            (self.file.path).unlink(missing_ok=True)
+
+    def _published(self) -> None:
+        if self.remote is not None:
+            self.remote.push_soon(runfolder.METRICS)

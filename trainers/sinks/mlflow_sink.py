@@ -150,6 +150,17 @@ class MLflowSink(Sink):
     Settings = MLflowSettings
 
     @classmethod
+    def preflight(cls, cfg) -> str | None:
+        from stride.trainers.run.storage import location_of
+
+        if cfg.tracking.mlflow_uri is None and location_of(cfg.run.storage_path) is not None:
+            # The default store is a SQLite file beside the runs; a bucket cannot hold one.
+            return (f"tracking.mlflow_uri is unset, and its default store (a SQLite file under run.storage_path) "
+                    f"cannot live in {cfg.run.storage_path}; set tracking.mlflow_uri=<your tracking server>, or "
+                    f"tracking.mlflow=false")
+        return super().preflight(cfg)
+
+    @classmethod
     def enabled(cls, tracking) -> bool:
         return tracking.mlflow
 

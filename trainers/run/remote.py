@@ -1,0 +1,260 @@
+"""A run on a bucket (`run.storage_path: s3://...` or `gs://...`), worked on in a node-local copy.
+
+Every process of a run on a bucket works in this node's private working copy (`working_copy`: under
+`checkpoint.staging_dir`, default a folder of this user's alone under the temporary directory), with the same names
+as a run folder. `RunRemote` is what reaches the bucket, and when:
+
+* checkpoints: each rank writes its DCP shard into the working copy (fast, local), then uploads it while training goes
+  on; rank 0 writes `meta.json` into the bucket last, only after every rank's shards are there, recording each file's
+  size and sha256. A checkpoint without `meta.json` does not exist for resume, export or eval. The staged shards are
+  removed once their upload is confirmed (or given up).
+* `metrics.jsonl`, `summary.json`, `tensorboard/`: written locally and uploaded whole, as one object each (a reader
+  sees the old object or the new, never half of one), at log flushes, checkpoints and the end.
+* the lock: trainers/run/lock.py's object lock, on conditional writes.
+* a resume: the newest complete checkpoint in the bucket is downloaded into this rank's working copy, verified
+  (sizes and sha256), loaded, and removed.
+
+The names under `<storage_path>/<run.name>/` are those of a folder, so a run copied from a bucket to a folder
+(`aws s3 sync`, `gcloud storage rsync`) resumes from the folder, and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stride.trainers.run.storage import Location, ObjectStore, location_of, with_backoff
+
+log = logging.getLogger("stride")
+
+META = "meta.json"
+CHECKPOINT_PREFIX = "checkpoint_"
+
+
+def staging_root(staging_dir: str | None) -> Path:
+    """The node-local folder a run on a bucket works in: `checkpoint.staging_dir`, or a folder this user alone
+    controls (mode 0700, checked) under the temporary directory: a shared /tmp is not trusted."""
+    from stride.ray_cluster.node import UnsafeStateDir, private_dir
+    from stride.errors import UsageError
+
+    base = Path(staging_dir).expanduser() if staging_dir else Path(tempfile.gettempdir()) / f"stride-{os.getuid()}"
+    try:
+        return private_dir(base)
+    except UnsafeStateDir as e:
+        raise UsageError(f"checkpoint.staging_dir ({base}): {e}; set checkpoint.staging_dir=<a private local "
+                         f"folder>") from None
+
+
+def working_copy(location: Location, name: str, staging_dir: str | None) -> Path:
+    """This node's working copy of the run `name` under `location`: one folder per (bucket prefix, run)."""
+    key = hashlib.sha256(str(location).encode()).hexdigest()[:16]
+    return staging_root(staging_dir) / "runs" / key / name
+
+
+class RunRemote:
+    """The bucket side of a run: `store` at `<storage_path>/<run.name>`, `local` the working copy."""
+
+    def __init__(self, store: ObjectStore, local: Path, max_upload_failures: int = 3):
+        self.store, self.local = store, Path(local)
+        self.max_upload_failures = max_upload_failures
+        self.failures = 0  # checkpoints in a row whose upload failed
+        self._push_lock = threading.RLock()
+        self._wanted: set[str] = set()
+        self._pusher: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, cfg) -> RunRemote | None:
+        """The remote of a config's run, or None for a run in a folder."""
+        location = location_of(cfg.run.storage_path)
+        if location is None:
+            return None
+        return cls(ObjectStore(location.join(cfg.run.name)), cfg.run_dir, cfg.checkpoint.max_upload_failures)
+
+    def __str__(self) -> str:
+        return self.store.describe()
+
+    # ---- whole files ---------------------------------------------------------------------------------------
+
+    def pull(self, name: str) -> bool:
+        """`name` from the bucket into the working copy (replacing it); False when the bucket has none."""
+        data = self.store.read(name)
+        if data is None:
+            return False
+        path = self.local / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from stride.trainers.run.folder import atomic_write_bytes
+
+        atomic_write_bytes(path, data)
+        return True
+
+    def push(self, name: str) -> None:
+        """The working copy's `name` to the bucket, whole (one object: a reader never sees half of it)."""
+        path = self.local / name
+        if not path.is_file():
+            return
+        with self._push_lock:  # two pushes of one file never interleave their reads and puts
+            data = path.read_bytes()
+            if name.endswith(".jsonl"):  # a line being appended right now goes with the next push, whole
+                data = data[:data.rfind(b"\n") + 1]
+            self.store.write(name, data)
+
+    def push_soon(self, name: str) -> None:
+        """push(name) from a background thread, coalesced: a burst of requests is one upload of the newest bytes, and
+        the caller (a log step) never waits on the network. `flush()` waits for it."""
+        with self._push_lock:
+            self._wanted.add(name)
+            if self._pusher is None or not self._pusher.is_alive():
+                self._pusher = threading.Thread(target=self._push_wanted, name="stride-push", daemon=True)
+                self._pusher.start()
+
+    def _push_wanted(self) -> None:
+        while True:
+            with self._push_lock:
+                if not self._wanted:
+                    self._pusher = None
+                    return
+                name = self._wanted.pop()
+            try:
+                with_backoff(lambda: self.push(name))
+            except OSError as e:  # the next push carries the whole file again
+                log.warning("%s could not be uploaded to %s (%s); retrying at the next log step", name, self, e)
+
+    def flush(self) -> None:
+        """Wait for push_soon's uploads."""
+        pusher = self._pusher
+        if pusher is not None:
+            pusher.join()
+
+    def push_tree(self, name: str) -> None:
+        """Every file under the working copy's folder `name` (TensorBoard's event files, W&B's offline run)."""
+        root = self.local / name
+        if not root.is_dir():
+            return
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                self.store.upload(p, str(p.relative_to(self.local)))
+
+    def publish_record(self, summary_name: str, summary: dict[str, Any]) -> str:
+        """The end of a run on a bucket: TensorBoard's files, metrics.jsonl, then the summary (last: the run's own
+        record) reach the bucket, and this node's working copy is removed (no run file stays on its disk). The
+        summary's checkpoint is the bucket's newest complete one. Returns where the summary went."""
+        complete = self.complete()
+        summary["checkpoint"] = self.store.describe(complete[-1][1]) if complete else None
+        from stride.trainers.run.folder import atomic_write_text
+
+        atomic_write_text(self.local / summary_name, json.dumps(summary, indent=1, default=str) + "\n")
+        self.flush()
+        self.push_tree("tensorboard")
+        self.push("metrics.jsonl")
+        self.push(summary_name)
+        shutil.rmtree(self.local, ignore_errors=True)
+        return self.store.describe(summary_name)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def own_files(self, folder: Path, rank: int) -> list[Path]:
+        """The files of `folder` that `rank` wrote: its DCP shards, and rank 0's `.metadata`."""
+        mine = sorted(Path(folder).glob(f"__{rank}_*.distcp"))
+        if rank == 0 and (Path(folder) / ".metadata").is_file():
+            mine.append(Path(folder) / ".metadata")
+        return mine
+
+    def upload_shards(self, folder: Path, rank: int) -> dict[str, dict[str, Any]]:
+        """Upload this rank's files of the checkpoint `folder`; returns name -> {bytes, sha256} of each."""
+        files = {}
+        for p in self.own_files(folder, rank):
+            files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            self.store.upload(p, f"{folder.name}/{p.name}")
+        return files
+
+    def commit(self, folder_name: str, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+        """meta.json, last: the checkpoint exists from here on. Every file it names must be in the bucket with its
+        size (a shard that did not arrive fails the commit, never a resume)."""
+        listed = self.store.listing(folder_name)
+        for name, want in files.items():
+            got = listed.get(f"{folder_name}/{name}")
+            if got != want["bytes"]:
+                raise OSError(f"{self.store.describe(folder_name + '/' + name)} is not in the bucket as written "
+                              f"({got} bytes, {want['bytes']} expected)")
+        self.store.write(f"{folder_name}/{META}", json.dumps(dict(meta, format="dcp", files=files), indent=1).encode())
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, folder name) of every checkpoint in the bucket whose meta.json names files that are all there at
+        their recorded sizes, oldest first."""
+        listed = self.store.listing("")
+        found = []
+        for name in sorted({n.split("/", 1)[0] for n in listed if n.startswith(CHECKPOINT_PREFIX) and "/" in n}):
+            if f"{name}/{META}" not in listed:
+                continue
+            try:
+                meta = json.loads(self.store.read(f"{name}/{META}") or b"null")
+                files = meta["files"]
+                step = meta["step"]
+            except (ValueError, TypeError, KeyError):
+                continue
+            if isinstance(files, dict) and all(listed.get(f"{name}/{f}") == (w or {}).get("bytes")
+                                               for f, w in files.items()):
+                found.append((step, name))
+        return sorted(found)
+
+    def fetch(self, folder_name: str, dest_root: Path) -> Path:
+        """The checkpoint `folder_name` downloaded under `dest_root` (meta.json last, so that a copy cut short is
+        never complete); the caller verifies and removes it."""
+        dest = Path(dest_root) / folder_name
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        names = sorted(self.store.listing(folder_name))
+        for n in [n for n in names if not n.endswith("/" + META)] + [n for n in names if n.endswith("/" + META)]:
+            self.store.download(n, dest / posixpath.basename(n))
+        return dest
+
+    def resume_copy(self, rank: int) -> Path | None:
+        """The newest complete checkpoint in the bucket, downloaded into this rank's staging and verified (sizes and
+        sha256, as a folder's); an unusable one is passed over for the one before, with a warning. None: none."""
+        from stride.trainers.run import checkpointing
+
+        dest_root = self._resume_root(rank)
+        for step, name in reversed(self.complete()):
+            folder = with_backoff(lambda: self.fetch(name, dest_root))
+            problem = checkpointing.verify(folder)
+            if problem is None:
+                return folder
+            log.warning("checkpoint %s in %s is unusable (%s); trying the one before", name, self, problem)
+            shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+    def drop_resume_copy(self, rank: int) -> None:
+        shutil.rmtree(self._resume_root(rank), ignore_errors=True)
+
+    def _resume_root(self, rank: int) -> Path:
+        return self.local / ".resume" / f"rank-{rank}"
+
+    def prune(self, keep_last: int, keep: set[str] = frozenset()) -> None:
+        """Delete all but the newest `keep_last` complete checkpoints (and those in `keep`), and any incomplete one
+        older than the newest complete (an upload given up)."""
+        complete = [name for _, name in self.complete()]
+        kept = set(complete[-keep_last:]) | set(keep)
+        newest = complete[-1] if complete else None
+        for name in self.store.folders(""):
+            if not name.startswith(CHECKPOINT_PREFIX) or name in kept:
+                continue
+            if name in complete or (newest is not None and name < newest):
+                self.store.delete(name)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()

@@ -10,6 +10,8 @@ key, the bad value and the fix.
 
 from __future__ import annotations
 
+import re
+
 import difflib
 import os
 import types
@@ -248,6 +250,8 @@ def describe_validation_error(e: ValidationError, raw: dict[str, Any], prefix: s
         value = value.get(part) if isinstance(value, dict) else None
     if key == "tracking.mlflow_uri" and isinstance(value, str):  # its password never reaches a log
         value = redact(value)
+    elif isinstance(value, str) and "://" in value:  # nor any URI's user:password@ part (a bucket's keys)
+        value = re.sub(r"(//)[^/@]*@", r"\1***@", value)
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("literal_error",):
         msg = msg.replace("Input should be", "must be one of")

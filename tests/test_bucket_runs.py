@@ -1,0 +1,187 @@
+"""Runs on a bucket (`run.storage_path: s3://...`, issue 44), trained under torchrun against the suite's S3 server:
+the checkpoint commit (meta.json last), a kill and resume that ends bitwise as a run never stopped, metrics.jsonl with
+every step once, staging left empty, and the lock on conditional writes. torchrun is the cheapest level that has a
+gang (the commit gathers every rank's shards); the Ray path is tests/test_bucket_ray.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, torchrun_launcher
+from runs import TORCHRUN_PY, launch, tiny
+from s3_server import s3_server_fixture
+
+pytestmark = pytest.mark.slow
+s3_server = s3_server_fixture()
+
+# SIGKILLs rank 0 once the checkpoint of KILL_AT_STEP is complete in the bucket (the writer calls
+# on_checkpoint_complete after meta.json is there, while training has gone on meanwhile); torchrun then stops the rest.
+KILLER = textwrap.dedent("""
+    import os, signal
+    from stride import Callback
+
+    class KillAfterCheckpoint(Callback):
+        def on_checkpoint_complete(self, state, folder):
+            if os.environ.get("KILL_AT_STEP") and folder.name.endswith(os.environ["KILL_AT_STEP"].zfill(8)):
+                os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.fixture
+def bucket(s3_server):
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    return name
+
+
+def objects(s3, uri: str) -> list[str]:
+    """The object names under `uri`, relative to it."""
+    base = uri.removeprefix("s3://").rstrip("/") + "/"
+    return [p[len(base):] for p in s3.list(uri)]
+
+
+def read_object(s3, uri: str) -> bytes:
+    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
+        return f.read()
+
+
+def metrics(s3, run_uri: str) -> list[dict]:
+    return [json.loads(line) for line in read_object(s3, f"{run_uri}/metrics.jsonl").decode().splitlines() if line]
+
+
+def args(data, bucket, name, steps, staging, *extra):
+    return tiny(f"s3://{bucket}/runs", data, steps, "checkpoint.every_steps=6", "train.log_every_steps=1",
+                f"checkpoint.staging_dir={staging}", *extra, name=name)
+
+
+def files_under(folder: Path) -> list[Path]:
+    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
+
+
+def test_a_killed_bucket_run_resumes_bitwise_with_every_step_logged_once_and_nothing_left_on_disk(
+        s3_server, bucket, tabular_data, tmp_path):
+    env = s3_server.child_env()
+    staging = tmp_path / "staging"
+    ref = launch.torchrun(args(tabular_data, bucket, "ref", 30, staging), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_uri = f"s3://{bucket}/runs/ref"
+    listed = objects(s3_server, ref_uri)
+    # keep_last=2 in the bucket; every complete checkpoint has both ranks' shards, DCP's metadata and meta.json last
+    assert sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")}) == ["checkpoint_00000024",
+                                                                                       "checkpoint_00000030"]
+    meta = json.loads(read_object(s3_server, f"{ref_uri}/checkpoint_00000030/meta.json"))
+    assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "summary.json" in listed and "stride.lock" not in listed
+    assert files_under(staging) == []  # the working copy and the staged shards are gone
+
+    (tmp_path / "killer.py").write_text(KILLER)
+    cut_args = args(tabular_data, bucket, "cut", 30, staging, "train.callbacks=[killer:KillAfterCheckpoint]")
+    killed = subprocess.run([*torchrun_launcher(2), TORCHRUN_PY, *cut_args], cwd=REPO, capture_output=True,
+                            text=True, env=dict(os.environ, **env, KILL_AT_STEP="12", STRIDE_TASK_PATH=str(tmp_path)),
+                            timeout=600, start_new_session=True)
+    assert killed.returncode == 1 and "exitcode: -9" in killed.stderr, killed.stderr[-3000:]
+    cut_uri = f"s3://{bucket}/runs/cut"
+    assert "summary.json" not in objects(s3_server, cut_uri)
+    # The resume takes over the lock the killed run left: same host, its pid dead.
+    resumed = launch.torchrun(cut_args, env=dict(env, STRIDE_TASK_PATH=str(tmp_path)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming cut from checkpoint_00000012" in resumed.stdout, resumed.stdout[-2000:]
+
+    want = {r["step"]: r["train_loss"] for r in metrics(s3_server, ref_uri) if "train_loss" in r}
+    lines = [r for r in metrics(s3_server, cut_uri) if "train_loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 31))  # every step once, in order, across the kill
+    assert {r["step"]: r["train_loss"] for r in lines} == want  # bitwise
+    assert files_under(staging) == []
+
+
+def test_a_second_run_of_the_same_name_exits_2_naming_the_holder_and_the_first_logs_every_step_once(
+        s3_server, bucket, tabular_data, tmp_path):
+    env = s3_server.child_env()
+    first = subprocess.Popen([*torchrun_launcher(1), TORCHRUN_PY,
+                              *args(tabular_data, bucket, "one", 400, tmp_path / "a", "train.log_every_steps=10")],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **env), start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "stride.lock" not in objects(s3_server, f"s3://{bucket}/runs/one") and time.time() < deadline:
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            time.sleep(0.2)
+        second = launch.forked(args(tabular_data, bucket, "one", 400, tmp_path / "b"), env=env)
+        assert second.returncode == 2, second.stderr
+        lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "run.name (one)" in lines[0] and "s3://" in lines[0] and "in use by another run" \
+            in lines[0] and "pid" in lines[0], lines
+        out, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    steps = [r["step"] for r in metrics(s3_server, f"s3://{bucket}/runs/one") if "train_loss" in r]
+    assert steps == list(range(10, 401, 10))
+
+
+def test_a_stale_lock_is_taken_over_with_one_warning(s3_server, bucket, tabular_data, tmp_path):
+    stale = {"token": "x" * 32, "fence": 4, "host": "elsewhere", "pid": 1, "started": time.time() - 3600}
+    _put(s3_server, f"{bucket}/runs/st/stride.lock", json.dumps(stale).encode())  # another host's, long silent
+    time.sleep(2.5)  # run.lock_stale_s=2: the lock's heartbeat is older than that on the server's clock
+    done = launch.forked(args(tabular_data, bucket, "st", 4, tmp_path / "s", "run.lock_stale_s=2"),
+                         env=s3_server.child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [ln for ln in done.stderr.splitlines() if "taking over the run lock" in ln]
+    assert len(warnings) == 1 and "host elsewhere" in warnings[0] and "stale heartbeat" in warnings[0], done.stderr
+
+
+def _put(s3, path: str, data: bytes) -> None:
+    with s3.filesystem().open_output_stream(path) as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("storage, words", [
+    ("hdfs://nn/runs", "scheme 'hdfs'"),
+    ("s3://bucket-x/runs/../other", "'..' segment"),
+    ("s3://AKIAFAKE:sekrit@bucket-x/runs", "carries credentials"),
+])
+def test_bad_storage_uris_exit_2_with_one_line(storage, words, tmp_path, tabular_data):
+    done = launch.forked(tiny(storage, tabular_data, 2))
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "run.storage_path" in lines[0] and words in lines[0]
+    assert "sekrit" not in done.stdout + done.stderr
+
+
+def test_a_missing_bucket_and_missing_credentials_exit_2_naming_the_key_and_no_secret(s3_server, bucket, tabular_data,
+                                                                                      tmp_path):
+    env = s3_server.child_env()
+    missing = launch.forked(tiny("s3://no-such-bucket-42/runs", tabular_data, 2), env=env)
+    lines = [ln for ln in missing.stderr.splitlines() if ln.strip()]
+    assert missing.returncode == 2 and len(lines) == 1, missing.stderr
+    assert "run.storage_path (s3://no-such-bucket-42/runs)" in lines[0] and "does not exist" in lines[0]
+
+    no_creds = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    nocred = launch.forked(tiny(f"s3://{bucket}/runs", tabular_data, 2), env=no_creds)
+    lines = [ln for ln in nocred.stderr.splitlines() if ln.strip()]
+    assert nocred.returncode == 2 and len(lines) == 1, nocred.stderr
+    assert "no credentials" in lines[0]
+    for secret in (env["AWS_SECRET_ACCESS_KEY"],):
+        assert f"={secret}" not in missing.stdout + missing.stderr + nocred.stdout + nocred.stderr
+
+
+def test_a_prefix_holding_another_models_run_exits_2_before_training(s3_server, bucket, tabular_data, tmp_path):
+    env = s3_server.child_env()
+    first = launch.forked(args(tabular_data, bucket, "m", 6, tmp_path / "s"), env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {n: read_object(s3_server, f"s3://{bucket}/runs/m/{n}") for n in objects(s3_server, f"s3://{bucket}/runs/m")}
+    other = launch.forked(args(tabular_data, bucket, "m", 6, tmp_path / "s", "model.hidden_sizes=[16]"), env=env)
+    lines = [ln for ln in other.stderr.splitlines() if ln.strip()]
+    assert other.returncode == 2 and len(lines) == 1 and "of another model" in lines[0], other.stderr
+    after = {n: read_object(s3_server, f"s3://{bucket}/runs/m/{n}") for n in objects(s3_server, f"s3://{bucket}/runs/m")}
+    assert after == before  # nothing of the run was touched

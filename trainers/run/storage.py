@@ -16,6 +16,7 @@ If-None-Match/If-Match, GCS generation preconditions). The run lock (trainers/ru
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 import re
@@ -353,6 +354,9 @@ def _seconds(value: Any) -> float:
 def filesystem(scheme: str):
     """fsspec's filesystem for `scheme`, configured from the environment only. Raises ImportError naming the extra
     to install."""
+    # Their INFO lines ("Found credentials in environment variables") are noise on every process's console.
+    for name in ("botocore", "aiobotocore", "s3fs", "gcsfs", "google"):
+        logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
     if scheme == "s3":
         try:
             import s3fs

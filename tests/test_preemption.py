@@ -15,6 +15,7 @@ import importlib.util
 import json
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -181,7 +182,9 @@ def _announce_at(monkeypatch, step: int, deadline_s: float, then=None) -> None:
             then()
         return Preemption(("node-b",), deadline_s)
 
-    monkeypatch.setattr(torchrun, "WorkerEnv", lambda *a, **k: real(*a, preempted=preempted, **k))
+    # torchrun builds its WorkerEnv with the one builder both launchers share (WorkerEnv.for_gang).
+    monkeypatch.setattr(torchrun, "WorkerEnv", SimpleNamespace(
+        for_gang=lambda *a, **k: real.for_gang(*a, preempted=preempted, **k)))
 
 
 def _steps(run) -> list[int]:

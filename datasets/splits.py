@@ -275,7 +275,14 @@ def check_sample_ids(split: DataSplit) -> None:
 
 def cache_folder(cfg) -> Path:
     """Where text layouts are cached: the run storage's .stride-cache (shared by the runs there, never beside the
-    user's data)."""
+    user's data); for runs on a bucket, this node's private staging folder (the driver makes the layouts, and the
+    workers get them in the plan)."""
+    from stride.trainers.run.storage import location_of
+
+    if location_of(cfg.run.storage_path) is not None:
+        from stride.trainers.run.remote import staging_root
+
+        return staging_root(cfg.checkpoint.staging_dir) / ".stride-cache" / "index"
     return Path(cfg.run.storage_path).expanduser().resolve() / ".stride-cache" / "index"
 
 

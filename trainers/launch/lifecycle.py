@@ -207,7 +207,7 @@ def check_job_storage(cfg) -> None:
     run's export and resume read its base from there again, after the copy is gone."""
     if not _in_uploaded_working_dir():
         return
-    if not Path(cfg.run.storage_path).expanduser().is_absolute():
+    if "://" not in cfg.run.storage_path and not Path(cfg.run.storage_path).expanduser().is_absolute():
         raise UsageError(f"run.storage_path ({cfg.run.storage_path}) is relative in a Ray job, so its results would "
                          f"land in the job's temporary copy of --working-dir and be lost with it; set run.storage_path="
                          f"<an absolute path on shared storage, e.g. /mnt/shared/runs>")

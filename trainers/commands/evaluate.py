@@ -1,6 +1,7 @@
 """`stride eval`: a run's checkpoint evaluated on its validation split, or on other data, on a gang.
 
     stride eval --run runs/my_run [--checkpoint last|best|PATH] [--data PATH] [--name NAME] [section.field=value ...]
+    stride eval --run s3://bucket/runs/my_run     # a run on a bucket: eval/<name>.json is uploaded beside it
     torchrun --standalone --nproc-per-node 2 -m stride eval --run runs/my_run
 
 The gang is the run's (scaling.*; overrides change it), with its task, precision and strategy (FSDP shards the
@@ -40,6 +41,7 @@ class JobPlan(RunPlan):
 
     checkpoint: str = ""
     out: str = ""  # predict: the output folder
+    out_uri: str = ""  # predict: the output on a bucket (each worker uploads its parts there; out is unused)
     batch_rows: int = 64  # predict: rows per forward
     keep_columns: tuple[str, ...] = ()  # predict: input columns copied into the output rows
 
@@ -104,28 +106,32 @@ def parse_args(argv):
 
 @reports_errors
 def main(argv: list[str] | None = None) -> int:
+    t0, args = time.time(), parse_args(argv)
+    with trained.open_run(args) as run:  # a run on a bucket: a local copy, removed at the end
+        return evaluate_run(run, args, t0)
+
+
+def evaluate_run(run: trained.TrainedRun, args, t0: float) -> int:
     from stride.trainers.launch import jobs as gang
     from stride.trainers.run.folder import atomic_write_text, make_folder, refuse_link
 
-    t0, args = time.time(), parse_args(argv)
-    run = trained.open_run(args)
     spec = trained.split_spec(run, "val", args.data)
     plan = JobPlan.of(run, spec)
     name = trained.output_name(args.name or run.checkpoint.name + (f"-{Path(args.data).stem}" if args.data else ""))
     if gang.rank0():
-        print(f"stride: evaluating {run.checkpoint} (step {run.meta.get('step')}) on {spec.num_rows} rows of "
-              f"{args.data or 'the validation split'}", flush=True)
+        print(f"stride: evaluating {run.where(run.checkpoint)} (step {run.meta.get('step')}) on {spec.num_rows} "
+              f"rows of {args.data or 'the validation split'}", flush=True)
     path = make_folder(run.run_dir / "eval") / f"{name}.json"  # planted links are refused now, not written through
     refuse_link(path)
     metrics, where = gang.run_job(run, evaluate_job, plan, f"eval-{name}")
     if metrics is None:  # a torchrun rank other than 0
         return 0
-    record = {"checkpoint": str(run.checkpoint.resolve()), "step": run.meta.get("step"), "data": args.data or "validation",
+    record = {"checkpoint": run.where(run.checkpoint), "step": run.meta.get("step"), "data": args.data or "validation",
               "rows": spec.num_rows, **where, "wall_s": time.time() - t0, "metrics": metrics, **metrics}
     atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
     shown = " ".join(f"{k} {v:.6g}" for k, v in metrics.items() if isinstance(v, float))
     print(f"stride: eval: {shown}")
-    print(f"stride: eval written to {path}")
+    print(f"stride: eval written to {run.publish(path)}")
     return 0
 
 

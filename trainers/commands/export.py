@@ -4,6 +4,7 @@
     stride export runs/char_gpt model.safetensors        # a run folder: its newest complete checkpoint
     stride export runs/char_gpt model.safetensors --best # its best one (checkpoint.keep_best)
     stride export --run runs/char_gpt --out model.safetensors [--checkpoint last|best] [--dtype bf16]
+    stride export --run s3://bucket/runs/char_gpt --out model.safetensors   # a run on a bucket (downloaded first)
     stride export --run runs/hf_causal_lm --out hf_model --format hf \\
         --task hf_lm_task:HFCausalLM     # a transformers save_pretrained folder (the task's hf_model)
 
@@ -140,11 +141,12 @@ def check_out_parent(out: Path) -> None:
 
 def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: bool = False, ema: bool = False,
            dtype: str = "fp32", name: str = "checkpoint", task: str | None = None, run_dir: Path | None = None,
-           run_label: str = "checkpoint's run folder") -> dict:
+           run_label: str = "checkpoint's run folder", source: str | None = None) -> dict:
     """Write `checkpoint`'s model weights to `out` (safetensors); returns what was written. `trainable_only`: only
     the parameters that were training when it was saved (a LoRA run's adapters), as its meta.json lists them.
     `name`: the argument that gave `checkpoint`, for the error lines. `task`, `run_dir` (default: the run folder
-    holding the checkpoint), `run_label`: see check_task."""
+    holding the checkpoint), `run_label`: see check_task. `source`: the checkpoint as the output names it (default:
+    its folder; a run on a bucket: its URI)."""
     if out.is_dir():
         raise ExportError(f"out ({out}) is a folder; pass a file path such as {out / 'model.safetensors'}")
     if out.exists() and not force:
@@ -164,10 +166,10 @@ def export(checkpoint: Path, out: Path, force: bool = False, trainable_only: boo
     # load_state_dict expects; safetensors refuses tensors that share memory: each is copied.
     weights = {k: v.detach().contiguous().clone() for k, v in cast(weights, dtype).items()}
     header = {"format": "pt", "step": str(meta.get("step")), "model": str(meta.get("model")),
-              "checkpoint": str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),
+              "checkpoint": source or str(ckpt.resolve()), "trainable_only": str(trainable_only).lower(),
               "ema": str(ema).lower(), "dtype": dtype}
     write_weights(weights, out, header)
-    return {"checkpoint": str(ckpt), "out": str(out), "tensors": len(weights),
+    return {"checkpoint": source or str(ckpt), "out": str(out), "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()), "bytes": out.stat().st_size, **header}
 
 
@@ -255,7 +257,8 @@ def write_folder(model, out: Path) -> None:
 
 def export_hf(checkpoint: Path, out: Path, force: bool = False, ema: bool = False, dtype: str = "fp32",
               task: str | None = None, trust_remote_code: bool = False, name: str = "checkpoint",
-              run_dir: Path | None = None, run_label: str = "checkpoint's run folder") -> dict:
+              run_dir: Path | None = None, run_label: str = "checkpoint's run folder",
+              source: str | None = None) -> dict:
     """Write `checkpoint`'s model as a Hugging Face folder `out` (save_pretrained, safetensors); returns what was
     written. The task comes from the summary.json of `run_dir` (default: the checkpoint's run folder); `name` and
     `run_label`: the arguments that gave `checkpoint` and `run_dir`, for the error lines."""
@@ -268,7 +271,7 @@ def export_hf(checkpoint: Path, out: Path, force: bool = False, ema: bool = Fals
     model.to(getattr(torch, DTYPES[dtype]))  # nn.Module.to(dtype) casts floating-point tensors only
     write_folder(model, out)
     meta = checkpointing.read_meta(ckpt)
-    return {"checkpoint": str(ckpt), "out": str(out), "format": "hf", "class": type(model).__name__,
+    return {"checkpoint": source or str(ckpt), "out": str(out), "format": "hf", "class": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
             "bytes": sum(f.stat().st_size for f in out.iterdir()), "step": meta.get("step"),
             "model": meta.get("model"), "ema": ema, "dtype": dtype}
@@ -284,8 +287,9 @@ def parse_args(argv: list[str] | None, prog: str):
     ap.add_argument("checkpoint", type=Path, nargs="?",
                     help="checkpoint folder (or run folder: its newest complete checkpoint)")
     ap.add_argument("out", type=Path, nargs="?", help="output file, e.g. model.safetensors (--format hf: a folder)")
-    ap.add_argument("--run", type=Path, metavar="DIR", help="run folder (instead of CHECKPOINT OUT): "
-                                                            "<run.storage_path>/<run.name>")
+    ap.add_argument("--run", type=trained.run_arg, metavar="DIR",
+                    help="run folder, or a run on a bucket (s3://, gs://) (instead of CHECKPOINT OUT): "
+                         "<run.storage_path>/<run.name>")
     ap.add_argument("--out", type=Path, dest="out_path", metavar="PATH", help="with --run: the file (--format hf: "
                                                                               "the folder) to write")
     ap.add_argument("--checkpoint", choices=("last", "best"), dest="which",
@@ -330,7 +334,37 @@ def main(argv: list[str] | None = None, prog: str = "stride export") -> int:
 
 
 def export_command(args) -> dict:
-    """What main does after parsing: the checkpoint the arguments name, exported."""
+    """What main does after parsing: the checkpoint the arguments name, exported. A run on a bucket (--run URI) is
+    downloaded first (its summary.json and that checkpoint, into a private folder removed after the export)."""
+    if args.run is not None and trained.is_uri(args.run):
+        copy = trained.download_run(str(args.run), args.which or "last")
+        if isinstance(copy, Path):  # file:///folder
+            return export_folder(argparse_replace(args, run=copy))
+        with copy:
+            return export_copy(args, copy)
+    return export_folder(args)
+
+
+def export_copy(args, copy) -> dict:
+    """export_command of a run on a bucket, on its downloaded copy; the output names the checkpoint by its URI."""
+    name, where = ("--checkpoint best" if args.which == "best" else "--run"), copy.where(copy.checkpoint)
+    try:
+        if args.format == "hf":
+            return export_hf(copy.checkpoint, args.out_path, args.force, args.ema, args.dtype, args.task,
+                             args.trust_remote_code, name, copy.run_dir, "--run", where)
+        return export(copy.checkpoint, args.out_path, args.force, args.trainable_only, args.ema, args.dtype, name,
+                      args.task, copy.run_dir, "--run", where)
+    except BaseException as e:
+        raise trained.in_bucket_words(e, copy) from None
+
+
+def argparse_replace(args, **changes):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def export_folder(args) -> dict:
     run_dir, run_label = args.run, ("--run" if args.run is not None else "checkpoint's run folder")
     if args.run is not None:
         if not (args.run / "summary.json").is_file():

@@ -1,6 +1,7 @@
 """Sample text from a trained run whose task generates text (char_gpt; a user task with `generate`).
 
     stride generate --run runs/char_gpt --prompt "def " --tokens 200 [--temperature 0.8] [--seed 0]
+    stride generate --run s3://bucket/runs/char_gpt     # a run on a bucket: its newest complete checkpoint
 
 Loads the run's final checkpoint (summary.json's `checkpoint`, else the newest complete checkpoint folder)
 with the model settings and data facts recorded in summary.json, through the task's `generate`. The run is opened
@@ -59,7 +60,8 @@ def find_checkpoint(run_dir: Path, summary: dict) -> Path:
 def parse_args(argv):
     ap = ArgumentParser(prog="stride generate",
                         description="Sample text from a trained run (a task with generate, e.g. char_gpt).")
-    ap.add_argument("--run", required=True, type=Path, help="run folder: <run.storage_path>/<run.name>")
+    ap.add_argument("--run", required=True, type=trained.run_arg,
+                    help="run folder, or a run on a bucket (s3://, gs://): <run.storage_path>/<run.name>")
     ap.add_argument("--prompt", default="def ")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -73,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with without_working_directory():  # a module planted beside the run or in the working directory is not found
         run = trained.open_trained(args.run, find_checkpoint, args.task, args.trust_remote_code)
-    model = trained.trained_model(run).eval()
+    with run:  # a run on a bucket: its downloaded copy, removed once the weights are read
+        model = trained.trained_model(run).eval()
     torch.manual_seed(args.seed)
     try:
         out = run.task.generate(model, args.prompt, args.tokens, args.temperature)
     except NotImplementedError:
-        raise UsageError(f"--run ({args.run}) trained model.name={run.cfg.model.name}, whose task has no text "
+        raise UsageError(f"--run ({run.where()}) trained model.name={run.cfg.model.name}, whose task has no text "
                          f"generation; use a run of char_gpt or of a task that implements generate") from None
     sys.stdout.write(out + "\n")
     return 0

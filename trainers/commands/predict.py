@@ -55,7 +55,8 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
     job.load()
     if job.ema is not None and cfg.train.ema.eval != "raw":  # the weights the run evaluated (train.ema.eval)
         job.ema.average.swap()
-    out, spec, keep = Path(plan.out), plan.val, list(plan.keep_columns)
+    output = PartSink(plan)
+    spec, keep = plan.val, list(plan.keep_columns)
     reads = task_columns(job.task)
     unread = [c for c in keep if reads is not None and c not in reads]  # read for the output only, not the task's
     reader, files = BlockReader(spec), fetcher(spec)
@@ -63,21 +64,58 @@ def predict_job(cfg, env, plan: JobPlan) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         for b in eval_blocks(reader.num_blocks, env.world_rank, env.world_size):
-            if (out / part_name(b)).exists():  # written whole by an earlier attempt
+            if output.has(part_name(b)):  # written whole by an earlier attempt
                 continue
             table = reader.read(b)
             frame = frame_of(table.drop_columns(unread))
             batches = [files.fetch(frame.slice(lo, lo + plan.batch_rows)).columns()
                        for lo in range(0, len(frame), plan.batch_rows)]
-            write_part(out / part_name(b), with_kept(predict_rows(job, batches), table.select(keep)))
+            output.write(part_name(b), with_kept(predict_rows(job, batches), table.select(keep)))
             rows, parts = rows + len(frame), parts + 1
     finally:
         files.close()
+        output.close()
     # Summed over the gang, which is also the barrier: under torchrun rank 0 checks every part once this returns.
     from stride.trainers.step import all_reduce_sum
 
     rows, parts = all_reduce_sum(torch.tensor([rows, parts], dtype=torch.float64), env.device).tolist()
     return {"rows_predicted": int(rows), "parts_predicted": int(parts), "seconds": time.perf_counter() - t0}
+
+
+class PartSink:
+    """Where a worker puts its parts: the output folder (plan.out), or a bucket (plan.out_uri): each part written into
+    this worker's private scratch folder, then uploaded as one object (there whole or not at all) and removed. The
+    workers upload their own parts, so no node needs to see another's disk."""
+
+    def __init__(self, plan: JobPlan):
+        import tempfile
+
+        self.store = bucket_store(plan.out_uri) if plan.out_uri else None
+        self.folder = Path(tempfile.mkdtemp(prefix="stride-predict-")) if self.store else Path(plan.out)
+        self.there = set(self.store.listing("")) if self.store else None
+
+    def has(self, name: str) -> bool:
+        return name in self.there if self.store else (self.folder / name).exists()
+
+    def write(self, name: str, table: pa.Table) -> None:
+        write_part(self.folder / name, table)
+        if self.store:
+            from stride.trainers.run.storage import with_backoff
+
+            with_backoff(lambda: self.store.upload(self.folder / name, name))
+            (self.folder / name).unlink()
+
+    def close(self) -> None:
+        if self.store:
+            import shutil
+
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def bucket_store(uri: str):
+    from stride.trainers.run.storage import ObjectStore, location_of
+
+    return ObjectStore(location_of(uri))
 
 
 @torch.no_grad()
@@ -153,7 +191,7 @@ UNFINISHED = re.compile(r"\.part-\d{6}\.parquet\.[0-9a-f-]+\.tmp")
 def job_identity(run, spec, keep: tuple[str, ...] = ()) -> dict[str, Any]:
     """What a prediction is of: a rerun resumes only the same run, checkpoint, data and kept columns (every part
     has the same columns)."""
-    return {"run": str(run.run_dir.resolve()), "checkpoint": str(run.checkpoint.resolve()),
+    return {"run": run.where(), "checkpoint": run.where(run.checkpoint),
             "step": run.meta.get("step"), "data": [str(Path(f).resolve()) if "://" not in f else f for f in spec.files],
             "rows": spec.num_rows, "blocks": len(spec.blocks), **({"keep_columns": list(keep)} if keep else {})}
 
@@ -238,11 +276,79 @@ def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dic
     return manifest
 
 
+# ---- --out on a bucket (s3://, gs://): the same names and the same rules as a folder, on objects ----
+
+def out_store(text: str):
+    """The bucket prefix --out names (an ObjectStore, checked writable), or None for a folder. UsageError or
+    StorageError (exit 2) naming --out, the URI without credentials, and the fix."""
+    from stride.trainers.run.storage import ObjectStore, parse_uri
+
+    if not trained.is_uri(text):
+        return None
+    try:
+        location = parse_uri(text)
+    except ValueError as e:
+        raise UsageError(f"--out ({trained.shown(text)}) {e}") from None
+    if isinstance(location, Path):
+        return None
+    try:
+        store = ObjectStore(location)
+    except ImportError as e:
+        raise UsageError(f"--out ({location}): its library is not installed; {e}") from None
+    store.check_writable("--out")
+    return store
+
+
+def prepare_bucket(store, identity: dict[str, Any], force: bool) -> bool:
+    """prepare_output on a bucket prefix: True when it resumes an unfinished prediction of the same job; a prefix
+    holding anything else is refused, and --force removes only the names stride predict writes (OURS), at the
+    prefix's top, and the job's record last."""
+    label = f"--out ({store.describe()})"
+    names = set(store.listing(""))
+    ours = JOB in names
+    if not ours and names:
+        raise UsageError(f"{label} holds objects that stride predict did not write; pass a new prefix")
+    if ours and not force:
+        if read_bucket_job(store) == identity and MANIFEST not in names:
+            return True
+        what = "a finished prediction" if MANIFEST in names else "an unfinished prediction of other inputs"
+        raise UsageError(f"{label} holds {what}; pass a new prefix, or --force to replace it")
+    for name in sorted(n for n in names if OURS.fullmatch(n)):
+        store.delete(name)
+    store.delete(JOB)
+    return False
+
+
+def read_bucket_job(store) -> Any:
+    try:
+        return json.loads(store.read(JOB) or b"null")
+    except ValueError as e:
+        raise UsageError(f"--out ({store.describe()}): {JOB} is not a record stride predict wrote ({str(e)[:200]}); "
+                         f"pass a new prefix, or --force to replace the earlier prediction") from None
+
+
+def finish_bucket(store, identity: dict[str, Any], results: dict, t0: float) -> dict[str, Any]:
+    """finish() on a bucket prefix: every part there, then the manifest."""
+    there = store.listing("")
+    missing = [b for b in range(identity["blocks"]) if part_name(b) not in there]
+    if missing:
+        raise TrainingError(f"--out ({store.describe()}): {len(missing)} part(s) missing after the workers finished "
+                            f"(first: {part_name(missing[0])}); rerun the same command to write them")
+    rows = 0
+    for b in range(identity["blocks"]):  # each part's footer alone, by ranged reads
+        with store.fs.open(f"{store.location.path}/{part_name(b)}", "rb") as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    manifest = {**identity, "parts": identity["blocks"], "rows_written": rows, **results, "wall_s": time.time() - t0}
+    store.write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
 def parse_args(argv):
     ap = trained.parser("stride predict", "Write the task's per-sample outputs (Task.predict) over a data set as "
                                           "Parquet.")
     ap.add_argument("--data", required=True, help="Parquet, JSON Lines or text files with the task's columns")
-    ap.add_argument("--out", required=True, type=Path, help="output folder (new; or an unfinished one to resume)")
+    ap.add_argument("--out", required=True, type=trained.run_arg,
+                    help="output folder, or a bucket prefix (s3://, gs://) (new; or an unfinished one to resume)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per forward (default: max(64, "
                                                                   "train.batch_size_per_worker))")
     ap.add_argument("--keep-columns", type=keep_columns_arg, default=(), metavar="NAME,...",
@@ -253,34 +359,56 @@ def parse_args(argv):
 
 @reports_errors
 def main(argv: list[str] | None = None) -> int:
+    t0, args = time.time(), parse_args(argv)
+    store = out_store(str(args.out))  # before anything is downloaded: a bucket that is not there ends here
+    if store is None and trained.is_uri(args.out):  # file:///folder: the folder
+        from stride.trainers.run.storage import parse_uri
+
+        args.out = parse_uri(str(args.out))
+    with trained.open_run(args) as run:  # a run on a bucket: a local copy, removed at the end
+        return predict(run, args, store, t0)
+
+
+def predict(run: trained.TrainedRun, args, store, t0: float) -> int:
     from stride.trainers.launch import jobs as gang
     from stride.trainers.task import Task
 
-    t0, args = time.time(), parse_args(argv)
-    run = trained.open_run(args)
     if type(run.task).predict is Task.predict:
         raise UsageError(f"model.name ({run.cfg.model.name}) has no predict; implement Task.predict(self, model, "
                          f"batch) returning per-sample outputs (docs/commands.md)")
     spec, keep = predict_spec(run, args.data, args.keep_columns)
     batch_rows = args.batch_size or max(64, run.cfg.train.batch_size_per_worker)
     identity = job_identity(run, spec, keep)
+    shown = store.describe() if store is not None else str(args.out)
 
     def open_output() -> None:  # once, before any worker reads the folder
         from stride.trainers.run.folder import atomic_write_text
 
-        resumed = prepare_output(args.out, identity, args.force)
-        atomic_write_text(args.out / JOB, json.dumps(identity, indent=1) + "\n")
-        done = sum((args.out / part_name(b)).exists() for b in range(len(spec.blocks)))
+        if store is not None:
+            resumed = prepare_bucket(store, identity, args.force)
+            store.write(JOB, (json.dumps(identity, indent=1) + "\n").encode())
+            there = store.listing("")
+        else:
+            resumed = prepare_output(args.out, identity, args.force)
+            atomic_write_text(args.out / JOB, json.dumps(identity, indent=1) + "\n")
+            there = {p.name for p in args.out.iterdir()}
+        done = sum(part_name(b) in there for b in range(len(spec.blocks)))
         print(f"stride: predicting {spec.num_rows} rows ({len(spec.blocks)} parts"
-              + (f", {done} already written" if resumed and done else "") + f") with {run.checkpoint}", flush=True)
+              + (f", {done} already written" if resumed and done else "") + f") with {run.where(run.checkpoint)}",
+              flush=True)
 
-    plan = JobPlan.of(run, spec, out=str(args.out.resolve()), batch_rows=batch_rows, keep_columns=keep)
-    results, where = gang.run_job(run, predict_job, plan, f"predict-{trained.output_name(args.out.resolve().name)}",
-                                  before=open_output)
+    out = "" if store is not None else str(args.out.resolve())
+    plan = JobPlan.of(run, spec, out=out, out_uri=str(store.location) if store is not None else "",
+                      batch_rows=batch_rows, keep_columns=keep)
+    name = trained.output_name(store.location.prefix.rsplit("/", 1)[-1] if store else args.out.resolve().name)
+    results, where = gang.run_job(run, predict_job, plan, f"predict-{name}", before=open_output)
     if results is None:  # a torchrun rank other than 0
         return 0
-    manifest = finish(args.out, identity, {**where, **results}, t0)
-    print(f"stride: predict: {manifest['rows_written']} rows in {manifest['parts']} parts, written to {args.out}")
+    if store is not None:
+        manifest = finish_bucket(store, identity, {**where, **results}, t0)
+    else:
+        manifest = finish(args.out, identity, {**where, **results}, t0)
+    print(f"stride: predict: {manifest['rows_written']} rows in {manifest['parts']} parts, written to {shown}")
     return 0
 
 

@@ -7,11 +7,22 @@ A run folder may sit on shared storage that someone else can write: its summary.
 importing a module runs it. A task of your own is imported only with consent (`--task MODULE:CLASS`, the same as the
 run's, or `--trust-remote-code`); built-in tasks need neither. Consented to, it is found in the working directory or
 on PYTHONPATH, as training finds it (run_config; generate.py takes the working directory off first).
+
+A run on a bucket (`--run s3://bucket/prefix/name`, `gs://...`) is opened by downloading its summary.json and the one
+checkpoint the command reads into a private temporary folder (mode 0700, removed by `TrainedRun.close`): the command
+then works on that copy as on a folder, and what it writes into the run (eval's `eval/<name>.json`) is uploaded to
+the same name under the bucket run (`TrainedRun.publish`). On one node the workers (Ray's, torchrun's ranks) read the
+driver's copy: same host, same user. Under torchrun each rank is its own `stride eval` and downloads its own copy.
+Multi-node eval or predict of a bucket run on Ray needs the copy on every node: the workers of other nodes find no
+such folder (download it on each node, or sync the run to shared storage, until the workers fetch it themselves).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -32,10 +43,73 @@ class TrainedRun:
     task: Any
     checkpoint: Path
     meta: dict[str, Any]  # the checkpoint's meta.json
+    copy: BucketCopy | None = None  # a run on a bucket: run_dir is its local copy
 
     @property
     def facts(self) -> dict[str, Any]:
         return self.meta.get("facts") or self.summary.get("facts") or {}
+
+    def where(self, path: Path | None = None) -> str:
+        """The run (or `path`, a file of it) as the user names it: its URI for a run on a bucket."""
+        path = path or self.run_dir
+        return self.copy.where(path) if self.copy is not None else str(path)
+
+    def publish(self, path: Path) -> str:
+        """`path`, a file the command wrote into the run, uploaded to its name under a bucket run; where it is."""
+        return self.copy.publish(path) if self.copy is not None else str(path)
+
+    def close(self) -> None:
+        if self.copy is not None:
+            self.copy.close()
+
+    def __enter__(self) -> TrainedRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class BucketCopy:
+    """A run on a bucket, downloaded for a command: `run_dir` (summary.json and `checkpoint`, at their names in the
+    bucket) inside a private temporary folder that `close` removes."""
+
+    remote: Any  # trainers.run.remote.RunRemote; its .local is run_dir
+    run_dir: Path
+    checkpoint: Path
+    uri: str
+
+    def where(self, path: Path) -> str:
+        rel = Path(path).relative_to(self.run_dir).as_posix()
+        return self.remote.store.describe(rel if rel != "." else "")
+
+    def publish(self, path: Path) -> str:
+        rel = Path(path).relative_to(self.run_dir).as_posix()
+        self.remote.push(rel)
+        return self.remote.store.describe(rel)
+
+    def close(self) -> None:
+        shutil.rmtree(self.run_dir.parent, ignore_errors=True)
+
+    def __enter__(self) -> BucketCopy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_arg(text: str) -> str | Path:
+    """--run: a folder, or a URI kept as text (a Path would fold its '//')."""
+    return text if is_uri(text) else Path(text)
+
+
+def is_uri(text) -> bool:
+    return "://" in str(text)
+
+
+def shown(text: str) -> str:
+    """A URI as an error line may print it: a user:password@ part never is."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@", r"\1…@", str(text))[:300]
 
 
 def consent_arguments(ap, where: str = "", task_help: str = "") -> None:
@@ -60,8 +134,9 @@ def parser(prog: str, description: str):
 def add_arguments(ap) -> None:
     """The options every command over a trained run on a gang takes (eval, predict)."""
     # --run-dir: the same, for torchrun's command line, whose own parser takes --run for its --run-path.
-    ap.add_argument("--run", "--run-dir", dest="run", required=True, type=Path,
-                    help="run folder: <run.storage_path>/<run.name> (under torchrun: --run-dir)")
+    ap.add_argument("--run", "--run-dir", dest="run", required=True, type=run_arg,
+                    help="run folder, or a run on a bucket (s3://, gs://): <run.storage_path>/<run.name> (under "
+                         "torchrun: --run-dir)")
     ap.add_argument("--checkpoint", default="last", metavar="last|best|PATH",
                     help="the newest complete checkpoint (last), the best kept one (best: checkpoint.keep_best), or "
                          "a checkpoint folder of the run")
@@ -75,17 +150,21 @@ Pick = Union[str, Path, Callable[[Path, dict], Path]]
 
 def open_run(args) -> TrainedRun:
     """`stride eval`, `stride predict`: the run of `args.run` with the checkpoint `args.checkpoint`."""
-    return open_trained(Path(args.run), args.checkpoint, args.task, args.trust_remote_code, args.overrides)
+    return open_trained(args.run, args.checkpoint, args.task, args.trust_remote_code, args.overrides)
 
 
-def open_trained(run_dir: Path, which: Pick = "last", task: str | None = None, trust_remote_code: bool = False,
+def open_trained(run_dir: Path | str, which: Pick = "last", task: str | None = None, trust_remote_code: bool = False,
                  overrides=(), label: str = "--run", checkpoint_label: str = "--checkpoint") -> TrainedRun:
     """The one opener of a trained run: its summary.json, its config (with `overrides`), its task (imported only
     with consent), the checkpoint `which` names (last, best or a folder of the run: pick_checkpoint; a Path already
     chosen; or a function of the run folder and its summary), checked to be of the run's task and to fit its model.
     UsageError/ConfigError (exit 2) otherwise, one line naming `label` (the argument that gave `run_dir`) or
-    `checkpoint_label` (the one that gave the checkpoint)."""
+    `checkpoint_label` (the one that gave the checkpoint). A URI `run_dir` is a run on a bucket (download_run): the
+    TrainedRun works on its local copy, which its close() removes."""
     from stride.trainers.tasks import make_task
+
+    if is_uri(run_dir):
+        return open_copy(str(run_dir), which, task, trust_remote_code, overrides, label, checkpoint_label)
 
     summary = read_summary(run_dir, label)
     cfg = run_config(run_dir, summary, task, trust_remote_code, overrides, label)
@@ -98,6 +177,135 @@ def open_trained(run_dir: Path, which: Pick = "last", task: str | None = None, t
     built = make_task(cfg, meta.get("facts") or summary.get("facts"))
     check_fits(built, checkpoint, meta)
     return TrainedRun(run_dir.resolve(), summary, cfg, built, checkpoint.resolve(), meta)  # workers run elsewhere
+
+
+def open_copy(uri: str, which: Pick, task, trust_remote_code, overrides, label, checkpoint_label) -> TrainedRun:
+    """open_trained of a run on a bucket, on its downloaded copy; a file:// URI is its folder."""
+    copy = download_run(uri, which, label, checkpoint_label)
+    if isinstance(copy, Path):
+        return open_trained(copy, which, task, trust_remote_code, overrides, label, checkpoint_label)
+    try:
+        run = open_trained(copy.run_dir, which if callable(which) else copy.checkpoint, task, trust_remote_code,
+                           overrides, label, checkpoint_label)
+    except BaseException as e:
+        copy.close()
+        raise in_bucket_words(e, copy) from None
+    run.copy = copy
+    return run
+
+
+def in_bucket_words(e: BaseException, copy: BucketCopy) -> BaseException:
+    """A refusal about the local copy names the run as the user gave it (its URI), not a temporary folder."""
+    from stride.errors import StrideError
+
+    if not isinstance(e, StrideError):
+        return e
+    return type(e)(str(e).replace(str(copy.run_dir), copy.uri))
+
+
+def download_run(uri: str, which: Pick = "last", label: str = "--run",
+                 checkpoint_label: str = "--checkpoint") -> BucketCopy | Path:
+    """The run at `uri` (s3://bucket/prefix/name, gs://...) with the checkpoint `which` names (last: the newest
+    complete one in the bucket that verifies; best: best/ as summary.json names it; a checkpoint's name or URI under
+    the run; a function of the run (generate): last), downloaded into a new private folder. A file:// URI is its
+    folder, returned as it is. UsageError (exit 2), one line naming `label` and the URI (never a credential): a URI
+    that is not one, a bucket that does not exist or cannot be read, no run there, no such checkpoint."""
+    from stride.trainers.run.remote import RunRemote
+    from stride.trainers.run.storage import ObjectStore, parse_uri
+
+    try:
+        location = parse_uri(uri)
+    except ValueError as e:
+        raise UsageError(f"{label} ({shown(uri)}) {e}") from None
+    if isinstance(location, Path):
+        return location
+    try:
+        store = ObjectStore(location)
+    except ImportError as e:
+        raise UsageError(f"{label} ({location}): its library is not installed; {e}") from None
+    root = Path(tempfile.mkdtemp(prefix="stride-run-")).resolve()  # mode 0700: this user's alone
+    local = root / (location.prefix.rsplit("/", 1)[-1] or location.bucket)  # the run's name, as in a folder
+    copy = BucketCopy(RunRemote(store, local), local, local, str(location))
+    try:
+        fetch_summary(copy, label)
+        copy.checkpoint = fetch_checkpoint(copy, "last" if callable(which) else str(which), label, checkpoint_label)
+    except BaseException:
+        copy.close()
+        raise
+    return copy
+
+
+def fetch_summary(copy: BucketCopy, label: str) -> None:
+    from stride.trainers.run.storage import refusal
+
+    store = copy.remote.store
+    try:
+        found = copy.remote.pull("summary.json")
+        bucket_there = found or store.fs.exists(store.location.bucket)
+    except Exception as e:  # noqa: BLE001 - each cloud library raises its own kinds; refusal() reads what they say
+        raise UsageError(f"{label} ({copy.uri}): {refusal(store.location, e)}") from None
+    if not bucket_there:
+        raise UsageError(f"{label} ({copy.uri}): the bucket {store.location.bucket!r} does not exist or cannot be "
+                         f"listed with these credentials; name the bucket the run trained in")
+    if not found:
+        raise UsageError(f"{label} ({copy.uri}) is not a run (no summary.json there); pass "
+                         f"<run.storage_path>/<run.name> of a run that trained, such as "
+                         f"{store.location.scheme}://{store.location.bucket}/runs/my_run")
+
+
+def fetch_checkpoint(copy: BucketCopy, which: str, label: str, checkpoint_label: str) -> Path:
+    """The checkpoint `which` names, downloaded into the copy and verified; its local folder."""
+    remote = copy.remote
+    if which == "last":
+        for _, name in reversed(remote.complete()):  # an unusable one gives way to the one before, as a resume
+            folder = remote.fetch(name, copy.run_dir)
+            if checkpointing.verify(folder) is None:
+                return folder
+            shutil.rmtree(folder, ignore_errors=True)
+        raise UsageError(f"{label} ({copy.uri}) has no complete checkpoint; train it first, or pass "
+                         f"{checkpoint_label} with a checkpoint of the run")
+    if which == "best":
+        summary = read_summary(copy.run_dir, label)
+        named = best_named_in_bucket(summary)
+        if named is None:
+            raise UsageError(f"{checkpoint_label} best: {label} ({copy.uri}) kept no best checkpoint (it trained "
+                             f"without checkpoint.keep_best); pass {checkpoint_label} last or a checkpoint of the run")
+        name, flag = named, f"{checkpoint_label} best: {copy.uri}/summary.json best_checkpoints[0].checkpoint"
+    else:
+        name, flag = checkpoint_name(copy.uri, which, checkpoint_label), f"{checkpoint_label} ({shown(which)})"
+    if f"{name}/{checkpointing.META}" not in remote.store.listing(name):
+        raise UsageError(f"{flag}: {remote.store.describe(name)} is not a complete checkpoint (no meta.json); pass "
+                         f"last, best or a checkpoint of the run, such as checkpoint_00000100")
+    folder = remote.fetch(name, copy.run_dir)
+    if problem := checkpointing.verify(folder):
+        raise UsageError(f"{flag}: {remote.store.describe(name)} is unusable ({problem}); pass last, best or a "
+                         f"complete checkpoint of the run")
+    return folder
+
+
+def best_named_in_bucket(summary: dict) -> str | None:
+    """best/<checkpoint>: the best kept checkpoint that summary.json names, by its folder's name alone (the run
+    recorded where its node kept it, not where the bucket keeps it)."""
+    best = (summary.get("best_checkpoints") or [None])[0]
+    named = best.get("checkpoint") if isinstance(best, dict) else None
+    if not isinstance(named, str):
+        return None
+    name = named.rstrip("/").rsplit("/", 1)[-1]
+    return f"best/{name}" if CHECKPOINT_NAME.fullmatch(name) else None
+
+
+CHECKPOINT_NAME = re.compile(r"checkpoint_\d+")
+
+
+def checkpoint_name(uri: str, which: str, checkpoint_label: str) -> str:
+    """--checkpoint of a run on a bucket: a checkpoint's name (checkpoint_00000100, best/checkpoint_00000100) or its
+    URI under the run; never a name that leaves the run's prefix."""
+    name = which[len(uri) + 1:] if which.startswith(uri + "/") else which
+    parts = name.strip("/").split("/")
+    if is_uri(name) or not CHECKPOINT_NAME.fullmatch(parts[-1]) or parts[:-1] not in ([], ["best"]):
+        raise UsageError(f"{checkpoint_label} ({shown(which)}) is not a checkpoint of --run ({uri}); pass last, best, "
+                         f"a checkpoint's name such as checkpoint_00000100, or its URI under the run")
+    return "/".join(parts)
 
 
 def run_config(run_dir: Path, summary: dict, task: str | None, trust_remote_code: bool, overrides=(),
@@ -287,8 +495,8 @@ def output_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "eval"
 
 
-__all__ = ["TrainedRun", "add_arguments", "open_run", "open_trained", "load_weights", "trained_model", "run_config",
-           "read_summary", "output_name"]
+__all__ = ["TrainedRun", "BucketCopy", "download_run", "run_arg", "add_arguments", "open_run", "open_trained",
+           "load_weights", "trained_model", "run_config", "read_summary", "output_name"]
 
 
 def split_spec(run, split: str, path: str | None, columns: tuple[str, ...] | None = None) -> DataSpec:

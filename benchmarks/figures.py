@@ -32,6 +32,8 @@ tests/test_bench.py replays benchmarks/results/latest.json's raw runs through th
                    stride_small_window, rep, pair, seconds, rows, bytes}]} (or absent)
     bucketing     {rows, batch, model, runs: [{variant: bucketed|unbucketed, rep, epoch_s, compute_s,
                    padding_fraction, stride_padding_fraction, tokens, padded_tokens, val_loss}]} (or absent)
+    bucket        {hidden, steps, ckpt_every, warmup, runs: [{variant: folder|bucket, phase: train|resume, rep,
+                   wall_s, first_step_s, resumed_line_s, checkpoint_bytes, summary, metrics: [log lines]}]} (or absent)
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ SINK_GOALS = {"sink_overhead_ratio": ("<=", 1.01), "ema_step_time_ratio": ("<=",
 # The commands issue's (predict, a run's start, preemption):
 COMMAND_GOALS = {"predict_throughput_ratio": (">=", 0.9), "time_to_first_step_ratio": ("<=", 2.0),
                  "preemption_steps_lost": ("<=", 0)}
-GOALS = {**CORE_GOALS, **FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS}
+# The runs-on-object-storage issue's (a run on s3:// beside the same in a folder):
+BUCKET_GOALS = {"bucket_checkpoint_blocked_ratio": ("<=", 1.1), "bucket_step_time_ratio": ("<=", 1.01),
+                "bucket_resume_ratio": ("<=", 1.3)}
+GOALS = {**CORE_GOALS, **FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS, **BUCKET_GOALS}
 
 # The benchmark parts: which figures each gives, and the code it measures (files or folders of the repository). A
 # part's run header (raw["headers"][part], report.run_header) says at which commit it ran; a figure is stale when
@@ -105,6 +110,9 @@ PARTS = {
     "commands": {"figures": ("predict_throughput_ratio", "time_to_first_step_ratio",
                              "time_to_first_step_on_head_ratio", "preemption_steps_lost"),
                  "paths": [*RUNTIME, "benchmarks/commands_bench.py", "benchmarks/preemption_bench.py"]},
+    # under torchrun (no Ray); the local S3 server is part of what it measures
+    "bucket": {"figures": ("bucket_checkpoint_blocked_ratio", "bucket_step_time_ratio", "bucket_resume_ratio"),
+               "paths": ["trainers/", "datasets/", "stride/", "benchmarks/bucket_bench.py", "tests/s3_server.py"]},
 }
 FIGURE_PART = {name: part for part, p in PARTS.items() for name in p["figures"]}
 
@@ -140,6 +148,9 @@ LABELS = {
     "time_to_first_step_ratio": "launch to the first step, stride train with an embedded Ray / torchrun",
     "time_to_first_step_on_head_ratio": "the same, stride train joining a running head (RAY_ADDRESS) / torchrun",
     "preemption_steps_lost": "steps trained after the last checkpoint before a node's preemption and lost",
+    "bucket_checkpoint_blocked_ratio": "seconds checkpoints block training, run on s3:// (local S3 server) / in a folder",
+    "bucket_step_time_ratio": "steady-state step time, run on s3:// (uploads in the background) / in a folder",
+    "bucket_resume_ratio": "launch to the first step of a resume, from s3:// / from a folder",
 }
 
 
@@ -710,6 +721,84 @@ def commands_figures(raw: dict) -> dict:
     }
 
 
+def bucket_runs(raw: dict) -> dict:
+    """benchmarks/bucket_bench.py's launches {(variant, phase): {rep: run}}."""
+    out: dict = {}
+    for r in (raw.get("bucket") or {}).get("runs", []):
+        out.setdefault((r["variant"], r["phase"]), {})[r["rep"]] = r
+    return out
+
+
+def bucket_run_stats(run: dict, warmup: int) -> dict:
+    """One training launch's checkpoint blocking (summed over its log lines: every mid-run checkpoint's), its
+    checkpoints' write times (to complete on storage, uploads included) and its median step time past the warm-up."""
+    train = [x for x in run["metrics"] if "train_loss" in x]
+    blocked = [x["checkpoint_blocked_s"] for x in train if finite(x.get("checkpoint_blocked_s"))]
+    summ = run.get("summary") or {}
+    return {"blocked_s": sum(blocked) if blocked else None, "checkpoints": len(blocked),
+            "write_s": median_of(train, "checkpoint_write_s"),
+            "step_time_s": median_of([x for x in train if x["step"] > warmup], "step_time_s"),
+            "s_per_step": ratio(summ.get("train_wall_s"), summ.get("global_step"))}
+
+
+def bucket_figures(raw: dict) -> dict:
+    """The same run on the local S3 server and in a folder, alternating which goes first: a sample per repetition,
+    the bucket's over the folder's."""
+    bk = raw.get("bucket") or {}
+    missing = [] if bk else ["not measured in this result: python benchmarks/run.py --only bucket"]
+    runs = bucket_runs(raw)
+    warmup = bk.get("warmup", 0)
+    stats = {v: {i: bucket_run_stats(r, warmup) for i, r in runs.get((v, "train"), {}).items()}
+             for v in ("bucket", "folder")}
+    reps = sorted(stats["bucket"].keys() & stats["folder"].keys())
+    ckpt = [r["checkpoint_bytes"] for r in runs.get(("folder", "train"), {}).values() if finite(r.get("checkpoint_bytes"))]
+    job = (f"tabular_mlp, hidden sizes {bk.get('hidden')}, {bk.get('world_size')} CPU ranks of one thread under "
+           f"torchrun, {bk.get('steps')} steps, a checkpoint every {bk.get('ckpt_every')} (~{statistics.median(ckpt) / 2**20:.0f} "
+           f"MiB) and at the end, checkpoint.upload={bk.get('upload')}, the S3 server (moto_server) on the same CPUs"
+           if bk and ckpt else None)
+
+    def sample(key: str) -> list:
+        return [ratio(stats["bucket"][i][key], stats["folder"][i][key]) for i in reps]
+
+    def side(v: str, key: str) -> dict:
+        return summary([stats[v][i][key] for i in reps])
+
+    def launch_s(phase: str, v: str, key: str) -> dict:
+        return summary([r.get(key) for r in runs.get((v, phase), {}).values()])
+
+    def first(phase: str) -> list:
+        a, b = runs.get(("bucket", phase), {}), runs.get(("folder", phase), {})
+        return [ratio(a[i]["first_step_s"], b[i]["first_step_s"]) for i in sorted(a.keys() & b.keys())]
+
+    return {
+        "bucket_checkpoint_blocked_ratio": figure(
+            sample("blocked_s"), "ratio",
+            "seconds of training blocked by the run's mid-run checkpoints (checkpoint_blocked_s of metrics.jsonl, "
+            "summed: each checkpoint's staging and any wait for the previous one's write and upload), run.storage_path "
+            "s3:// on a local S3-compatible server / a local folder, the same job and cadence, alternating, per "
+            "repetition (benchmarks/bucket_bench.py)", notes=list(missing), job=job,
+            bucket_blocked_s=side("bucket", "blocked_s"), folder_blocked_s=side("folder", "blocked_s"),
+            bucket_write_s=side("bucket", "write_s"), folder_write_s=side("folder", "write_s")),
+        "bucket_step_time_ratio": figure(
+            sample("step_time_s"), "ratio",
+            f"median step_time_s of metrics.jsonl past step {warmup} (checkpoints' uploads going on in the background "
+            "included), run on s3:// / in a folder, the same job, alternating, per repetition "
+            "(benchmarks/bucket_bench.py)", notes=list(missing), job=job,
+            bucket_step_time_s=side("bucket", "step_time_s"), folder_step_time_s=side("folder", "step_time_s"),
+            s_per_step_ratio=summary(sample("s_per_step"))),
+        "bucket_resume_ratio": figure(
+            first("resume"), "ratio",
+            f"seconds from the launch to the end of the first optimizer step of a resume ({bk.get('resume_steps')} "
+            "more steps of the run just trained, from its final checkpoint: downloaded and verified from the bucket, "
+            "or read from the folder), s3:// / folder, alternating, per repetition (benchmarks/bucket_bench.py)",
+            notes=list(missing), job=job, bucket_first_step_s=launch_s("resume", "bucket", "first_step_s"),
+            folder_first_step_s=launch_s("resume", "folder", "first_step_s"),
+            bucket_resumed_line_s=launch_s("resume", "bucket", "resumed_line_s"),
+            folder_resumed_line_s=launch_s("resume", "folder", "resumed_line_s"),
+            fresh_start_ratio=summary(first("train"))),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "jsonl_ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction",
          "memory_growth_ratio", "jsonl_memory_growth_ratio", "checkpoint_rank0_memory_ratio",
@@ -717,7 +806,8 @@ ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time
          "lock_overhead_ratio", "init_peak_memory_ratio", "init_peak_memory_ratio_ddp", "frozen_step_time_ratio",
          "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio",
          "sink_overhead_ratio", "ema_step_time_ratio", "predict_throughput_ratio", "time_to_first_step_ratio",
-         "time_to_first_step_on_head_ratio", "preemption_steps_lost")
+         "time_to_first_step_on_head_ratio", "preemption_steps_lost", "bucket_checkpoint_blocked_ratio",
+         "bucket_step_time_ratio", "bucket_resume_ratio")
 
 
 def figures(raw: dict) -> dict:
@@ -726,7 +816,7 @@ def figures(raw: dict) -> dict:
             "scaling_2_over_1": scaling_figure(raw), "memory_growth_ratio": memory_figure(raw),
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
             "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
-            **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw)}
+            **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw), **bucket_figures(raw)}
     headers = raw.get("headers") or {}  # {part: run header}: when, where, at what commit each part was measured
     return {name: {**figs[name], "part": FIGURE_PART[name], "run": headers.get(FIGURE_PART[name])} for name in ORDER}
 
@@ -996,7 +1086,32 @@ def markdown(result: dict, stale: dict) -> str:
                          fmt(med["val_loss"], "")])
         out += md_table(["side", "epoch", "forward, backward, AdamW", "padding fraction", "cells (padded) for tokens",
                          "held-out loss"], rows)
+    out += bucket_table(result, stale)
     return "\n".join(out)
+
+
+def bucket_table(result: dict, stale: dict) -> list[str]:
+    """benchmarks/bucket_bench.py per storage, medians over repetitions ([] where the result has no such runs)."""
+    runs, bk = bucket_runs(result["raw"]), result["raw"].get("bucket") or {}
+    if not runs:
+        return []
+
+    def sec(x) -> str:
+        return "-" if x is None else f"{x:.2f} s"
+
+    rows = []
+    for v in ("folder", "bucket"):
+        st = [bucket_run_stats(r, bk["warmup"]) for r in runs.get((v, "train"), {}).values()]
+        med = {k: summary([x[k] for x in st])["median"] for k in ("blocked_s", "checkpoints", "write_s", "step_time_s")}
+        first = {p: summary([r["first_step_s"] for r in runs.get((v, p), {}).values()])["median"]
+                 for p in ("train", "resume")}
+        rows.append([f"`{v}`", f"{sec(med['blocked_s'])} ({med['checkpoints'] or 0:.0f} checkpoints)",
+                     sec(med["write_s"]), "-" if med["step_time_s"] is None else f"{med['step_time_s'] * 1e3:.1f} ms",
+                     sec(first["train"]), sec(first["resume"])])
+    return ["", f"Runs on a bucket beside a folder, median over repetitions "
+            f"({result['figures']['bucket_step_time_ratio']['job']}; {measured(result, 'bucket', stale)}):", ""] + \
+        md_table(["run.storage_path", "blocked by checkpoints (sum)", "a checkpoint's write, until complete on storage",
+                  "step time", "launch to first step, fresh", "launch to first step, resume"], rows)
 
 
 def headline(result: dict, stale: dict) -> str:

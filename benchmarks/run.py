@@ -1,5 +1,5 @@
 """`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile,
-fine-tuning, files by reference, length bucketing, metric sinks and EMA.
+fine-tuning, files by reference, length bucketing, metric sinks and EMA, the commands, runs on a bucket.
 
     python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
@@ -13,6 +13,7 @@ fine-tuning, files by reference, length bucketing, metric sinks and EMA.
     python benchmarks/run.py --only bucketing   # the same, bucketing_bench.py (data.length_column)
     python benchmarks/run.py --only sinks       # the same, sinks_bench.py (tracking.sinks, train.ema)
     python benchmarks/run.py --only commands    # the same, commands_bench.py (stride predict, time to the first step)
+    python benchmarks/run.py --only bucket      # the same, bucket_bench.py (a run on s3:// beside one in a folder)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -57,6 +58,9 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
    processes over the same Parquet, and the seconds from the launch to the first step of `stride train` (embedded
    Ray; joining a running head) and of torchrun, alternating, `reps` times (-> predict_throughput_ratio,
    time_to_first_step_ratio, time_to_first_step_on_head_ratio).
+12. benchmarks/bucket_bench.py: the same torchrun job (tabular_mlp made wide, 2 CPU ranks) with run.storage_path a
+   folder and s3:// on a local S3-compatible server (tests/s3_server.py's moto_server), trained and then resumed,
+   alternating, `reps` times (-> bucket_checkpoint_blocked_ratio, bucket_step_time_ratio, bucket_resume_ratio).
 """
 
 from __future__ import annotations
@@ -295,7 +299,7 @@ def measure(mode: Mode, tmp: Path, mode_name: str) -> dict:
     with run_header(mode_name) as headers["blocks"]:
         raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
                                      smoke=mode.tiny_models, timeout_s=mode.timeout_s)
-    for name in ("lock", "finetune", "file_read", "bucketing", "sinks", "commands"):
+    for name in ("lock", "finetune", "file_read", "bucketing", "sinks", "commands", "bucket"):
         key, measure_part = ONLY[name]
         with run_header(mode_name) as headers[key]:
             raw[key] = measure_part(mode)
@@ -360,7 +364,6 @@ def measure_sinks(mode: Mode) -> dict:
     return sinks_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
 
 
-# --only NAME: raw[key] = measure(mode)
 def measure_commands(mode: Mode) -> dict:
     from benchmarks.commands_bench import measure as commands_bench
 
@@ -368,10 +371,20 @@ def measure_commands(mode: Mode) -> dict:
     return commands_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
 
 
+def measure_bucket(mode: Mode) -> dict:
+    from benchmarks.bucket_bench import measure as bucket_bench
+
+    print("bench: a run on s3:// beside one in a folder (benchmarks/bucket_bench.py)", flush=True)
+    return bucket_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+
+
+# --only NAME: raw[key] = measure(mode)
+
 ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
         "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory),
         "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing),
-        "sinks": ("sinks", measure_sinks), "commands": ("commands", measure_commands)}
+        "sinks": ("sinks", measure_sinks), "commands": ("commands", measure_commands),
+        "bucket": ("bucket", measure_bucket)}
 
 
 def measure_only(name: str, mode: Mode, mode_name: str, latest: Path) -> dict:

@@ -168,7 +168,7 @@ def init_ray(log_to_driver: bool = True) -> bool:
     env_vars = {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
                                            "RAY_TRAIN_ENABLE_PRINT_PATCH") if k in os.environ}
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
-    runtime_env = None if in_job else {"env_vars": dict(env_vars, **worker_paths())}
+    runtime_env = None if in_job else {"env_vars": dict(env_vars, **storage_env(), **worker_paths())}
     logging_config = ray.LoggingConfig(log_level="WARNING")
     if address:
         try:
@@ -231,6 +231,21 @@ def _start_watchdog(session_dir: str) -> None:
                                 stderr=subprocess.DEVNULL, start_new_session=True)  # outlives a group kill
     os.close(read_end)
     _watchdogs.append((watchdog, write_end))
+
+
+# How the cloud libraries find a run's bucket (run.storage_path s3:// or gs://) and whose identity they use: the
+# endpoint, region, profile, keys, project, an emulator. A running head's workers do not inherit the driver's
+# environment (an embedded Ray's do), and they upload the checkpoints, so the driver's settings go to them. Variables
+# that name a file (AWS_*_FILE, GOOGLE_APPLICATION_CREDENTIALS) stay behind: the path is the driver machine's.
+STORAGE_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "GCLOUD_PROJECT", "GCE_METADATA_HOST", "GCE_METADATA_IP",
+               "NO_GCE_CHECK")
+
+
+def storage_env() -> dict[str, str]:
+    """The driver's object-storage settings, for the workers of a cluster this process joins (in the runtime_env
+    only: Ray keeps it with the job, Stride writes it nowhere)."""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith("AWS_") and not k.endswith("_FILE")) or k in STORAGE_ENV}
 
 
 def worker_paths() -> dict[str, str]:

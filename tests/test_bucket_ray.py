@@ -1,0 +1,138 @@
+"""Runs on a bucket through Ray (issue 44): `python -m stride` with run.storage_path=s3://... (and gs://) on the
+suite's shared head, whose workers do not share the driver's environment: the driver's storage settings reach them,
+the secret stays out of every run file and output; a driver SIGKILLed after a checkpoint is rerun and resumes from the
+bucket, ending bitwise as a run never stopped, every step logged once, nothing left in staging. The kill and resume
+at the torchrun level, the lock and the bad inputs: tests/test_bucket_runs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO
+from gcs_server import gcs_server_fixture
+from runs import launch, tiny
+from s3_server import s3_server_fixture
+
+pytestmark = pytest.mark.slow
+s3_server = s3_server_fixture()
+gcs_server = gcs_server_fixture()
+
+STEPS = 40
+EVERY = 10
+# Each step waits a little on every rank, so that the driver is still training when the test sees the first
+# checkpoint's meta.json in the bucket and kills it (the tabular model's own steps take milliseconds).
+THROTTLE = textwrap.dedent("""
+    import time
+    from stride import Callback
+
+    class Throttle(Callback):
+        def on_step_end(self, state, metrics):
+            time.sleep(0.2)
+""")
+
+
+def run_args(data, storage, name, staging, *extra):
+    return tiny(storage, data, STEPS, f"checkpoint.every_steps={EVERY}", "train.log_every_steps=1",
+                f"train.eval_every_steps={STEPS}", f"checkpoint.staging_dir={staging}", "scaling.num_workers=2",
+                "train.callbacks=[throttle:Throttle]", *extra, name=name)
+
+
+def user_env(storage_env: dict, ray_env: dict, project: Path) -> dict:
+    """A user's shell (as differs from this process's environment): the storage's settings and its secret, the
+    cluster's address, their callbacks' folder."""
+    (project / "throttle.py").write_text(THROTTLE)
+    python_path = os.pathsep.join(p for p in (str(project), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(storage_env, **ray_env, PYTHONPATH=python_path)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}  # what differs from this process's (launch adds)
+
+
+def files_under(folder: Path) -> list[Path]:
+    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
+
+
+def s3_objects(s3, uri: str) -> list[str]:
+    base = uri.removeprefix("s3://").rstrip("/") + "/"
+    return [p[len(base):] for p in s3.list(uri)]
+
+
+def s3_read(s3, uri: str) -> bytes:
+    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
+        return f.read()
+
+
+def train_losses(text: str) -> list[tuple[int, float]]:
+    """(step, train_loss) of every line of a metrics.jsonl that has one, in file order."""
+    return [(r["step"], r["train_loss"]) for r in map(json.loads, filter(str.strip, text.splitlines()))
+            if "train_loss" in r]
+
+
+def kill_after_first_checkpoint(args: list[str], env: dict, meta_appeared, timeout_s: float = 300) -> str:
+    """Start `python -m stride args`, SIGKILL its process group once meta_appeared() (the bucket holds a complete
+    checkpoint); returns its output. Fails when it ends by itself first."""
+    proc = subprocess.Popen([PYTHON, "-m", "stride", *args], cwd=REPO, env=dict(os.environ, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not meta_appeared():
+            assert proc.poll() is None, "the run ended before its first checkpoint was complete:\n" + \
+                proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no complete checkpoint within the time"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate(timeout=60)[0]
+
+
+@pytest.fixture
+def bucket(s3_server):
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    return name
+
+
+def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_leaves_nothing_behind(
+        s3_server, bucket, ray_cluster, shared_ray_head, tabular_data, tmp_path):
+    secret = f"sekrit-{uuid.uuid4().hex}"  # moto takes any key: one that can be searched for
+    env = user_env(dict(s3_server.child_env(), AWS_SECRET_ACCESS_KEY=secret), ray_cluster, tmp_path)
+    staging = tmp_path / "staging"
+    runs = f"s3://{bucket}/runs"
+
+    ref = launch.ray(run_args(tabular_data, runs, "ref", staging), env)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    summary = json.loads(s3_read(s3_server, f"{runs}/ref/summary.json"))
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
+    assert files_under(staging) == []
+    assert not shared_ray_head.wait_idle()
+
+    args = run_args(tabular_data, runs, "cut", staging)
+    first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
+    killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))
+    assert "summary.json" not in s3_objects(s3_server, f"{runs}/cut"), killed[-3000:]
+    assert not shared_ray_head.wait_idle()  # the GCS removed the killed driver's gang
+
+    resumed = launch.ray(args, env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming cut from checkpoint_" in resumed.stdout, resumed.stdout[-3000:]
+
+    want = train_losses(s3_read(s3_server, f"{runs}/ref/metrics.jsonl").decode())
+    got = train_losses(s3_read(s3_server, f"{runs}/cut/metrics.jsonl").decode())
+    assert [step for step, _ in got] == list(range(1, STEPS + 1))  # every step once, in order, across the kill
+    assert got == want  # bitwise
+    assert files_under(staging) == []
+
+    # The key reached the workers (they uploaded the shards) through the job's runtime_env, and nowhere else.
+    for name in ("ref", "cut"):
+        for key in s3_objects(s3_server, f"{runs}/{name}"):
+            assert secret.encode() not in s3_read(s3_server, f"{runs}/{name}/{key}"), key
+    for out in (ref.stdout + ref.stderr, killed, resumed.stdout + resumed.stderr):
+        assert secret not in out

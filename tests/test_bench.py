@@ -131,6 +131,30 @@ def test_scaling_compares_only_fits_taken_side_by_side(F):
                                                                for r in range(5) for w in (1, 2)]})
     assert both["n"] == 5 and both["median"] == pytest.approx(1.8) and not both["notes"]
 
+def test_bucket_figures_sum_every_checkpoints_block_and_pair_runs_of_one_repetition(F):
+    """bucket_bench's figures: a run's checkpoint_blocked_s summed over its log lines, its step time past the warm-up
+    only, the resume's first step; each a ratio of the bucket's run over the folder's of the same repetition."""
+    def run(variant, phase, rep, blocked, step_s, first_s):
+        lines = [{"step": s, "train_loss": 1.0, "step_time_s": 9.0 if s <= 10 else step_s,
+                  **({"checkpoint_blocked_s": blocked} if s in (35, 65) else {})} for s in range(5, 121, 5)]
+        return {"variant": variant, "phase": phase, "rep": rep, "first_step_s": first_s, "checkpoint_bytes": 2**20,
+                "summary": {"train_wall_s": 12.0, "global_step": 120}, "metrics": lines if phase == "train" else []}
+
+    runs = [run("folder", p, r, 0.2, 0.10, 10.0) for r in range(5) for p in ("train", "resume")]
+    runs += [run("bucket", p, r, 0.3, 0.11, 14.0) for r in range(5) for p in ("train", "resume")]
+    runs.append(run("bucket", "train", 5, 9.0, 9.0, 99.0))  # no folder run beside it: no sample
+    figs = F.bucket_figures({"bucket": {"hidden": "[8]", "world_size": 2, "steps": 120, "ckpt_every": 30,
+                                        "upload": "async", "warmup": 10, "resume_steps": 4, "runs": runs}})
+    blocked, step, resume = (figs[n] for n in ("bucket_checkpoint_blocked_ratio", "bucket_step_time_ratio",
+                                                  "bucket_resume_ratio"))
+    assert blocked["n"] == step["n"] == resume["n"] == 5
+    assert blocked["median"] == pytest.approx(1.5) and blocked["bucket_blocked_s"]["median"] == pytest.approx(0.6)
+    assert step["median"] == pytest.approx(1.1) and resume["median"] == pytest.approx(1.4)
+    assert [F.verdict(f, F.GOALS[n])["pass"] for n, f in figs.items()] == [False, False, False]
+    assert F.bucket_figures({})["bucket_resume_ratio"]["notes"] == [
+        "not measured in this result: python benchmarks/run.py --only bucket"]
+
+
 
 def test_ingest_at_unequal_threads_says_so_and_gets_no_verdict(F, latest):
     raw = json.loads(json.dumps(latest["raw"]))

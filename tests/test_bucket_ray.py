@@ -38,12 +38,13 @@ THROTTLE = textwrap.dedent("""
         def on_step_end(self, state, metrics):
             time.sleep(0.2)
 """)
+SLOW = "train.callbacks=[throttle:Throttle]"
 
 
 def run_args(data, storage, name, staging, *extra):
     return tiny(storage, data, STEPS, f"checkpoint.every_steps={EVERY}", "train.log_every_steps=1",
                 f"train.eval_every_steps={STEPS}", f"checkpoint.staging_dir={staging}", "scaling.num_workers=2",
-                "train.callbacks=[throttle:Throttle]", *extra, name=name)
+                *extra, name=name)
 
 
 def user_env(storage_env: dict, ray_env: dict, project: Path) -> dict:
@@ -107,14 +108,14 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
     staging = tmp_path / "staging"
     runs = f"s3://{bucket}/runs"
 
-    ref = launch.ray(run_args(tabular_data, runs, "ref", staging), env)
+    ref = launch.ray(run_args(tabular_data, runs, "ref", staging, SLOW), env)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     summary = json.loads(s3_read(s3_server, f"{runs}/ref/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
     assert files_under(staging) == []
     assert not shared_ray_head.wait_idle()
 
-    args = run_args(tabular_data, runs, "cut", staging)
+    args = run_args(tabular_data, runs, "cut", staging, SLOW)
     first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
     killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))
     assert "summary.json" not in s3_objects(s3_server, f"{runs}/cut"), killed[-3000:]
@@ -136,3 +137,27 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
             assert secret.encode() not in s3_read(s3_server, f"{runs}/{name}/{key}"), key
     for out in (ref.stdout + ref.stderr, killed, resumed.stdout + resumed.stderr):
         assert secret not in out
+
+
+def test_two_workers_on_the_shared_head_train_to_a_gcs_bucket(gcs_server, ray_cluster, tabular_data, tmp_path):
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    gcs_server.make_bucket(bucket)
+    staging = tmp_path / "staging"
+    run = f"gs://{bucket}/runs/g"
+
+    done = launch.ray(run_args(tabular_data, f"gs://{bucket}/runs", "g", staging),
+                      user_env(gcs_server.child_env(), ray_cluster, tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    fs = gcs_server.filesystem()
+    listed = [p.removeprefix(f"{bucket}/runs/g/") for p in gcs_server.list(run)]
+    summary = json.loads(fs.cat_file(f"{bucket}/runs/g/summary.json"))
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
+    # keep_last's newest checkpoints, each with both workers' shards and meta.json, which rank 0 writes last
+    newest = sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")})[-1]
+    assert newest == f"checkpoint_{STEPS:08d}"
+    meta = json.loads(fs.cat_file(f"{bucket}/runs/g/{newest}/meta.json"))
+    assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert {f"{newest}/{f}" for f in meta["files"]} <= set(listed)
+    steps = [step for step, _ in train_losses(fs.cat_file(f"{bucket}/runs/g/metrics.jsonl").decode())]
+    assert steps == list(range(1, STEPS + 1)) and "stride.lock" not in listed
+    assert files_under(staging) == []

@@ -67,3 +67,14 @@ def test_step_seeds_differ_by_rank_and_step_and_reseed_numpy_and_torch():
     reseed(0, 1, 7)
     b = (np.random.rand(3), torch.rand(3))
     assert np.array_equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_stop_request_posted_by_the_driver_without_a_file(tmp_path):
+    """A run on a bucket has no shared folder: the driver's request arrives by its channel (Ray), and counts as the
+    file's does, with its status and signal."""
+    posted = {"request": None}
+    stop = StopRequest(tmp_path, torch.device("cpu"), world_size=1, posted=lambda: posted["request"])
+    assert not stop.requested()
+    posted["request"] = {"status": "interrupted", "signal": 15}
+    assert not (tmp_path / ".stride-stop").exists()
+    assert stop.requested() and stop.status() == "interrupted" and stop.signal() == 15

@@ -77,6 +77,9 @@ class WorkerEnv:
     # The runtime's notice that a node of the gang is about to be preempted, or None; asked at every step boundary,
     # so it must be cheap (Ray: this worker's own copy of the notice, no collective). None: no such notices (torchrun).
     preempted: Callable[[], Preemption | None] | None = None
+    # The driver's stop request where the run folder is not shared (Ray: its stop channel), or None; asked at every
+    # step boundary (the channel rate-limits itself).
+    stop_requested: Callable[[], dict[str, Any] | None] | None = None
 
     @classmethod
     def for_gang(cls, world_rank: int, world_size: int, local_rank: int, device: torch.device, node: str,
@@ -121,6 +124,7 @@ class RunPlan:
     data_pipeline: str = "thread"  # or "ray_data" (the driver's choice for data.pipeline)
     data_cpus_per_task: float = 1.0  # data.pipeline=ray_data: CPUs of each Ray Data task
     run_lock_token: str | None = None  # the launcher's run lock (trainers/run/lock.py); None: no lock, no fence
+    stop_channel: str | None = None  # Ray: the driver's stop channel (trainers/launch/stop_channel.py); None: none
     init_sha256: str | None = None  # init.from's digest as the driver's check computed it; None: rank 0 hashes it
 
 
@@ -670,7 +674,7 @@ class Trainer:
         sinks = self.sinks = self.open_sinks()
         cfg, env, s = self.cfg, self.env, self.state
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
-        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted)
+        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted, env.stop_requested)
         stop.install()
         callbacks = self.callbacks
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,

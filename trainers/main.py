@@ -42,6 +42,7 @@ from stride.trainers.config_reader import apply_overrides, build_config, load_co
 from stride.errors import EXIT_FAILED, EXIT_OK
 from stride.trainers.launch.ray import train_on_ray
 from stride.trainers.launch.lifecycle import install_signal_handlers
+from stride.trainers.launch.stop_channel import StopChannel
 from stride.trainers.launch.checks import prepare
 
 
@@ -84,8 +85,10 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict]:
         quiet_ray_env()
         init_ray()
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
-        signals = install_signal_handlers(cfg.run_dir)
-        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=token)
+        channel = StopChannel(f"stride-stop-{token}")  # the stop request reaches workers on every node
+        signals = install_signal_handlers(cfg.run_dir, also=channel.post)
+        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=token,
+                                     stop_channel=channel.name)
         return summary
 
     # The lock is held from before the resume check to after the summary: nothing of this run touches the folder

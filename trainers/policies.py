@@ -147,8 +147,10 @@ class StopRequest:
     so that nothing is trained that the restart would lose. A stop and a preemption at the same step: the stop."""
 
     def __init__(self, run_dir: Path, device: torch.device, world_size: int,
-                 preempted: Callable[[], Preemption | None] | None = None):
+                 preempted: Callable[[], Preemption | None] | None = None,
+                 posted: Callable[[], dict[str, Any] | None] | None = None):
         self.path = Path(run_dir) / STOP_FILE
+        self.posted = posted  # the driver's request by another way than the file (Ray's stop channel)
         self.device, self.world_size = device, world_size
         self.local: dict[str, Any] | None = None
         self.previous: dict = {}
@@ -190,7 +192,7 @@ class StopRequest:
         hears of it on its own, not at the same step), with the earliest deadline any of them heard."""
         notice = self._notice()
         # [stop, preempted, -deadline]: one all-reduce (MAX) agrees on all three.
-        flags = [1.0 if (self.local is not None or self.path.exists()) else 0.0, 1.0 if notice else 0.0,
+        flags = [1.0 if (self.local is not None or self._driver_request()) else 0.0, 1.0 if notice else 0.0,
                  -notice.deadline_s if notice and notice.deadline_s is not None else -math.inf]
         if self.world_size > 1:
             t = torch.tensor(flags, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
@@ -212,14 +214,14 @@ class StopRequest:
         until = (p.deadline_s if p is not None and p.deadline_s is not None else start + NO_DEADLINE_WAIT_S) \
             + PREEMPTION_OVERRUN_S
         while (now := clock()) < until:
-            if self.path.exists():
+            if self._driver_request():
                 return True
             sleep(min(poll_s, until - now))
         self.preemption = None
         return False
 
     def status(self) -> str:
-        if self.preemption is not None and not (self.local or self.path.exists()):
+        if self.preemption is not None and not (self.local or self._driver_request()):
             return "preempted"
         return self._request().get("status", "interrupted")
 
@@ -227,7 +229,12 @@ class StopRequest:
         """The signal behind the request (this process's own, or the one the driver wrote), if any."""
         return self._request().get("signal")
 
+    def _driver_request(self) -> bool:
+        return self.path.exists() or (self.posted is not None and self.posted() is not None)
+
     def _request(self) -> dict[str, Any]:
+        if self.local is None and self.posted is not None and (posted := self.posted()) is not None:
+            return posted
         try:
             request = runfolder.read_json(self.path)  # a regular file only: a FIFO planted here never blocks a rank
         except (OSError, ValueError, RunFolderError):

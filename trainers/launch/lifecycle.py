@@ -330,10 +330,11 @@ def last_line(error: BaseException | str) -> str:
     return re.sub(r"^stride(\.\w+)+: ", "", line)[:500]
 
 
-def install_signal_handlers(run_dir: Path) -> list[int]:
+def install_signal_handlers(run_dir: Path, also: Callable[[dict], None] | None = None) -> list[int]:
     """SIGUSR1 (SLURM's warning before the time limit), SIGTERM (preemption, scancel) and SIGINT ask every rank
     to checkpoint at the next step boundary and stop; the exit code is then 128 + the signal. Under SLURM a
-    SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted."""
+    SIGUSR1/SIGTERM means "you will be requeued" (status preempted), elsewhere SIGTERM/SIGINT mean interrupted.
+    `also` gets the same request (the Ray driver's stop channel: workers on nodes that do not share the folder)."""
     import signal
 
     from stride.trainers.policies import clear_stop_request, request_stop
@@ -346,7 +347,10 @@ def install_signal_handlers(run_dir: Path) -> list[int]:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         received.append(signum)
         preempt = signum == signal.SIGUSR1 or (signum == signal.SIGTERM and os.environ.get("SLURM_JOB_ID"))
-        request_stop(run_dir, "preempted" if preempt else "interrupted", signum)
+        request = {"status": "preempted" if preempt else "interrupted", "signal": signum}
+        request_stop(run_dir, request["status"], signum)
+        if also is not None:
+            also(request)
         print(f"stride: received {signal.Signals(signum).name}: checkpointing at the next step, then exiting",
               file=sys.stderr, flush=True)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from stride.trainers import telemetry
 from stride.trainers.run import checkpointing
+from stride.trainers.launch import stop_channel
 from stride.trainers.run.remote import RunRemote
 from stride.trainers.config_reader import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
@@ -80,6 +81,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         stream_factory=stream_factory,
         # A node announced as preempted: checkpoint at the next step, then wait for Ray to restart the gang from it.
         preempted=preemption_notice,
+        stop_requested=stop_channel.poller(plan.stop_channel) if plan.stop_channel else None,
     )
     return run(cfg, env, plan)
 

@@ -185,3 +185,24 @@ def test_a_prefix_holding_another_models_run_exits_2_before_training(s3_server, 
     assert other.returncode == 2 and len(lines) == 1 and "of another model" in lines[0], other.stderr
     after = {n: read_object(s3_server, f"s3://{bucket}/runs/m/{n}") for n in objects(s3_server, f"s3://{bucket}/runs/m")}
     assert after == before  # nothing of the run was touched
+
+
+def test_keep_best_keeps_its_copies_in_the_bucket_beside_keep_last(s3_server, bucket, tabular_data, tmp_path):
+    """checkpoint.keep_best on a bucket: best/ is a prefix of server-side copies (no hard links there) that keep_last's
+    pruning never takes, ranked from the bucket's own meta.json files, and summary.json names them by URI."""
+    env = s3_server.child_env()
+    done = launch.forked(args(tabular_data, bucket, "kb", 24, tmp_path / "s", "train.eval_every_steps=6",
+                              "checkpoint.keep_last=1", "checkpoint.keep_best={k: 2}"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = f"s3://{bucket}/runs/kb"
+    listed = objects(s3_server, run)
+    assert sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")}) == ["checkpoint_00000024"]
+    val = {r["step"]: r["val_loss"] for r in metrics(s3_server, run) if "val_loss" in r and r["step"] > 0}
+    best = sorted(val, key=lambda s: (val[s], s))[:2]
+    kept = sorted({n.split("/")[1] for n in listed if n.startswith("best/")})
+    assert kept == sorted(f"checkpoint_{s:08d}" for s in best)
+    for name in kept:  # each copy is whole: its meta.json names files that are all there
+        meta = json.loads(read_object(s3_server, f"{run}/best/{name}/meta.json"))
+        assert {f"best/{name}/{f}" for f in meta["files"]} <= set(listed)
+    summary = json.loads(read_object(s3_server, f"{run}/summary.json"))
+    assert sorted(b["checkpoint"] for b in summary["best_checkpoints"]) == [f"{run}/best/{n}" for n in kept]

@@ -110,6 +110,11 @@ class CallbackState:
         return self._trainer.run_dir
 
     @property
+    def remote(self):
+        """The run's bucket side (trainers/run/remote.py: RunRemote), or None for a run in a folder."""
+        return self._trainer.remote
+
+    @property
     def config(self):
         return self._trainer.cfg
 

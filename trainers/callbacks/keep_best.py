@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stride.trainers.callbacks.base import Callback, CallbackState
-from stride.trainers.run.retention import BestCheckpoints
+from stride.trainers.run.retention import BestCheckpoints, BucketBestCheckpoints
 
 
 class KeepBest(Callback):
@@ -21,7 +21,9 @@ class KeepBest(Callback):
 
     def best(self, state: CallbackState) -> BestCheckpoints:
         if self._best is None:
-            self._best = BestCheckpoints(state.run_dir, self.metric, self.mode, self.k)
+            remote = state.remote  # a run on a bucket keeps best/ there
+            self._best = (BucketBestCheckpoints(remote, self.metric, self.mode, self.k) if remote is not None
+                          else BestCheckpoints(state.run_dir, self.metric, self.mode, self.k))
         return self._best
 
     def on_checkpoint_complete(self, state: CallbackState, folder: Path) -> None:

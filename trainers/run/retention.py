@@ -75,6 +75,49 @@ class BestCheckpoints:
         return [{"checkpoint": str(folder), "step": step, self.metric: value} for value, step, folder in self.ranked()]
 
 
+class BucketBestCheckpoints(BestCheckpoints):
+    """checkpoint.keep_best for a run on a bucket (trainers/run/remote.py): best/ is a prefix beside the run's
+    checkpoints, and a kept checkpoint is a server-side copy of its objects (object storage has no hard links),
+    meta.json copied last so that a copy cut short is never complete. Ranked from the bucket's meta.json files."""
+
+    def __init__(self, remote, metric: str, mode: str, k: int):
+        self.remote, self.metric, self.mode, self.k = remote, metric, mode, k
+
+    def _entry(self, name: str) -> tuple[float, int, str] | None:
+        import json
+
+        try:
+            meta = json.loads(self.remote.store.read(f"{name}/{META}") or b"null")
+            value, step = (meta.get("metrics") or {}).get(self.metric), meta["step"]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        if not isinstance(value, (int, float)) or value != value or not isinstance(step, int):
+            return None
+        return float(value), step, name
+
+    def ranked(self) -> list[tuple[float, int, str]]:
+        kept = [e for n in self.remote.store.folders(BEST) if OWN_CHECKPOINT.fullmatch(n)
+                and (e := self._entry(f"{BEST}/{n}")) is not None]
+        return sorted(kept, key=lambda t: (t[0] if self.mode == "min" else -t[0], t[1]))
+
+    def offer(self, checkpoint: Path) -> None:
+        store, name = self.remote.store, Path(checkpoint).name
+        if (entry := self._entry(name)) is None:
+            return
+        kept = self.ranked()
+        if any(n == f"{BEST}/{name}" for *_, n in kept) or (len(kept) >= self.k and not self._better(entry[0], kept[-1][0])):
+            return
+        files = sorted(store.listing(name), key=lambda n: n.endswith("/" + META))  # meta.json last
+        for n in files:
+            store.copy(n, f"{BEST}/{n}")
+        for *_, worse in self.ranked()[self.k:]:
+            store.delete(worse)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"checkpoint": self.remote.store.describe(name), "step": step, self.metric: value}
+                for value, step, name in self.ranked()]
+
+
 # ---- retention: checkpoint.keep_last (torchrun prunes here; Ray Train keeps num_to_keep of those it registered) ----
 
 OWN_CHECKPOINT = re.compile(r"checkpoint_\d{8}")  # checkpoint_<step>, as the loop names them (not Ray's own names)

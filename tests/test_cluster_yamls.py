@@ -176,7 +176,7 @@ def runs_uris(name: str) -> list[str]:
         assert " ".join(words[:4]) == DEFAULT_JOB
         return [w.split("=", 1)[1] for w in words[4:] if w.startswith("run.storage_path=")]
     text = (REPO / "ray_cluster" / name).read_text()
-    return re.findall(rf"-- {re.escape(DEFAULT_JOB)} \\\n#\s+run\.storage_path=(\S+)\n", text)
+    return re.findall(rf"-- {re.escape(DEFAULT_JOB)} \\\n#\s+(?:\S+=\S+ )*\\?\n?#?\s*run\.storage_path=(\S+)\n", text)
 
 
 @pytest.mark.parametrize("name", sorted(RUNS_BUCKET))
@@ -204,3 +204,33 @@ def test_runs_go_to_a_bucket_the_nodes_can_reach(name):
                 "kuberay-rayjob.yaml": ["serviceAccountName: stride-runs", "eks.amazonaws.com/role-arn",
                                         "roles/storage.objectAdmin", "workloadIdentityPools"]}[name]
     assert all(word in text for word in identity), identity
+
+
+def job_overrides(name: str) -> list[str]:
+    """The settings each file's job passes after the default command (KubeRay's entrypoint; the header's command)."""
+    if name == "kuberay-rayjob.yaml":
+        return shlex.split(load(KUBERAY)["spec"]["entrypoint"])[4:]
+    text = (REPO / "ray_cluster" / name).read_text()
+    start = text.index(f"-- {DEFAULT_JOB}") + len(f"-- {DEFAULT_JOB}")
+    lines = []
+    for line in text[start:].splitlines()[1:]:
+        lines.append(line.lstrip("#").strip().rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(lines).split()
+
+
+@pytest.mark.parametrize("name", sorted(RUNS_BUCKET))
+def test_each_files_job_passes_strides_checks_on_a_bucket(name):
+    """The job as written gets past the config and the trackers' checks (a bucket cannot hold MLflow's default store:
+    the job must say where MLflow is, or turn it off), and keeps its data off local paths unless the file shares a
+    filesystem."""
+    from stride.trainers import sinks
+    from stride.trainers.config_reader import load_config
+
+    # The placeholder is upper case so that it names no real bucket, and so Stride refuses it until it is edited.
+    edited = [o.replace("YOUR-BUCKET", "my-bucket") for o in job_overrides(name)]
+    cfg = load_config(str(REPO / "trainers/configs/char_gpt.yaml"), edited)
+    sinks.preflight(cfg)
+    shared = "STRIDE_SHARED_FS" in (REPO / "ray_cluster" / name).read_text()
+    assert shared or all("://" in p for p in (cfg.data.train_path, cfg.data.val_path)), name

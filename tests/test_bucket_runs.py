@@ -206,3 +206,14 @@ def test_keep_best_keeps_its_copies_in_the_bucket_beside_keep_last(s3_server, bu
         assert {f"best/{name}/{f}" for f in meta["files"]} <= set(listed)
     summary = json.loads(read_object(s3_server, f"{run}/summary.json"))
     assert sorted(b["checkpoint"] for b in summary["best_checkpoints"]) == [f"{run}/best/{n}" for n in kept]
+
+
+def test_tensorboard_files_reach_the_bucket_and_leave_no_local_copy(s3_server, bucket, tabular_data, tmp_path):
+    """A tracker's local files (TensorBoard's events) are written in the working copy and synced under the run's
+    prefix at checkpoints and at the end; the working copy is gone afterwards."""
+    env = s3_server.child_env()
+    done = launch.forked(args(tabular_data, bucket, "tb", 12, tmp_path / "s", "tracking.sinks=[tensorboard]"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [n for n in objects(s3_server, f"s3://{bucket}/runs/tb") if n.startswith("tensorboard/")]
+    assert events and all("tfevents" in n for n in events), events
+    assert files_under(tmp_path / "s") == []

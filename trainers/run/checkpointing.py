@@ -255,6 +255,7 @@ class CheckpointWriter:
         remote.failures = 0
         if self.rank == 0:
             remote.prune(self.keep_last)
+            remote.sync_side_files()
             if self.written is not None:
                 self.written(folder, time.perf_counter() - t0)
         return folder

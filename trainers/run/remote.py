@@ -38,6 +38,7 @@ log = logging.getLogger("stride")
 
 META = "meta.json"
 CHECKPOINT_PREFIX = "checkpoint_"
+SIDE_FILES = ("metrics.jsonl", "tensorboard", "wandb")  # written locally by rank 0's sinks, synced at checkpoints
 
 
 def staging_root(staging_dir: str | None) -> Path:
@@ -124,9 +125,16 @@ class RunRemote:
                     return
                 name = self._wanted.pop()
             try:
-                with_backoff(lambda: self.push(name))
+                with_backoff(lambda: self.push_tree(name) if (self.local / name).is_dir() else self.push(name))
             except OSError as e:  # the next push carries the whole file again
                 log.warning("%s could not be uploaded to %s (%s); retrying at the next log step", name, self, e)
+
+    def sync_side_files(self) -> None:
+        """At a checkpoint: metrics.jsonl and the trackers' local folders (TensorBoard's events, W&B's offline run)
+        reach the bucket in the background, so that a run killed later still has them up to here."""
+        for name in SIDE_FILES:
+            if (self.local / name).exists():
+                self.push_soon(name)
 
     def flush(self) -> None:
         """Wait for push_soon's uploads."""
@@ -153,8 +161,8 @@ class RunRemote:
 
         atomic_write_text(self.local / summary_name, json.dumps(summary, indent=1, default=str) + "\n")
         self.flush()
-        self.push_tree("tensorboard")
-        self.push("metrics.jsonl")
+        for name in SIDE_FILES:
+            self.push_tree(name) if (self.local / name).is_dir() else self.push(name)
         self.push(summary_name)
         shutil.rmtree(self.local, ignore_errors=True)
         return self.store.describe(summary_name)

@@ -84,9 +84,9 @@ class MetricsFileSink(Sink):
         self._published()
 
     def close(self, status: str) -> None:
-        if self.remote is not None:  # the last lines, then no copy on this node's disk
+        if self.remote is not None:  # the last lines (and the trackers' files), then no copy on this node's disk
+            self.remote.sync_side_files()
             self.remote.flush()
-            self.remote.push(runfolder.METRICS)
             (self.file.path).unlink(missing_ok=True)
 
     def _published(self) -> None:

@@ -1,13 +1,17 @@
 """Runs on a bucket through Ray (issue 44): `python -m stride` with run.storage_path=s3://... (and gs://) on the
 suite's shared head, whose workers do not share the driver's environment: the driver's storage settings reach them,
 the secret stays out of every run file and output; a driver SIGKILLed after a checkpoint is rerun and resumes from the
-bucket, ending bitwise as a run never stopped, every step logged once, nothing left in staging. The kill and resume
-at the torchrun level, the lock and the bad inputs: tests/test_bucket_runs.py."""
+bucket, ending bitwise as a run never stopped, every step logged once, nothing left in staging; the same run on the
+GCS emulator. Then two machines without a shared disk (tests/private_node.py: a second node in a mount namespace of
+its own, a tmpfs over /tmp and the test's folders; root only, as CI): one worker on each, the driver killed, the second
+machine gone, the resume on the head alone ends bitwise as the run never stopped, and neither disk keeps a run file.
+The kill and resume at the torchrun level, the lock and the bad inputs: tests/test_bucket_runs.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -17,10 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from cluster_fixtures import free_ports, short_tmp
 from conftest import PYTHON, REPO
 from gcs_server import gcs_server_fixture
+from private_node import add_private_node, files_in_node, in_node, namespace_problem, write_in_node
 from runs import launch, tiny
 from s3_server import s3_server_fixture
+from shared_ray import SharedHead
+from stride.ray_cluster import local
 
 pytestmark = pytest.mark.slow
 s3_server = s3_server_fixture()
@@ -161,3 +169,67 @@ def test_two_workers_on_the_shared_head_train_to_a_gcs_bucket(gcs_server, ray_cl
     steps = [step for step, _ in train_losses(fs.cat_file(f"{bucket}/runs/g/metrics.jsonl").decode())]
     assert steps == list(range(1, STEPS + 1)) and "stride.lock" not in listed
     assert files_under(staging) == []
+
+
+@pytest.fixture(scope="module")
+def two_machines(s3_server, tabular_data, tmp_path_factory):
+    """A head (2 CPUs) and a second node (2 CPUs) in a mount namespace of its own, a tmpfs over its /tmp and the
+    test's folders: two machines that share no disk, only the network (the cluster, the bucket). The data is in the
+    bucket, as a multi-node run's must be."""
+    if problem := namespace_problem():
+        pytest.skip(problem)
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    data = s3_server.upload(tabular_data, bucket, "tab")
+    head_dir, node_dir = short_tmp("stc-head-"), short_tmp("stc-node-")
+    gcs, dashboard = free_ports(2)
+    head = local.start_head(head_dir, port=gcs, dashboard_port=dashboard, num_cpus=2)
+    try:
+        add_private_node(head, node_dir, [tmp_path_factory.getbasetemp()], num_cpus=2)
+        # What it sees is its own: a fresh tmpfs, without this machine's files there.
+        assert in_node(node_dir, "findmnt", "-n", "-o", "FSTYPE", "/tmp").stdout.split() == ["tmpfs"]
+        assert in_node(node_dir, "test", "-e", str(tabular_data)).returncode == 1 and tabular_data.exists()
+        yield {"head": head, "node_dir": node_dir, "bucket": bucket, "data": data}
+    finally:
+        local.stop_node(node_dir)  # by pid: its tmpfs goes with its last process
+        local.stop_head(head)
+        for folder in (head_dir, node_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_two_machines_without_a_shared_disk_resume_from_the_bucket_on_one_bitwise_and_keep_no_run_file(
+        two_machines, s3_server, tmp_path):
+    head, node_dir, bucket = two_machines["head"], two_machines["node_dir"], two_machines["bucket"]
+    runs = f"s3://{bucket}/runs"
+    staging = tmp_path / "staging"
+    env = user_env(s3_server.child_env(), head.client_env(), tmp_path)
+    write_in_node(node_dir, tmp_path / "throttle.py", THROTTLE)  # the user's code, installed on each machine
+    # 2 CPUs a worker: one worker per node. One torch thread, whatever the CPUs, so that the resume on one node
+    # computes as the two did.
+    one_per_node = (SLOW, "scaling.cpus_per_worker=2", "train.num_threads=1")
+    idle = SharedHead(head)
+
+    ref = launch.ray(run_args(two_machines["data"], runs, "ref", staging, *one_per_node), env)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert "2 node(s)" in ref.stdout and json.loads(s3_read(s3_server, f"{runs}/ref/summary.json"))["world_size"] == 2
+    # Rank 1 worked on the second machine's own disk (its staging root exists only there), and left no file on it.
+    assert in_node(node_dir, "test", "-d", str(staging)).returncode == 0
+    assert files_in_node(node_dir, staging) == [] and files_under(staging) == []
+    assert not idle.wait_idle()
+
+    args = run_args(two_machines["data"], runs, "cut", staging, *one_per_node)
+    first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
+    killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))
+    assert "summary.json" not in s3_objects(s3_server, f"{runs}/cut"), killed[-3000:]
+    assert not idle.wait_idle()
+    local.stop_node(node_dir)  # the second machine is gone, its disk (rank 1's working copy) with it
+
+    resumed = launch.ray(run_args(two_machines["data"], runs, "cut", staging, SLOW, "scaling.cpus_per_worker=1",
+                                  "train.num_threads=1"), env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "1 node(s)" in resumed.stdout and "resuming cut from checkpoint_" in resumed.stdout, resumed.stdout[-3000:]
+    want = train_losses(s3_read(s3_server, f"{runs}/ref/metrics.jsonl").decode())
+    got = train_losses(s3_read(s3_server, f"{runs}/cut/metrics.jsonl").decode())
+    assert [step for step, _ in got] == list(range(1, STEPS + 1))  # every step once, in order, across the kill
+    assert got == want  # bitwise: rank 1's shard came from the bucket, not from the disk it was written on
+    assert files_under(staging) == []
+    assert not idle.wait_idle()

@@ -217,3 +217,79 @@ def test_tensorboard_files_reach_the_bucket_and_leave_no_local_copy(s3_server, b
     events = [n for n in objects(s3_server, f"s3://{bucket}/runs/tb") if n.startswith("tensorboard/")]
     assert events and all("tfevents" in n for n in events), events
     assert files_under(tmp_path / "s") == []
+
+
+# The storage goes away (the proxy in front of the S3 server resets every connection) from the step before
+# OUTAGE_AT's checkpoint until that checkpoint's upload has been given up (its staging is removed), then comes back;
+# with KILL_AFTER_OUTAGE the process is SIGKILLed right then, before any later checkpoint.
+OUTAGE = textwrap.dedent("""
+    import os, signal, time
+    from pathlib import Path
+    from stride import Callback
+
+    class Outage(Callback):
+        def on_step_end(self, state, metrics):
+            at, switch = int(os.environ["OUTAGE_AT"]), Path(os.environ["OUTAGE_SWITCH"])
+            if state.step == at - 1:
+                while any(Path(state.run_dir).glob("checkpoint_*")):  # the one before is up: nothing in flight
+                    time.sleep(0.05)
+                switch.touch()
+            if state.step == at + 1 and switch.exists() and not os.environ.get("OUTAGE_FOREVER"):
+                staged = Path(state.run_dir) / f"checkpoint_{at:08d}"
+                deadline = time.time() + 300
+                while staged.exists() and time.time() < deadline:  # training went on; the upload is retrying
+                    time.sleep(0.2)
+                switch.unlink()
+                if os.environ.get("KILL_AFTER_OUTAGE"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.fixture
+def outage(s3_server, tmp_path):
+    from tcp_proxy import CuttableProxy
+
+    proxy = CuttableProxy(s3_server.port, tmp_path / "switch")
+    env = dict(s3_server.child_env(), AWS_ENDPOINT_URL=proxy.endpoint, AWS_ENDPOINT_URL_S3=proxy.endpoint,
+               OUTAGE_SWITCH=str(tmp_path / "switch"), STRIDE_TASK_PATH=str(tmp_path))
+    (tmp_path / "outage.py").write_text(OUTAGE)
+    yield env
+    proxy.close()
+
+
+def test_an_upload_cut_off_never_commits_training_goes_on_and_a_resume_takes_the_last_complete(
+        s3_server, bucket, tabular_data, tmp_path, outage):
+    run_args = args(tabular_data, bucket, "cut", 24, tmp_path / "s", "train.callbacks=[outage:Outage]")
+    first = launch.forked(run_args, env=dict(outage, OUTAGE_AT="12", KILL_AFTER_OUTAGE="1"), timeout=600)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    warned = [ln for ln in (first.stdout + first.stderr).splitlines() if "checkpoint checkpoint_00000012 could not be uploaded" in ln]
+    assert len(warned) == 1 and "1 in a row" in warned[0] and "previous checkpoint stays the newest" in warned[0], \
+        first.stdout[-3000:] + first.stderr[-3000:]
+    assert "step 13/24" in first.stderr + first.stdout  # the step after the checkpoint trained while it uploaded
+    listed = objects(s3_server, f"s3://{bucket}/runs/cut")
+    assert "checkpoint_00000006/meta.json" in listed and "checkpoint_00000012/meta.json" not in listed
+
+    resumed = launch.forked(run_args, env=dict(outage, OUTAGE_AT="0"), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming cut from checkpoint_00000006" in resumed.stdout
+    steps = [r["step"] for r in metrics(s3_server, f"s3://{bucket}/runs/cut") if "train_loss" in r]
+    assert steps == list(range(1, 25))
+    assert files_under(tmp_path / "s") == []
+
+
+def test_uploads_failing_max_upload_failures_times_in_a_row_fail_the_run_with_one_line(
+        s3_server, bucket, tabular_data, tmp_path, outage):
+    run_args = args(tabular_data, bucket, "down", 30, tmp_path / "s", "checkpoint.max_upload_failures=2",
+                    "checkpoint.every_steps=2", "train.callbacks=[outage:Outage]")
+    (tmp_path / "switch").touch()  # unreachable before the start: refused before anything is written
+    early = launch.forked(run_args, env=dict(outage, OUTAGE_AT="0"), timeout=600)
+    lines = [ln for ln in early.stderr.splitlines() if ln.strip()]
+    assert early.returncode == 2 and len(lines) == 1 and "run.storage_path (s3://" in lines[0], early.stderr
+    (tmp_path / "switch").unlink()
+    # Down from step 1 on, for good: the checkpoints of steps 2 and 4 fail to upload, and the run ends at the second.
+    done = launch.forked(run_args, env=dict(outage, OUTAGE_AT="2", OUTAGE_FOREVER="1"), timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = [ln for ln in done.stderr.splitlines() if ln.strip()][-1]
+    assert "could not be uploaded" in last and "2 in a row (checkpoint.max_upload_failures=2)" in last, last
+    (tmp_path / "switch").unlink()
+    assert not [n for n in objects(s3_server, f"s3://{bucket}/runs/down") if n.endswith("meta.json")]

@@ -200,9 +200,7 @@ class CheckpointWriter:
         try:
             # A failed write fails on every rank (DCP gathers each rank's result), so every rank retries it together.
             with_retries(save, str(folder), errors=(OSError, CheckpointException))
-            if self.remote is not None:
-                return self._publish(folder, meta, t0)
-            if self.rank == 0:
+            if self.rank == 0 and self.remote is None:
                 with_retries(lambda: (self.fence(), write_marker(folder, meta)), str(folder))
         except CheckpointWriteError as e:
             if self.rank == 0:
@@ -212,6 +210,8 @@ class CheckpointWriter:
                 shutil.rmtree(folder, ignore_errors=True)
             line = storage_failure_line(f"checkpoint {folder.name}", folder.parent, e.reason, e.errno)
             raise CheckpointWriteError(line, e.reason, e.errno) from None
+        if self.remote is not None:  # staged locally: now to the bucket (its failures say so themselves)
+            return self._publish(folder, meta, t0)
         if self.rank == 0 and self.written is not None:
             self.written(folder, time.perf_counter() - t0)
         return folder
@@ -254,7 +254,11 @@ class CheckpointWriter:
             return None
         remote.failures = 0
         if self.rank == 0:
-            remote.prune(self.keep_last)
+            try:  # housekeeping: a storage hiccup here costs old objects kept a little longer, not the checkpoint
+                remote.prune(self.keep_last)
+            except OSError as e:
+                log.warning("checkpoint.keep_last: old checkpoints in %s stay until the next one (%s)", remote,
+                            _reason(e))
             remote.sync_side_files()
             if self.written is not None:
                 self.written(folder, time.perf_counter() - t0)

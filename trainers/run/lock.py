@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -450,37 +451,62 @@ def acquire_object(store, run_name: str, stale_s: float, instance: str | None = 
 
 
 class ObjectFence(Fence):
-    """Fence for a run on a bucket: one metadata read of the lock object per check; its content is read again only
-    when its version moved, and a version that stands still for stale_s on this worker's clock is a driver gone."""
+    """Fence for a run on a bucket. A daemon thread reads the lock object's version once every POLL_S (and its record
+    when the version moved); `still_holds` judges what it last found, without a network call on the training step's
+    path. So a write may follow the lock's loss by up to POLL_S plus one request (the folder fence: one write already
+    past its check). A lock gone or another run's stops the worker; a version standing still for stale_s on this
+    worker's clock is a driver gone; storage that cannot be reached is neither (a lasting outage ends as the latter)."""
+
+    POLL_S = 1.0
 
     def __init__(self, store, token: str | None, stale_s: float, clock: Callable[[], float] = time.monotonic):
         super().__init__(Path(store.describe()), token, stale_s, clock)
         self.store = store
         self._seen_version: str | None = None
+        self._lost_why: str | None = None
+        if token is not None:
+            self._look()  # the first verdict before the first write
+            threading.Thread(target=ObjectFence._poll, args=(weakref.ref(self),), name="stride-fence",
+                             daemon=True).start()
+
+    @staticmethod
+    def _poll(ref) -> None:
+        """Until the fence is lost or gone (a weak reference: a finished Trainer's fence stops polling)."""
+        while (fence := ref()) is not None and fence._lost_why is None:
+            wait = min(fence.POLL_S, fence.stale_s / 8)
+            del fence
+            time.sleep(wait)
+            if (fence := ref()) is not None:
+                fence._look()
+            del fence
+
+    def _look(self) -> None:
+        try:
+            version = self.store.version(LOCK)
+            if version is not None and version != self._seen_version:
+                found = _read_object_lock(self.store)
+                version = found[1] if found else None
+        except OSError:  # storage down for a moment: not a beat
+            return
+        with self._mutex:
+            if version is None:
+                self._lost_why = "its run lock is gone"
+            elif version != self._seen_version:
+                if found[0].get("token") != self.token:
+                    self._lost_why = f"its run lock is held by {describe(found[0], None)}"
+                self._seen_version, self._since = version, self._clock()
 
     def still_holds(self) -> None:
         if self.token is None:
             return
         with self._mutex:
-            try:
-                found = _read_object_lock(self.store)
-            except OSError:  # storage down for a moment: not a beat, so a lasting failure ends as a stale heartbeat
-                found = False
-            if found is None:
-                self._lost("its run lock is gone")
-            now = self._clock()
-            if found:
-                record, version = found
-                if record.get("token") != self.token:
-                    self._lost(f"its run lock is held by {describe(record, None)}")
-                if version != self._seen_version:
-                    self._seen_version, self._since = version, now
-                    return
-            if now - self._since > self.stale_s:
+            if self._lost_why is not None:
+                self._lost(self._lost_why)
+            if self._clock() - self._since > self.stale_s:
                 raise RunLockLostError(
-                    f"{self.store.describe(LOCK)}: the driver's heartbeat has not moved for {now - self._since:.0f}s "
-                    f"(run.lock_stale_s={self.stale_s:g}): the run's driver is gone; this worker stops before writing "
-                    f"anything more there")
+                    f"{self.store.describe(LOCK)}: the driver's heartbeat has not moved for "
+                    f"{self._clock() - self._since:.0f}s (run.lock_stale_s={self.stale_s:g}): the run's driver is gone; "
+                    f"this worker stops before writing anything more there")
 
     def _lost(self, why: str):
         raise RunLockLostError(f"{self.store.describe()} is no longer this run's ({why}); this worker stops before "

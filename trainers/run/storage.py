@@ -162,9 +162,27 @@ class Store:
         raise NotImplementedError
 
 
+def _as_oserror(method):
+    """The storage libraries raise their own kinds for a server that cannot be reached (botocore's
+    EndpointConnectionError, aiohttp's, google-api-core's): each becomes an OSError with their words, so that callers
+    retry and report storage trouble as one kind. Errors of Stride's own and programming errors pass unchanged."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the libraries' many kinds, see above
+            raise OSError(f"{type(e).__name__}: {e}") from e
+    return wrapper
+
+
 class ObjectStore(Store):
     """A prefix of a bucket, through fsspec (s3fs, gcsfs's core filesystem) and, for GCS's generation-matched
-    replace, google-cloud-storage."""
+    replace, google-cloud-storage. Every failure to reach the storage is an OSError."""
+
 
     def __init__(self, location: Location, fs=None):
         self.location = location
@@ -201,6 +219,10 @@ class ObjectStore(Store):
             return self.fs.info(path)
         except FileNotFoundError:
             return None
+
+    def version(self, name: str) -> str | None:
+        """The version `replace` compares against (one metadata request), or None when `name` does not exist."""
+        return self._version(name)
 
     def _version(self, name: str) -> str | None:
         info = self._info(name)
@@ -311,6 +333,11 @@ class ObjectStore(Store):
             raise StorageError(f"{field} ({self.location}): {refusal(self.location, e)}") from None
 
 
+for _name in ("read", "read_versioned", "version", "write", "create", "replace", "upload", "download", "listing", "folders",
+              "delete", "copy", "modified", "now"):
+    setattr(ObjectStore, _name, _as_oserror(getattr(ObjectStore, _name)))
+
+
 def refusal(location: Location, e: BaseException) -> str:
     """What the storage's refusal means for the user, in one clause with the fix."""
     text = f"{type(e).__name__}: {e}"
@@ -351,12 +378,25 @@ def _seconds(value: Any) -> float:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
+class _DroppedConnectionNoise(logging.Filter):
+    """aiohttp leaves a traceback per request cut off by a dropped connection ("Task exception was never retrieved"),
+    after s3fs/gcsfs have already turned the failure into the error Stride reports and retries: drop those alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        context = getattr(record, "msg", "")
+        return not ("never retrieved" in str(context) and type(exc).__module__.startswith("aiohttp"))
+
+
 def filesystem(scheme: str):
     """fsspec's filesystem for `scheme`, configured from the environment only. Raises ImportError naming the extra
     to install."""
     # Their INFO lines ("Found credentials in environment variables") are noise on every process's console.
     for name in ("botocore", "aiobotocore", "s3fs", "gcsfs", "google"):
         logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DroppedConnectionNoise) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_DroppedConnectionNoise())
     if scheme == "s3":
         try:
             import s3fs

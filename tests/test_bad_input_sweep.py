@@ -295,7 +295,7 @@ OTHER_CASES = [
     (["tune/main.py", "--config", "{tmp}/files/binary.yaml", "--print-space"], "is not a text file"),
     (["tune/main.py", "--config", "{tmp}/files/sweep_list.yaml", "--print-space"], "sweep must map setting: value"),
     (["tune/main.py", "--config", "{tmp}/files/sweep_uri.yaml", "--print-space"],
-     "sweep.storage_path ('s3://bucket/x') must be a folder"),
+     "sweep.storage_path (s3://bucket/x) is a bucket, where MLflow's default store"),
     (["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "optim.lr=0"], "optim.lr"),
     (["trainers/torchrun.py", "--config", "trainers/configs/tabular_mlp.yaml", "data.train_path={tmp}/missing"],
      "data.train_path"),

@@ -10,6 +10,10 @@ with the trial's overrides applied on top of `sweep.base_config` and `base`. Run
 interruption (Ctrl-C, SIGTERM, a killed driver) and the sweep continues: finished trials are not run again,
 unfinished ones resume from their last checkpoint (--retry-failed also reruns failed ones).
 
+On a bucket (`sweep.storage_path=s3://bucket/prefix`, gs://): every trial is a run on the bucket, Tune keeps its
+experiment state there, and the files below reach it too (tune/sweep_files.py), so the rerun resumes from the bucket
+on any machine. MLflow's default store cannot live there: set base.tracking.mlflow_uri, or base.tracking.mlflow=false.
+
 On a cluster (RAY_ADDRESS set) it joins that cluster; otherwise it starts an embedded local Ray with token
 authentication, as trainers/main.py does. `max_concurrent_trials: auto` runs as many trials at once as worker
 gangs fit in the cluster.
@@ -44,6 +48,7 @@ from stride.errors import ConfigError  # noqa: E402
 from stride.trainers.config import Config, check_batch_fits  # noqa: E402
 from stride.trainers.config_reader import build_config  # noqa: E402
 from stride.tune.space import Sweep, load_sweep, with_values  # noqa: E402
+from stride.tune.sweep_files import EVENTS  # noqa: E402
 
 # torch and Ray take seconds to import (minutes on a loaded machine): a mistake in the sweep file is answered
 # before either is imported, so trainers.main, trainers.checkpointing and tune.trial are imported where used.
@@ -75,9 +80,19 @@ def parse_args(argv: list[str] | None):
 # ---- checks that need the data or the cluster (everything else is checked in tune/space.py) ----
 
 def check_storage(sweep: Sweep) -> Path:
+    """The folder the driver writes the sweep's files in, created and proven writable. On a bucket: the bucket is
+    writable with these credentials, and the working copy holds the bucket's copies of the driver's files from an
+    earlier start (a rerun resumes from the bucket, on any machine)."""
     from stride.trainers.launch.lifecycle import ensure_writable
+    from stride.trainers.run.storage import ObjectStore, location_of
 
-    return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
+    location = location_of(sweep.files.root)
+    if location is None:
+        return ensure_writable(sweep.sweep_dir, "sweep.storage_path", sweep.sweep.storage_path)
+    ObjectStore(location).check_writable("sweep.storage_path")
+    ensure_writable(sweep.sweep_dir, "base.checkpoint.staging_dir", sweep.sweep_dir.parent)
+    sweep.files.pull(STATE, EVENTS, WORKER_LOG)
+    return sweep.sweep_dir
 
 
 def inspect_data(cfg: Config, sweep: Sweep) -> tuple[dict, dict]:
@@ -185,6 +200,8 @@ def sweep_info(sweep: Sweep, cfg: Config):
 # ---- Tune ----
 
 def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: bool, retry_failed: bool):
+    """The Tuner of a new sweep, or of an earlier start restored from its storage (a folder, or the bucket: Tune
+    reaches it through pyarrow's filesystems, with the same endpoint and credentials variables)."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
@@ -194,7 +211,7 @@ def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: 
     s = sweep.sweep
     if restore:
         # The search algorithm, scheduler and trial list come back from the sweep folder.
-        return tune.Tuner.restore(str(sweep.sweep_dir), trainable=trainable, resume_unfinished=True,
+        return tune.Tuner.restore(sweep.storage, trainable=trainable, resume_unfinished=True,
                                   resume_errored=retry_failed)
     if s.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
@@ -220,8 +237,8 @@ def build_tuner(sweep: Sweep, trainable, concurrency: int, max_t: int, restore: 
         tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, search_alg=search_alg, scheduler=scheduler,
                                     num_samples=s.num_samples, max_concurrent_trials=concurrency,
                                     trial_dirname_creator=trial_dirname, reuse_actors=False),
-        run_config=tune.RunConfig(name=s.name, storage_path=str(sweep.sweep_dir.parent), verbose=0,
-                                  callbacks=[ConsoleCallback(str(sweep.sweep_dir), s.metric)],
+        run_config=tune.RunConfig(name=s.name, storage_path=sweep.files.root, verbose=0,
+                                  callbacks=[ConsoleCallback(sweep.files, s.metric)],
                                   failure_config=tune.FailureConfig(max_failures=s.max_failures)),
     )
 
@@ -245,8 +262,6 @@ def max_steps_of_sweep(sweep: Sweep, train_rows: int, num_workers: int) -> int:
 # ---- results ----
 
 def trial_events(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    from stride.tune.trial import EVENTS
-
     out: dict[str, dict[str, Any]] = {}
     try:
         lines = (sweep_dir / EVENTS).read_text().splitlines()
@@ -280,7 +295,7 @@ def collect_trials(sweep: Sweep, results, train_rows: int, num_workers: int) -> 
         trial_id = Path(r.path).name
         params = sweep.decode(r.config or {})
         ev = events.get(trial_id, {})
-        run_dir = sweep.sweep_dir / trial_id
+        run_dir = sweep.files.trial(trial_id)  # its folder, or its URI on a bucket
         own = read_summary(run_dir) or {}
         m = r.metrics or {}
         steps = m.get("step")
@@ -299,7 +314,7 @@ def collect_trials(sweep: Sweep, results, train_rows: int, num_workers: int) -> 
             "metric": value if isinstance(value, (int, float)) and math.isfinite(value) else None,
             "status": status, "steps": steps, "planned_steps": planned,
             "started_at": ev.get("started_at"), "first_result_at": ev.get("first_result_at"),
-            "ended_at": ev.get("ended_at"), "run_dir": str(run_dir),
+            "ended_at": ev.get("ended_at"), "run_dir": run_dir,
             "error": (own.get("error") or str(r.error).strip().splitlines()[-1][:300]) if status == "failed" else None,
         })
     sign = 1 if sweep.sweep.mode == "min" else -1
@@ -408,9 +423,9 @@ def check_resumable(sweep: Sweep, sweep_dir: Path) -> dict[str, Any] | None:
     identity = json.loads(json.dumps(sweep.identity()))  # as it reads back from the state file
     if state is None or state.get("identity") == identity:
         return state
-    if Tuner.can_restore(str(sweep_dir)):
+    if Tuner.can_restore(sweep.storage):
         diff = first_difference(identity, state.get("identity") or {})
-        raise UsageError(f"{sweep_dir} holds a sweep started with different settings: {diff}; rerun with the "
+        raise UsageError(f"{sweep.storage} holds a sweep started with different settings: {diff}; rerun with the "
                          f"original settings to resume it, or use a new sweep.name")
     return None  # never got as far as a Tune experiment: start afresh
 
@@ -431,11 +446,12 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep_dir = sweep.sweep_dir
-    restore = tune.Tuner.can_restore(str(sweep_dir))
+    restore = tune.Tuner.can_restore(sweep.storage)
     info = sweep_info(sweep, cfg)
     # Each tracker opens the sweep's record (MLflow: the parent run, the same one on a resume); the others none.
     tracked, sink_options = sinks.open_sweep(info, state or {})
     atomic_write_text(sweep_dir / STATE, json.dumps({"identity": sweep.identity(), **tracked}, indent=1) + "\n")
+    sweep.files.push(STATE)
     train_rows = specs["train"].num_rows
     max_t = max_steps_of_sweep(sweep, train_rows, num_workers)
     print(f"stride: sweep {sweep.sweep.name}: {sweep.num_trials()} trial(s), {min(concurrency, sweep.num_trials())} at a time "
@@ -450,7 +466,11 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
         route_worker_logs(sweep_dir / WORKER_LOG)
     signals = install_sigterm()
     tuner = build_tuner(sweep, trainable, concurrency, max_t, restore, retry_failed)
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    finally:  # the events of an interrupted sweep reach the bucket too
+        sweep.files.flush()
+        sweep.files.push(EVENTS)
 
     trials = collect_trials(sweep, results, train_rows, num_workers)
     best, complete = outcome(trials, sweep.num_trials())
@@ -467,6 +487,9 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
         "trials": trials,
     }
     atomic_write_text(sweep_dir / SUMMARY, json.dumps(summary, indent=1, default=str) + "\n")
+    for name in (WORKER_LOG, SUMMARY):  # the summary last: the sweep's own record
+        sweep.files.push(name)
+    sweep.files.drop_local()
 
     print_table(trials, sweep.sweep.metric)
     counts = ", ".join(f"{sum(t['status'] == s for t in trials)} {s}" for s in
@@ -475,7 +498,7 @@ def run_sweep(sweep: Sweep, cfg: Config, specs: dict, facts: dict, state: dict |
     if best:
         shown = " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in best["params"].items())
         print(f"stride: best {sweep.sweep.metric} {best['metric']:.4g} (trial {best['trial_id']}): {shown}")
-    print(f"stride: summary     {sweep_dir / SUMMARY}")
+    print(f"stride: summary     {sweep.files.describe(SUMMARY)}")
     for line in where:
         print(f"stride: {line}")
     if not complete:

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from stride.trainers.config import SECTIONS, Config, redact
 from stride.errors import ConfigError
 from stride.trainers.config_reader import build_config, parse_override, read_yaml, section_keys, set_values
+from stride.trainers.run.storage import is_uri
 from stride.trainers.tasks import task_class
+from stride.tune.sweep_files import SweepFiles
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "grid")
@@ -44,7 +47,8 @@ class SweepSection(BaseModel):
 
     name: str = Field(description="Sweep name; results under storage_path/name (rerun the command to resume it)")
     base_config: str = Field(description="Training YAML every trial starts from (relative to the working directory or the repo)")
-    storage_path: str = Field("./runs", description="Folder holding the sweep folder (and the default MLflow store)")
+    storage_path: str = Field("./runs", description="Folder holding the sweep folder (and the default MLflow store), "
+                                                    "or a bucket: s3://bucket/prefix, gs://bucket/prefix")
     metric: str = Field("val_loss", description=f"Reported metric to optimise: {', '.join(KNOWN_METRICS)} or the "
                                                 f"task's val_<name> (val_accuracy for mlp, val_bpb for char_gpt)")
     mode: Literal["min", "max"] = Field("min", description="Minimise or maximise the metric")
@@ -66,11 +70,14 @@ class SweepSection(BaseModel):
 
     @field_validator("storage_path")
     @classmethod
-    def _a_folder(cls, v: str) -> str:
-        if "://" in v:  # as run.storage_path: a URI would silently become a local folder named "s3:"
-            raise ValueError("must be a folder (local, or a shared filesystem on a cluster), not a URI; mount the "
-                             "bucket (s3fs, gcsfuse) and use e.g. sweep.storage_path=/mnt/bucket/runs")
-        return v
+    def _a_folder_or_bucket(cls, v: str) -> str:
+        from stride.trainers.run.storage import parse_uri
+
+        if not is_uri(v):
+            return v
+        # Normalized: s3://bucket/prefix, and file:///x is the folder /x. A ValueError gives the reason, never a
+        # credential the URI carried.
+        return str(parse_uri(v))
 
     @field_validator("max_concurrent_trials")
     @classmethod
@@ -134,12 +141,24 @@ class Sweep:
     dims: tuple[Dimension, ...]
     base_config_path: Path
     base_raw: dict[str, Any]        # base YAML + base overrides: the raw training config every trial starts from
-    # Absolute, resolved where the sweep file is read: trials run in Tune's per-trial working directories, where a
-    # relative storage_path would point somewhere else.
-    sweep_dir: Path
+    # The sweep's files and its trials' runs: <storage_path>/<name>, a folder resolved where the sweep file is read
+    # (trials run in Tune's per-trial working directories, where a relative storage_path would point somewhere
+    # else), or a bucket's prefix (tune/sweep_files.py).
+    files: SweepFiles
     # The base config as the driver built it (Config.to_dict: init.from and a task's Path fields absolute): what each
     # trial starts from, so that a relative path means the same in a trial's working directory as here.
     trial_base: dict[str, Any]
+
+    @property
+    def storage(self) -> str:
+        """Where the sweep lives as the user reads it: its folder, or s3://bucket/prefix/<name>."""
+        return self.files.where
+
+    @property
+    def sweep_dir(self) -> Path:
+        """The folder the driver writes the sweep's own files in: the sweep folder, or for a sweep on a bucket this
+        machine's private working copy of them."""
+        return self.files.local
 
     def base_cfg(self) -> Config:
         return build_config(self.base_raw, origin="base")
@@ -170,9 +189,9 @@ class Sweep:
 
     def trial_raw(self, params: dict[str, Any], run_name: str, mlflow_uri: str) -> dict[str, Any]:
         raw = with_values(self.trial_base, params)
-        # The trial's run folder is sweep_dir/<trial id>: Tune's trial folder, with Stride's metrics.jsonl,
+        # The trial's run is <sweep>/<trial id>: Tune's trial folder (or prefix), with Stride's metrics.jsonl,
         # summary.json and checkpoints next to Tune's result files.
-        return with_values(raw, {"run.name": run_name, "run.storage_path": str(self.sweep_dir),
+        return with_values(raw, {"run.name": run_name, "run.storage_path": self.storage,
                                  "tracking.mlflow_uri": mlflow_uri})
 
 
@@ -361,6 +380,8 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
         if err["type"] == "missing":
             raise ConfigError(f"sweep.{field} is required ({SweepSection.model_fields[field].description})") from None
         value = (raw.get("sweep") or {}).get(field)
+        if isinstance(value, str) and "://" in value:  # never a URI's user:password@ part (a bucket's keys)
+            value = re.sub(r"(//)[^/@]*@", r"\1***@", value)
         msg = msg.replace("Input should be", "must be")
         raise ConfigError(f"sweep.{field} ({value!r}) {msg}") from None
     base = raw.get("base") or {}
@@ -373,9 +394,8 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
     dims = parse_space(raw.get("space"))
     check_search(dims, sweep.search)
     base_path = resolve_base_config(sweep.base_config, origin)
-    sweep_dir = Path(sweep.storage_path).expanduser().resolve() / sweep.name
-    base_raw = with_values(read_yaml(base_path), dict(base, **{"run.name": sweep.name,
-                                                               "run.storage_path": str(sweep_dir.parent)}))
+    root = sweep.storage_path if is_uri(sweep.storage_path) else str(Path(sweep.storage_path).expanduser().resolve())
+    base_raw = with_values(read_yaml(base_path), dict(base, **{"run.name": sweep.name, "run.storage_path": root}))
     try:
         cfg = build_config(base_raw, origin=str(base_path))
     except ConfigError as e:
@@ -392,8 +412,13 @@ def build_sweep(raw: dict[str, Any], origin: Path | None = None) -> Sweep:
             and "train.eval_every_steps" not in {d.key for d in dims}:
         raise ConfigError(f"sweep.scheduler (asha) stops trials on {sweep.metric} between evaluations, but "
                           f"train.eval_every_steps is null (one evaluation at the end); set base.train.eval_every_steps")
+    if is_uri(root) and "mlflow" in cfg.tracking.active_sinks() and cfg.tracking.mlflow_uri is None:
+        raise ConfigError(f"sweep.storage_path ({root}) is a bucket, where MLflow's default store (a SQLite file) "
+                          f"cannot live; set base.tracking.mlflow_uri=<your tracking server>, or "
+                          f"base.tracking.mlflow=false")
     check_space(dims, base_raw)
-    return Sweep(sweep, dict(base), dims, base_path, base_raw, sweep_dir, cfg.to_dict())
+    files = SweepFiles(root, sweep.name, cfg.checkpoint.staging_dir)
+    return Sweep(sweep, dict(base), dims, base_path, base_raw, files, cfg.to_dict())
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:

@@ -25,9 +25,9 @@ from stride.trainers.run.folder import atomic_write_text
 from stride.trainers.launch.ray import SNAPSHOT, SNAPSHOT_COPY, is_json, repair_snapshot
 from stride.trainers.config import Config, global_micro_batch
 from stride.trainers.config_reader import build_config
+from stride.tune.sweep_files import EVENTS
 
 SUMMARY = "summary.json"
-EVENTS = "trial_events.jsonl"
 
 
 class MetricReportCallback(TuneReportCallback):
@@ -66,11 +66,17 @@ def planned_steps(cfg: Config, train_rows: int, num_workers: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * micro_per_epoch / cfg.train.grad_accum_steps))
 
 
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The trial's summary.json, or None when there is none Stride would have written (absent, torn, untyped, a
-    link: trainers/run/folder.py)."""
+def read_summary(run: str | Path) -> dict[str, Any] | None:
+    """The trial's summary.json (`run`: its folder, or its URI on a bucket), or None when there is none Stride would
+    have written (absent, torn, untyped, a link: trainers/run/folder.py)."""
+    from stride.trainers.run.storage import ObjectStore, location_of
+
+    location = location_of(str(run))
     try:
-        return runfolder.read_summary(run_dir / SUMMARY)
+        if location is None:
+            return runfolder.read_summary(Path(run) / SUMMARY)
+        data = ObjectStore(location).read(SUMMARY)
+        return None if data is None else runfolder.validated(runfolder.Summary, json.loads(data), run)
     except (OSError, ValueError, RunFolderError):
         return None
 
@@ -94,7 +100,7 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict,
     params = sweep.decode(config)
     cfg = build_config(trial_raw(sweep, params, trial_id), origin=f"trial {trial_id}")
     metric = sweep.sweep.metric
-    done = read_summary(cfg.run_dir)
+    done = read_summary(cfg.run_location)
     if done and done.get("status") == "completed" and done.get("params") == params:
         # Finished before the driver was killed, but Tune's last saved state still had it running:
         # report the final result again instead of training it again.
@@ -128,15 +134,17 @@ def run_trial(config: dict[str, Any], *, sweep, specs: dict, facts: dict,
 
 class ConsoleCallback(Callback):
     """Stride's console for a sweep (Tune runs with verbose=0): one line per trial start, result, end.
-    Start/result/end times also go to <sweep>/trial_events.jsonl, which survives a resume."""
+    Start/result/end times also go to <sweep>/trial_events.jsonl, which survives a resume (on a bucket: pushed whole
+    after each event, in the background)."""
 
-    def __init__(self, sweep_dir: str, metric: str):
-        self.events = Path(sweep_dir) / EVENTS
+    def __init__(self, files, metric: str):
+        self.files = files  # tune/sweep_files.py's SweepFiles
         self.metric = metric
 
     def _record(self, trial, event: str, **extra) -> None:
-        with open(self.events, "a") as f:
+        with open(self.files.path(EVENTS), "a") as f:
             f.write(json.dumps({"trial_id": trial.trial_id, "event": event, "time": time.time(), **extra}) + "\n")
+        self.files.push_soon(EVENTS)
 
     @staticmethod
     def _say(text: str) -> None:
@@ -156,7 +164,7 @@ class ConsoleCallback(Callback):
         self._record(trial, "end")
         last = trial.last_result or {}
         # A trial that ran to the end wrote its summary; one the scheduler stopped was killed before it could.
-        own = read_summary(self.events.parent / trial.trial_id) or {}
+        own = read_summary(self.files.trial(trial.trial_id)) or {}
         how = "completed" if own.get("status") == "completed" else "stopped early"
         self._say(f"trial {trial.trial_id} {how} at step {last.get('step')} {self.metric} {_fmt(last.get(self.metric))}")
 

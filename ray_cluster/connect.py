@@ -233,19 +233,26 @@ def _start_watchdog(session_dir: str) -> None:
     _watchdogs.append((watchdog, write_end))
 
 
-# How the cloud libraries find a run's bucket (run.storage_path s3:// or gs://) and whose identity they use: the
-# endpoint, region, profile, keys, project, an emulator. A running head's workers do not inherit the driver's
+# How the cloud libraries find a run's bucket (run.storage_path s3:// or gs://): the endpoint, region, profile,
+# project, an emulator. A running head's workers do not inherit the driver's
 # environment (an embedded Ray's do), and they upload the checkpoints, so the driver's settings go to them. Variables
 # that name a file (AWS_*_FILE, GOOGLE_APPLICATION_CREDENTIALS) stay behind: the path is the driver machine's.
 STORAGE_ENV = ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "GCLOUD_PROJECT", "GCE_METADATA_HOST", "GCE_METADATA_IP",
                "NO_GCE_CHECK")
 
 
+# Secrets never travel: a job's runtime_env is shown to whoever holds the cluster's token (the dashboard, `ray job
+# list`), and a node's own identity (instance profile, workload identity, its own environment) is what should sign
+# its requests. Only where to go and how goes with the job.
+SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
 def storage_env() -> dict[str, str]:
-    """The driver's object-storage settings, for the workers of a cluster this process joins (in the runtime_env
-    only: Ray keeps it with the job, Stride writes it nowhere)."""
+    """The driver's object-storage settings (endpoint, region, profile name, emulator, project; never a key or a
+    token), for the workers of a cluster this process joins (in the runtime_env only: Ray keeps it with the job,
+    Stride writes it nowhere)."""
     return {k: v for k, v in os.environ.items()
-            if (k.startswith("AWS_") and not k.endswith("_FILE")) or k in STORAGE_ENV}
+            if ((k.startswith("AWS_") and not k.endswith("_FILE")) or k in STORAGE_ENV) and k not in SECRET_ENV}
 
 
 def worker_paths() -> dict[str, str]:

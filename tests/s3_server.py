@@ -190,6 +190,29 @@ class S3Server:
         return sorted(i.path for i in infos if i.type == pafs.FileType.File)
 
 
+def node_identity() -> dict[str, str]:
+    """What a cluster node of the tests has as its own identity for the S3 server (moto takes any key): the keys in
+    the node's own environment, as a real node has an instance profile. The driver forwards the endpoint to the
+    workers, never its keys (ray_cluster/connect.py storage_env)."""
+    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@contextmanager
+def environment(extra: dict[str, str]):
+    """os.environ with `extra` for the `with` block (a node started inside inherits it), then as before."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @contextmanager
 def s3_server(root: Path):
     """A started S3Server for the `with` block; stopped (by pid) after it."""

@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 
 from cluster_fixtures import free_ports, short_tmp
+from s3_server import environment, node_identity
 from stride.ray_cluster import local
 
 HEAD_CPUS = 2
@@ -76,7 +77,8 @@ def shared_ray_head():
     """Module-scoped fixtures that train on it call `assert not shared_ray_head.wait_idle()` when done."""
     folder = short_tmp("stc-shared-")
     gcs, dashboard = free_ports(2)
-    head = local.start_head(folder, port=gcs, dashboard_port=dashboard, num_cpus=HEAD_CPUS)
+    with environment(node_identity()):  # the node's own credentials for the suite's S3 server
+        head = local.start_head(folder, port=gcs, dashboard_port=dashboard, num_cpus=HEAD_CPUS)
     try:
         yield SharedHead(head)
     finally:

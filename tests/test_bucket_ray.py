@@ -26,7 +26,7 @@ from conftest import PYTHON, REPO
 from gcs_server import gcs_server_fixture
 from private_node import add_private_node, files_in_node, in_node, namespace_problem, write_in_node
 from runs import launch, tiny
-from s3_server import s3_server_fixture
+from s3_server import environment, node_identity, s3_server_fixture
 from shared_ray import SharedHead
 from stride.ray_cluster import local
 
@@ -182,9 +182,11 @@ def two_machines(s3_server, tabular_data, tmp_path_factory):
     data = s3_server.upload(tabular_data, bucket, "tab")
     head_dir, node_dir = short_tmp("stc-head-"), short_tmp("stc-node-")
     gcs, dashboard = free_ports(2)
-    head = local.start_head(head_dir, port=gcs, dashboard_port=dashboard, num_cpus=2)
+    with environment(node_identity()):  # each node's own credentials, as a real node's instance profile
+        head = local.start_head(head_dir, port=gcs, dashboard_port=dashboard, num_cpus=2)
     try:
-        add_private_node(head, node_dir, [tmp_path_factory.getbasetemp()], num_cpus=2)
+        with environment(node_identity()):
+            add_private_node(head, node_dir, [tmp_path_factory.getbasetemp()], num_cpus=2)
         # What it sees is its own: a fresh tmpfs, without this machine's files there.
         assert in_node(node_dir, "findmnt", "-n", "-o", "FSTYPE", "/tmp").stdout.split() == ["tmpfs"]
         assert in_node(node_dir, "test", "-e", str(tabular_data)).returncode == 1 and tabular_data.exists()

@@ -8,8 +8,10 @@ The batch script calls these as `$PYTHON ray_cluster/slurm/launch.py <command> .
     node    --plan P --name N       run on node N (under srun): `ray start --block` with N's ports and temp dir;
                                     on SIGTERM/SIGINT/SIGUSR2 stop it and everything it started, then exit
     wait    --plan P --timeout S    until every node of the plan has joined; else name the missing ones, exit 1
-    run-dir -- ARGS                 the run folder the driver will use for these driver arguments
-    status  --run-dir D --since T   the summary.json status written since T ("none" if there is none)
+    run-dir -- ARGS                 where the driver's run will live for these driver arguments: its folder, or
+                                    its URI (s3://bucket/prefix/<run.name>) for a run on a bucket
+    status  --run-dir D --since T   the summary.json status written since T ("none" if there is none); D a folder
+                                    or a run's URI
 
 Never `ray stop`: it stops every Ray process on the host, other jobs' and other users' clusters included.
 """
@@ -404,16 +406,23 @@ def cmd_run_dir(a) -> None:
         cfg = load_config(known.config, overrides)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
-    print(cfg.run_dir)
+    # Not cfg.run_dir: a run on a bucket keeps its summary there, and its working copy on the driver's node is
+    # removed at its end.
+    print(cfg.run_location)
 
 
 def cmd_status(a) -> None:
-    path = Path(a.run_dir) / "summary.json"
+    from stride.trainers.run.storage import open_store
+
+    store = open_store(a.run_dir)
     try:
-        if path.stat().st_mtime >= a.since:
-            print(json.loads(path.read_text()).get("status", "none"))
+        # The storage's clock for a bucket's object, as close to the driver's start as this host's can say: the
+        # summary of an earlier run of the job (a requeue) was written before this run's Ray even started.
+        modified = store.modified("summary.json")
+        if modified is not None and modified >= a.since:
+            print(json.loads(store.read("summary.json") or b"{}").get("status", "none"))
             return
-    except (OSError, ValueError):
+    except (OSError, ValueError, StrideError):  # unreadable, torn, or not a file Stride wrote (a link)
         pass
     print("none")
 

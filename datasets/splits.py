@@ -277,12 +277,15 @@ def cache_folder(cfg) -> Path:
     """Where text layouts are cached: the run storage's .stride-cache (shared by the runs there, never beside the
     user's data); for runs on a bucket, this node's private staging folder (the driver makes the layouts, and the
     workers get them in the plan)."""
-    from stride.trainers.run.storage import location_of
+    if "://" in cfg.run.storage_path:  # a bucket (the config has checked the URI)
+        from stride.errors import UsageError
+        from stride.ray_cluster.node import UnsafeStateDir, node_staging_dir, private_dir
 
-    if location_of(cfg.run.storage_path) is not None:
-        from stride.trainers.run.remote import staging_root
-
-        return staging_root(cfg.checkpoint.staging_dir) / ".stride-cache" / "index"
+        try:
+            return private_dir(node_staging_dir(cfg.checkpoint.staging_dir)) / ".stride-cache" / "index"
+        except UnsafeStateDir as e:
+            raise UsageError(f"checkpoint.staging_dir: {e}; set checkpoint.staging_dir=<a private local folder>") \
+                from None
     return Path(cfg.run.storage_path).expanduser().resolve() / ".stride-cache" / "index"
 
 

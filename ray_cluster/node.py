@@ -93,6 +93,14 @@ def private_dir(path: Path, create: bool = True) -> Path:
     return path
 
 
+def node_staging_dir(configured: str | None = None) -> Path:
+    """This node's folder for a run's local files when the run lives in a bucket (checkpoint.staging_dir, default a
+    folder of this user's under the temporary directory); callers make it private with private_dir."""
+    import tempfile
+
+    return Path(configured).expanduser() if configured else Path(tempfile.gettempdir()) / f"stride-{os.getuid()}"
+
+
 def read_state(state_dir: Path) -> dict | None:
     path = private_dir(state_dir, create=False) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None

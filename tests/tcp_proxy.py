@@ -20,6 +20,7 @@ class CuttableProxy:
         self.listener.listen(64)
         self.port = self.listener.getsockname()[1]
         self._open: set[socket.socket] = set()
+        self.bytes_down = 0  # bytes the server sent to clients (what a client downloaded), since start
         self._lock = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -53,13 +54,16 @@ class CuttableProxy:
                 continue
             with self._lock:
                 self._open.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, down in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, down), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
+                if down:
+                    with self._lock:
+                        self.bytes_down += len(data)
         except OSError:
             pass
         finally:

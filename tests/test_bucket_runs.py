@@ -293,3 +293,35 @@ def test_uploads_failing_max_upload_failures_times_in_a_row_fail_the_run_with_on
     assert "could not be uploaded" in last and "2 in a row (checkpoint.max_upload_failures=2)" in last, last
     (tmp_path / "switch").unlink()
     assert not [n for n in objects(s3_server, f"s3://{bucket}/runs/down") if n.endswith("meta.json")]
+
+
+def test_a_resume_reads_only_the_byte_ranges_of_the_tensors_each_rank_holds(s3_server, bucket, tabular_data, tmp_path):
+    """FSDP at 2 ranks: each rank holds half of every parameter, so a resume from the bucket reads about one copy of
+    the shards in all (DCP's resharding over ranged reads), where downloading the checkpoint on each rank would read
+    two. Measured as the bytes the S3 server sends through a proxy while the resumed run starts and trains 1 step."""
+    from tcp_proxy import CuttableProxy
+
+    proxy = CuttableProxy(s3_server.port, tmp_path / "never")
+    env = dict(s3_server.child_env(), AWS_ENDPOINT_URL=proxy.endpoint, AWS_ENDPOINT_URL_S3=proxy.endpoint)
+    big = ("model.hidden_sizes=[768,768]", "train.strategy=fsdp", "checkpoint.every_steps=4", "checkpoint.keep_last=1")
+    try:
+        first = launch.torchrun(args(tabular_data, bucket, "fs", 4, tmp_path / "s", *big), env=env)
+        assert first.returncode == 0, first.stderr[-3000:]
+        shards = sum(size for name, size in s3_server_sizes(s3_server, f"s3://{bucket}/runs/fs/checkpoint_00000004")
+                     if name.endswith(".distcp"))
+        before = proxy.bytes_down
+        resumed = launch.torchrun(args(tabular_data, bucket, "fs", 5, tmp_path / "s", *big), env=env)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resuming fs from checkpoint_00000004" in resumed.stdout
+        read = proxy.bytes_down - before
+    finally:
+        proxy.close()
+    assert shards > 4_000_000  # the shards dominate everything else the resume reads (meta, metrics, lock)
+    assert read < 1.4 * shards, f"the resume read {read} bytes of {shards} in shards: whole files on each rank?" + resumed.stdout[-3000:]
+
+
+def s3_server_sizes(s3, uri: str) -> list[tuple[str, int]]:
+    from pyarrow import fs as pafs
+
+    infos = s3.filesystem().get_file_info(pafs.FileSelector(uri.removeprefix("s3://"), recursive=True))
+    return [(i.path, i.size) for i in infos if i.type == pafs.FileType.File]

@@ -275,6 +275,37 @@ class CheckpointWriter:
         return out
 
 
+# Checkpoints whose shards stay in a bucket (trainers/run/remote.py resume_copy): the folder holds meta.json and
+# .metadata; every other file is read from the bucket by byte range, so a rank reads only the tensors it holds.
+# folder -> (name -> its size in the bucket, an opener of a seekable binary file of it)
+_REMOTE_SHARDS: dict[str, tuple[dict[str, int], Callable[[str], Any]]] = {}
+
+
+def read_shards_from(folder: Path, sizes: dict[str, int], opener: Callable[[str], Any] | None) -> None:
+    """Register (or with `opener` None, forget) the bucket that holds `folder`'s shards."""
+    if opener is None:
+        _REMOTE_SHARDS.pop(str(Path(folder)), None)
+    else:
+        _REMOTE_SHARDS[str(Path(folder))] = (dict(sizes), opener)
+
+
+def _remote(path: Path) -> tuple[int, Callable[[], Any]] | None:
+    """(size, opener) of a file of a registered folder that is not on this disk, or None."""
+    found = _REMOTE_SHARDS.get(str(Path(path).parent))
+    if found is None or Path(path).name not in found[0] or runfolder.lstat_or_none(path) is not None:
+        return None
+    sizes, opener = found
+    return sizes[Path(path).name], lambda: opener(Path(path).name)
+
+
+def _open_read(path: Path):
+    """A checkpoint file for reading: a regular file of the folder, never through a link; or, for a folder whose
+    shards stay in a bucket, the object, read by byte range."""
+    if (remote := _remote(path)) is not None:
+        return remote[1]()
+    return os.fdopen(runfolder.open_regular(path), "rb")
+
+
 def storage_failure_line(what: str, run_dir: Path, reason: str, errno_: int | None = None) -> str:
     """The one line a run ends with when the storage refused `what`: what failed, why, and what the rerun resumes
     from (the same command resumes; nothing to clean up by hand)."""
@@ -314,11 +345,11 @@ def _no_follow_fs():
         def create_stream(self, path, mode: str):
             path = Path(path)
             if mode == "rb":
-                fd = runfolder.open_regular(path)
-            else:
-                assert mode == "wb", mode
-                fd = _create_replacing_leftover(path)
-            with os.fdopen(fd, mode) as stream:
+                with _open_read(path) as stream:
+                    yield stream
+                return
+            assert mode == "wb", mode
+            with os.fdopen(_create_replacing_leftover(path), mode) as stream:
                 yield stream
 
         def rename(self, path, new_path) -> None:
@@ -433,6 +464,11 @@ def _plain_name(name: str) -> bool:
 
 
 def _file_problem(path: Path, want: dict[str, Any]) -> str | None:
+    if (remote := _remote(path)) is not None:
+        # In the bucket: whole or absent (an object is written at once), so its size is its check; its bytes are
+        # read by range, and every tensor item is still loaded as a tensor only (below, and DCP's own read).
+        return None if remote[0] == want["bytes"] else \
+            f"{path.name} does not match the size in {META} ({remote[0]} bytes, {want['bytes']} expected)"
     st = runfolder.lstat_or_none(path)
     if st is None:
         return f"no readable {path.name} (FileNotFoundError)"
@@ -493,7 +529,7 @@ def _bytes_items_problem(folder: Path, metadata) -> str | None:
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        with os.fdopen(runfolder.open_regular(folder / info.relative_path), "rb") as f:
+        with _open_read(folder / info.relative_path) as f:
             f.seek(info.offset)
             data = f.read(info.length)
         try:
@@ -516,7 +552,7 @@ def _tensor_items_problem(folder: Path, metadata) -> str | None:
         if not isinstance(saved, TensorStorageMetadata):
             continue
         path = folder / info.relative_path
-        with os.fdopen(runfolder.open_regular(path), "rb") as f:
+        with _open_read(path) as f:
             try:
                 tensor = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta",
                                     weights_only=True)

@@ -44,10 +44,10 @@ SIDE_FILES = ("metrics.jsonl", "tensorboard", "wandb")  # written locally by ran
 def staging_root(staging_dir: str | None) -> Path:
     """The node-local folder a run on a bucket works in: `checkpoint.staging_dir`, or a folder this user alone
     controls (mode 0700, checked) under the temporary directory: a shared /tmp is not trusted."""
-    from stride.ray_cluster.node import UnsafeStateDir, private_dir
+    from stride.ray_cluster.node import UnsafeStateDir, node_staging_dir, private_dir
     from stride.errors import UsageError
 
-    base = Path(staging_dir).expanduser() if staging_dir else Path(tempfile.gettempdir()) / f"stride-{os.getuid()}"
+    base = node_staging_dir(staging_dir)
     try:
         return private_dir(base)
     except UnsafeStateDir as e:
@@ -70,6 +70,7 @@ class RunRemote:
         self.failures = 0  # checkpoints in a row whose upload failed
         self._push_lock = threading.RLock()
         self._wanted: set[str] = set()
+        self._ranged: dict[str, Any] = {}  # open_ranged's files, by object name
         self._pusher: threading.Thread | None = None
 
     @classmethod
@@ -214,14 +215,14 @@ class RunRemote:
                 found.append((step, name))
         return sorted(found)
 
-    def fetch(self, folder_name: str, dest_root: Path) -> Path:
+    def fetch(self, folder_name: str, dest_root: Path, only: tuple[str, ...] | None = None) -> Path:
         """The checkpoint `folder_name` downloaded under `dest_root` (meta.json last, so that a copy cut short is
-        never complete); the caller verifies and removes it."""
+        never complete), or just its files named in `only`; the caller verifies and removes it."""
         dest = Path(dest_root) / folder_name
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
-        names = sorted(self.store.listing(folder_name))
+        names = sorted(n for n in self.store.listing(folder_name) if only is None or n.rsplit("/", 1)[1] in only)
         for n in [n for n in names if not n.endswith("/" + META)] + [n for n in names if n.endswith("/" + META)]:
             self.store.download(n, dest / posixpath.basename(n))
         return dest
@@ -233,16 +234,39 @@ class RunRemote:
 
         dest_root = self._resume_root(rank)
         for step, name in reversed(self.complete()):
-            folder = with_backoff(lambda: self.fetch(name, dest_root))
+            folder = with_backoff(lambda: self.fetch(name, dest_root, only=(META, ".metadata")))
+            sizes = {n.rsplit("/", 1)[1]: size for n, size in self.store.listing(name).items()}
+            checkpointing.read_shards_from(folder, sizes, lambda shard, name=name: self.open_ranged(f"{name}/{shard}"))
             problem = checkpointing.verify(folder)
             if problem is None:
                 return folder
             log.warning("checkpoint %s in %s is unusable (%s); trying the one before", name, self, problem)
+            checkpointing.read_shards_from(folder, {}, None)
             shutil.rmtree(folder, ignore_errors=True)
         return None
 
+    def open_ranged(self, name: str):
+        """A seekable binary file of the object `name` that fetches only the byte ranges read (plus an 8 KiB
+        read-ahead), so that a rank loads the slices it holds, not whole shard files. One file per object for the whole
+        resume (its read-ahead serves the next item's read; drop_resume_copy closes them); the caller's close() leaves
+        it open."""
+        with self._push_lock:
+            if name not in self._ranged:
+                self._ranged[name] = self.store.fs.open(self.store._path(name), "rb", block_size=1 << 13,
+                                                        cache_type="readahead")
+            return _KeptOpen(self._ranged[name])
+
     def drop_resume_copy(self, rank: int) -> None:
-        shutil.rmtree(self._resume_root(rank), ignore_errors=True)
+        from stride.trainers.run import checkpointing
+
+        root = self._resume_root(rank)
+        for folder in root.glob(f"{CHECKPOINT_PREFIX}*"):
+            checkpointing.read_shards_from(folder, {}, None)
+        with self._push_lock:
+            ranged, self._ranged = self._ranged, {}
+        for f in ranged.values():
+            f.close()
+        shutil.rmtree(root, ignore_errors=True)
 
     def _resume_root(self, rank: int) -> Path:
         return self.local / ".resume" / f"rank-{rank}"
@@ -266,3 +290,22 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+class _KeptOpen:
+    """A file whose close() leaves it open: the reader that owns it (RunRemote.open_ranged) closes it."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

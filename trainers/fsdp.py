@@ -20,9 +20,9 @@ import contextlib
 from typing import Any
 
 import torch
-__all__ = ["full_state_dict", "is_sharded", "local_param_bytes", "shard_model"]
-
 import torch.nn as nn
+
+__all__ = ["full_state_dict", "is_sharded", "local_param_bytes", "shard_model"]
 
 
 def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device, world_size: int,

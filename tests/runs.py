@@ -91,4 +91,9 @@ class launch:  # noqa: N801 - a namespace: launch.forked(...), launch.torchrun(.
         return run_cli([*entry, *args], cwd=cwd, env=ray_env, timeout=timeout)
 
 
-__all__ = ["OVERLAY", "PYTHON", "TABULAR", "TORCHRUN_PY", "launch", "losses", "tiny"]
+def files_under(folder) -> list[Path]:
+    """Every file below `folder` (none when it does not exist): what a run left on a node's disk."""
+    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
+
+
+__all__ = ["OVERLAY", "PYTHON", "TABULAR", "TORCHRUN_PY", "files_under", "launch", "losses", "tiny"]

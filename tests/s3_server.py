@@ -181,6 +181,24 @@ class S3Server:
                         destination_filesystem=self.filesystem())
         return f"s3://{dest}"
 
+    def new_bucket(self) -> str:
+        """A bucket of its own for one test (a random name), created."""
+        import uuid
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        self.create_bucket(name)
+        return name
+
+    def objects(self, uri: str) -> list[str]:
+        """The object names under an s3:// URI, relative to it, sorted."""
+        base = uri.removeprefix("s3://").rstrip("/") + "/"
+        return [p[len(base):] for p in self.list(uri)]
+
+    def read(self, uri: str) -> bytes:
+        """One object's bytes (FileNotFoundError when there is none)."""
+        with self.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
+            return f.read()
+
     def list(self, uri: str) -> list[str]:
         """Every object under an s3:// URI (paths as bucket/key), sorted."""
         from pyarrow import fs as pafs

@@ -25,19 +25,9 @@ pytestmark = pytest.mark.slow
 s3_server = s3_server_fixture()
 
 
-def read_object(s3, uri: str) -> bytes:
-    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
-        return f.read()
-
-
 def put_object(s3, uri: str, data: bytes) -> None:
     with s3.filesystem().open_output_stream(uri.removeprefix("s3://")) as f:
         f.write(data)
-
-
-def objects(s3, uri: str) -> list[str]:
-    base = uri.removeprefix("s3://").rstrip("/") + "/"
-    return [p[len(base):] for p in s3.list(uri)]
 
 
 def sync_down(s3, uri: str, folder: Path) -> Path:
@@ -96,15 +86,15 @@ def test_eval_of_a_bucket_run_equals_eval_of_its_local_copy_and_lands_in_the_buc
     uri, local = commands["uri"], commands["local"]
     torchrun_case(commands, "eval bucket")
     torchrun_case(commands, "eval local")
-    on_bucket = json.loads(read_object(s3_server, f"{uri}/eval/checkpoint_00000012.json"))
+    on_bucket = json.loads(s3_server.read(f"{uri}/eval/checkpoint_00000012.json"))
     on_folder = json.loads((local / "eval" / "checkpoint_00000012.json").read_text())
     assert on_bucket["metrics"] == on_folder["metrics"]  # bitwise: the same checkpoint, data and world size
     assert (on_bucket["checkpoint"], on_bucket["step"]) == (f"{uri}/checkpoint_00000012", 12)
     out = torchrun_case(commands, "eval bucket step 8")
     assert f"written to {uri}/eval/checkpoint_00000008.json" in out
-    assert json.loads(read_object(s3_server, f"{uri}/eval/checkpoint_00000008.json"))["step"] == 8
+    assert json.loads(s3_server.read(f"{uri}/eval/checkpoint_00000008.json"))["step"] == 8
     # The run's own objects are as training left them, plus eval/; nothing is left in the temporary folder
-    assert {n.split("/")[0] for n in objects(s3_server, uri)} == {"checkpoint_00000008", "checkpoint_00000012",
+    assert {n.split("/")[0] for n in s3_server.objects(uri)} == {"checkpoint_00000008", "checkpoint_00000012",
                                                                  "metrics.jsonl", "summary.json", "eval"}
 
 
@@ -114,27 +104,27 @@ def test_predict_writes_to_a_bucket_what_it_writes_to_a_folder_and_force_keeps_t
         torchrun_case(commands, label)
     local = parts(pq.read_table(p) for p in sorted((root / "preds").glob("part-*.parquet")))
     for prefix in (f"s3://{bucket}/preds", commands["forced"]):
-        names = objects(s3_server, prefix)
+        names = s3_server.objects(prefix)
         assert sorted(n for n in names if n.startswith("part-") and n.endswith(".parquet")) == \
             sorted(p.name for p in (root / "preds").glob("part-*.parquet"))
-        got = parts(pq.read_table(io.BytesIO(read_object(s3_server, f"{prefix}/{n}")))
+        got = parts(pq.read_table(io.BytesIO(s3_server.read(f"{prefix}/{n}")))
                     for n in names if n.endswith(".parquet"))
         assert got.equals(local)
-        manifest = json.loads(read_object(s3_server, f"{prefix}/_predict.json"))
+        manifest = json.loads(s3_server.read(f"{prefix}/_predict.json"))
         assert (manifest["run"], manifest["rows_written"]) == (commands["uri"], local.num_rows)
     # --force replaced the earlier prediction and left the user's object alone
-    assert read_object(s3_server, f"{commands['forced']}/part-notes.txt") == b"the user's notes\n"
+    assert s3_server.read(f"{commands['forced']}/part-notes.txt") == b"the user's notes\n"
 
 
 def test_predict_into_a_finished_bucket_prediction_is_refused_without_force(s3_server, commands, tabular_data,
                                                                             in_bucket_env, capsys):
     torchrun_case(commands, "predict bucket")
     out = f"s3://{commands['bucket']}/preds"
-    before = objects(s3_server, out)
+    before = s3_server.objects(out)
     line = refusal(capsys, "predict", "--run", commands["uri"], "--data", f"{tabular_data}/val", "--out", out)
     assert line == (f"stride: error: --out ({out}) holds a finished prediction; pass a new prefix, or --force to "
                     f"replace it")
-    assert objects(s3_server, out) == before
+    assert s3_server.objects(out) == before
 
 
 @pytest.fixture
@@ -199,7 +189,7 @@ def test_eval_of_a_bucket_run_on_ray_equals_torchrun(s3_server, commands, ray_cl
     reach = {k: v for k, v in s3_server.child_env().items() if k.startswith("AWS_") or k.lower() == "no_proxy"}
     r = run_cli(["-m", "stride", "eval", "--run", uri, "--name", "on-ray"], env={**reach, **ray_cluster})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    on_ray = json.loads(read_object(s3_server, f"{uri}/eval/on-ray.json"))
-    under_torchrun = json.loads(read_object(s3_server, f"{uri}/eval/checkpoint_00000012.json"))
+    on_ray = json.loads(s3_server.read(f"{uri}/eval/on-ray.json"))
+    under_torchrun = json.loads(s3_server.read(f"{uri}/eval/checkpoint_00000012.json"))
     assert (on_ray["runtime"], on_ray["world_size"]) == ("ray", 2)
     assert on_ray["metrics"] == under_torchrun["metrics"]

@@ -25,7 +25,7 @@ from cluster_fixtures import free_ports, short_tmp
 from conftest import PYTHON, REPO
 from gcs_server import gcs_server_fixture
 from private_node import add_private_node, files_in_node, in_node, namespace_problem, write_in_node
-from runs import launch, tiny
+from runs import files_under, launch, tiny
 from s3_server import environment, node_identity, s3_server_fixture
 from shared_ray import SharedHead
 from stride.ray_cluster import local
@@ -64,20 +64,6 @@ def user_env(storage_env: dict, ray_env: dict, project: Path) -> dict:
     return {k: v for k, v in env.items() if os.environ.get(k) != v}  # what differs from this process's (launch adds)
 
 
-def files_under(folder: Path) -> list[Path]:
-    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
-
-
-def s3_objects(s3, uri: str) -> list[str]:
-    base = uri.removeprefix("s3://").rstrip("/") + "/"
-    return [p[len(base):] for p in s3.list(uri)]
-
-
-def s3_read(s3, uri: str) -> bytes:
-    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
-        return f.read()
-
-
 def train_losses(text: str) -> list[tuple[int, float]]:
     """(step, train_loss) of every line of a metrics.jsonl that has one, in file order."""
     return [(r["step"], r["train_loss"]) for r in map(json.loads, filter(str.strip, text.splitlines()))
@@ -104,9 +90,7 @@ def kill_after_first_checkpoint(args: list[str], env: dict, meta_appeared, timeo
 
 @pytest.fixture
 def bucket(s3_server):
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    return name
+    return s3_server.new_bucket()
 
 
 def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_leaves_nothing_behind(
@@ -118,7 +102,7 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
 
     ref = launch.ray(run_args(tabular_data, runs, "ref", staging, SLOW), env)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    summary = json.loads(s3_read(s3_server, f"{runs}/ref/summary.json"))
+    summary = json.loads(s3_server.read(f"{runs}/ref/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
     assert files_under(staging) == []
     assert not shared_ray_head.wait_idle()
@@ -126,23 +110,23 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
     args = run_args(tabular_data, runs, "cut", staging, SLOW)
     first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
     killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))
-    assert "summary.json" not in s3_objects(s3_server, f"{runs}/cut"), killed[-3000:]
+    assert "summary.json" not in s3_server.objects(f"{runs}/cut"), killed[-3000:]
     assert not shared_ray_head.wait_idle()  # the GCS removed the killed driver's gang
 
     resumed = launch.ray(args, env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming cut from checkpoint_" in resumed.stdout, resumed.stdout[-3000:]
 
-    want = train_losses(s3_read(s3_server, f"{runs}/ref/metrics.jsonl").decode())
-    got = train_losses(s3_read(s3_server, f"{runs}/cut/metrics.jsonl").decode())
+    want = train_losses(s3_server.read(f"{runs}/ref/metrics.jsonl").decode())
+    got = train_losses(s3_server.read(f"{runs}/cut/metrics.jsonl").decode())
     assert [step for step, _ in got] == list(range(1, STEPS + 1))  # every step once, in order, across the kill
     assert got == want  # bitwise
     assert files_under(staging) == []
 
     # The key reached the workers (they uploaded the shards) through the job's runtime_env, and nowhere else.
     for name in ("ref", "cut"):
-        for key in s3_objects(s3_server, f"{runs}/{name}"):
-            assert secret.encode() not in s3_read(s3_server, f"{runs}/{name}/{key}"), key
+        for key in s3_server.objects(f"{runs}/{name}"):
+            assert secret.encode() not in s3_server.read(f"{runs}/{name}/{key}"), key
     for out in (ref.stdout + ref.stderr, killed, resumed.stdout + resumed.stderr):
         assert secret not in out
 
@@ -212,7 +196,7 @@ def test_two_machines_without_a_shared_disk_resume_from_the_bucket_on_one_bitwis
 
     ref = launch.ray(run_args(two_machines["data"], runs, "ref", staging, *one_per_node), env)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    assert "2 node(s)" in ref.stdout and json.loads(s3_read(s3_server, f"{runs}/ref/summary.json"))["world_size"] == 2
+    assert "2 node(s)" in ref.stdout and json.loads(s3_server.read(f"{runs}/ref/summary.json"))["world_size"] == 2
     # Rank 1 worked on the second machine's own disk (its staging root exists only there), and left no file on it.
     assert in_node(node_dir, "test", "-d", str(staging)).returncode == 0
     assert files_in_node(node_dir, staging) == [] and files_under(staging) == []
@@ -221,7 +205,7 @@ def test_two_machines_without_a_shared_disk_resume_from_the_bucket_on_one_bitwis
     args = run_args(two_machines["data"], runs, "cut", staging, *one_per_node)
     first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
     killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))
-    assert "summary.json" not in s3_objects(s3_server, f"{runs}/cut"), killed[-3000:]
+    assert "summary.json" not in s3_server.objects(f"{runs}/cut"), killed[-3000:]
     assert not idle.wait_idle()
     local.stop_node(node_dir)  # the second machine is gone, its disk (rank 1's working copy) with it
 
@@ -229,8 +213,8 @@ def test_two_machines_without_a_shared_disk_resume_from_the_bucket_on_one_bitwis
                                   "train.num_threads=1"), env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "1 node(s)" in resumed.stdout and "resuming cut from checkpoint_" in resumed.stdout, resumed.stdout[-3000:]
-    want = train_losses(s3_read(s3_server, f"{runs}/ref/metrics.jsonl").decode())
-    got = train_losses(s3_read(s3_server, f"{runs}/cut/metrics.jsonl").decode())
+    want = train_losses(s3_server.read(f"{runs}/ref/metrics.jsonl").decode())
+    got = train_losses(s3_server.read(f"{runs}/cut/metrics.jsonl").decode())
     assert [step for step, _ in got] == list(range(1, STEPS + 1))  # every step once, in order, across the kill
     assert got == want  # bitwise: rank 1's shard came from the bucket, not from the disk it was written on
     assert files_under(staging) == []

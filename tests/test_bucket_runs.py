@@ -11,13 +11,11 @@ import signal
 import subprocess
 import textwrap
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO, torchrun_launcher
-from runs import TORCHRUN_PY, launch, tiny
+from runs import TORCHRUN_PY, files_under, launch, tiny
 from s3_server import s3_server_fixture
 
 pytestmark = pytest.mark.slow
@@ -38,33 +36,16 @@ KILLER = textwrap.dedent("""
 
 @pytest.fixture
 def bucket(s3_server):
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    return name
-
-
-def objects(s3, uri: str) -> list[str]:
-    """The object names under `uri`, relative to it."""
-    base = uri.removeprefix("s3://").rstrip("/") + "/"
-    return [p[len(base):] for p in s3.list(uri)]
-
-
-def read_object(s3, uri: str) -> bytes:
-    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
-        return f.read()
+    return s3_server.new_bucket()
 
 
 def metrics(s3, run_uri: str) -> list[dict]:
-    return [json.loads(line) for line in read_object(s3, f"{run_uri}/metrics.jsonl").decode().splitlines() if line]
+    return [json.loads(line) for line in s3.read(f"{run_uri}/metrics.jsonl").decode().splitlines() if line]
 
 
 def args(data, bucket, name, steps, staging, *extra):
     return tiny(f"s3://{bucket}/runs", data, steps, "checkpoint.every_steps=6", "train.log_every_steps=1",
                 f"checkpoint.staging_dir={staging}", *extra, name=name)
-
-
-def files_under(folder: Path) -> list[Path]:
-    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
 
 
 def test_a_killed_bucket_run_resumes_bitwise_with_every_step_logged_once_and_nothing_left_on_disk(
@@ -74,11 +55,11 @@ def test_a_killed_bucket_run_resumes_bitwise_with_every_step_logged_once_and_not
     ref = launch.torchrun(args(tabular_data, bucket, "ref", 30, staging), env=env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     ref_uri = f"s3://{bucket}/runs/ref"
-    listed = objects(s3_server, ref_uri)
+    listed = s3_server.objects(ref_uri)
     # keep_last=2 in the bucket; every complete checkpoint has both ranks' shards, DCP's metadata and meta.json last
     assert sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")}) == ["checkpoint_00000024",
                                                                                        "checkpoint_00000030"]
-    meta = json.loads(read_object(s3_server, f"{ref_uri}/checkpoint_00000030/meta.json"))
+    meta = json.loads(s3_server.read(f"{ref_uri}/checkpoint_00000030/meta.json"))
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert "summary.json" in listed and "stride.lock" not in listed
     assert files_under(staging) == []  # the working copy and the staged shards are gone
@@ -90,7 +71,7 @@ def test_a_killed_bucket_run_resumes_bitwise_with_every_step_logged_once_and_not
                             timeout=600, start_new_session=True)
     assert killed.returncode == 1 and "exitcode: -9" in killed.stderr, killed.stderr[-3000:]
     cut_uri = f"s3://{bucket}/runs/cut"
-    assert "summary.json" not in objects(s3_server, cut_uri)
+    assert "summary.json" not in s3_server.objects(cut_uri)
     # The resume takes over the lock the killed run left: same host, its pid dead.
     resumed = launch.torchrun(cut_args, env=dict(env, STRIDE_TASK_PATH=str(tmp_path)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -112,7 +93,7 @@ def test_a_second_run_of_the_same_name_exits_2_naming_the_holder_and_the_first_l
                              env=dict(os.environ, **env), start_new_session=True)
     try:
         deadline = time.time() + 120
-        while "stride.lock" not in objects(s3_server, f"s3://{bucket}/runs/one") and time.time() < deadline:
+        while "stride.lock" not in s3_server.objects(f"s3://{bucket}/runs/one") and time.time() < deadline:
             assert first.poll() is None, first.communicate()[1][-3000:]
             time.sleep(0.2)
         second = launch.forked(args(tabular_data, bucket, "one", 400, tmp_path / "b"), env=env)
@@ -179,11 +160,11 @@ def test_a_prefix_holding_another_models_run_exits_2_before_training(s3_server, 
     env = s3_server.child_env()
     first = launch.forked(args(tabular_data, bucket, "m", 6, tmp_path / "s"), env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = {n: read_object(s3_server, f"s3://{bucket}/runs/m/{n}") for n in objects(s3_server, f"s3://{bucket}/runs/m")}
+    before = {n: s3_server.read(f"s3://{bucket}/runs/m/{n}") for n in s3_server.objects(f"s3://{bucket}/runs/m")}
     other = launch.forked(args(tabular_data, bucket, "m", 6, tmp_path / "s", "model.hidden_sizes=[16]"), env=env)
     lines = [ln for ln in other.stderr.splitlines() if ln.strip()]
     assert other.returncode == 2 and len(lines) == 1 and "of another model" in lines[0], other.stderr
-    after = {n: read_object(s3_server, f"s3://{bucket}/runs/m/{n}") for n in objects(s3_server, f"s3://{bucket}/runs/m")}
+    after = {n: s3_server.read(f"s3://{bucket}/runs/m/{n}") for n in s3_server.objects(f"s3://{bucket}/runs/m")}
     assert after == before  # nothing of the run was touched
 
 
@@ -195,16 +176,16 @@ def test_keep_best_keeps_its_copies_in_the_bucket_beside_keep_last(s3_server, bu
                               "checkpoint.keep_last=1", "checkpoint.keep_best={k: 2}"), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     run = f"s3://{bucket}/runs/kb"
-    listed = objects(s3_server, run)
+    listed = s3_server.objects(run)
     assert sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")}) == ["checkpoint_00000024"]
     val = {r["step"]: r["val_loss"] for r in metrics(s3_server, run) if "val_loss" in r and r["step"] > 0}
     best = sorted(val, key=lambda s: (val[s], s))[:2]
     kept = sorted({n.split("/")[1] for n in listed if n.startswith("best/")})
     assert kept == sorted(f"checkpoint_{s:08d}" for s in best)
     for name in kept:  # each copy is whole: its meta.json names files that are all there
-        meta = json.loads(read_object(s3_server, f"{run}/best/{name}/meta.json"))
+        meta = json.loads(s3_server.read(f"{run}/best/{name}/meta.json"))
         assert {f"best/{name}/{f}" for f in meta["files"]} <= set(listed)
-    summary = json.loads(read_object(s3_server, f"{run}/summary.json"))
+    summary = json.loads(s3_server.read(f"{run}/summary.json"))
     assert sorted(b["checkpoint"] for b in summary["best_checkpoints"]) == [f"{run}/best/{n}" for n in kept]
 
 
@@ -214,7 +195,7 @@ def test_tensorboard_files_reach_the_bucket_and_leave_no_local_copy(s3_server, b
     env = s3_server.child_env()
     done = launch.forked(args(tabular_data, bucket, "tb", 12, tmp_path / "s", "tracking.sinks=[tensorboard]"), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = [n for n in objects(s3_server, f"s3://{bucket}/runs/tb") if n.startswith("tensorboard/")]
+    events = [n for n in s3_server.objects(f"s3://{bucket}/runs/tb") if n.startswith("tensorboard/")]
     assert events and all("tfevents" in n for n in events), events
     assert files_under(tmp_path / "s") == []
 
@@ -266,7 +247,7 @@ def test_an_upload_cut_off_never_commits_training_goes_on_and_a_resume_takes_the
     assert len(warned) == 1 and "1 in a row" in warned[0] and "previous checkpoint stays the newest" in warned[0], \
         first.stdout[-3000:] + first.stderr[-3000:]
     assert "step 13/24" in first.stderr + first.stdout  # the step after the checkpoint trained while it uploaded
-    listed = objects(s3_server, f"s3://{bucket}/runs/cut")
+    listed = s3_server.objects(f"s3://{bucket}/runs/cut")
     assert "checkpoint_00000006/meta.json" in listed and "checkpoint_00000012/meta.json" not in listed
 
     resumed = launch.forked(run_args, env=dict(outage, OUTAGE_AT="0"), timeout=600)
@@ -292,7 +273,7 @@ def test_uploads_failing_max_upload_failures_times_in_a_row_fail_the_run_with_on
     last = [ln for ln in done.stderr.splitlines() if ln.strip()][-1]
     assert "could not be uploaded" in last and "2 in a row (checkpoint.max_upload_failures=2)" in last, last
     (tmp_path / "switch").unlink()
-    assert not [n for n in objects(s3_server, f"s3://{bucket}/runs/down") if n.endswith("meta.json")]
+    assert not [n for n in s3_server.objects(f"s3://{bucket}/runs/down") if n.endswith("meta.json")]
 
 
 def test_a_resume_reads_only_the_byte_ranges_of_the_tensors_each_rank_holds(s3_server, bucket, tabular_data, tmp_path):

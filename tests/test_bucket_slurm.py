@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,7 @@ STEPS, LOG_EVERY = 200, 5
 
 @pytest.fixture
 def bucket(s3_server):
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    return name
+    return s3_server.new_bucket()
 
 
 def read(s3, uri: str) -> bytes | None:

@@ -16,11 +16,11 @@ import subprocess
 import textwrap
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from conftest import PYTHON, REPO, run_cli, run_cli_forked
+from runs import files_under
 from s3_server import s3_server_fixture
 from tune_fixtures import wait_for, write_sweep
 
@@ -42,34 +42,17 @@ THROTTLE = textwrap.dedent("""
 
 @pytest.fixture
 def bucket(s3_server):
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    s3_server.create_bucket(name)
-    return name
-
-
-def objects(s3, uri: str) -> list[str]:
-    """Every object under `uri`, relative to it."""
-    base = uri.removeprefix("s3://").rstrip("/") + "/"
-    return [p[len(base):] for p in s3.list(uri)]
-
-
-def read(s3, uri: str) -> bytes:
-    with s3.filesystem().open_input_stream(uri.removeprefix("s3://")) as f:
-        return f.read()
+    return s3_server.new_bucket()
 
 
 def events(s3, sweep_uri: str) -> list[dict]:
-    text = read(s3, f"{sweep_uri}/trial_events.jsonl").decode()
+    text = s3.read(f"{sweep_uri}/trial_events.jsonl").decode()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def files_under(folder: Path) -> list[Path]:
-    return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
 
 
 def trials_in(s3, sweep_uri: str) -> tuple[set[str], set[str]]:
     """(trials with a summary.json, trials with a complete first checkpoint but no summary yet) in the bucket."""
-    names = objects(s3, sweep_uri)
+    names = s3.objects(sweep_uri)
     ended = {n.split("/")[0] for n in names if n.endswith("/summary.json")}
     saved = {n.split("/")[0] for n in names if n.endswith(f"/checkpoint_{EVERY:08d}/meta.json")}
     return ended, saved - ended
@@ -113,12 +96,12 @@ def test_a_sweep_on_a_bucket_keeps_everything_there_and_resumes_from_it_alone(s3
     first = log_path.read_text()
     assert len(ended) == 1 and len(killed) == 1, first[-3000:]
     (finished_id,), (killed_id,) = ended, killed
-    names = objects(s3_server, sweep_uri)
+    names = s3_server.objects(sweep_uri)
     # Tune's experiment state and the driver's own files were in the bucket while it ran.
     assert "tuner.pkl" in names and any(n.startswith("experiment_state-") for n in names), names
     assert {"stride_sweep.json", "trial_events.jsonl"} <= set(names), names
     assert "sweep_summary.json" not in names and f"{killed_id}/summary.json" not in names
-    finished_stamp = read(s3_server, f"{sweep_uri}/{finished_id}/summary.json")
+    finished_stamp = s3_server.read(f"{sweep_uri}/{finished_id}/summary.json")
     assert not shared_ray_head.wait_idle(), "the killed sweep's trial stayed on the head"
     # Another machine: nothing of the sweep or its trials on this disk, only the bucket.
     shutil.rmtree(staging)
@@ -131,20 +114,20 @@ def test_a_sweep_on_a_bucket_keeps_everything_there_and_resumes_from_it_alone(s3
     assert f"stride: summary     {sweep_uri}/sweep_summary.json" in second.stdout
     assert not shared_ray_head.wait_idle()
 
-    summary = json.loads(read(s3_server, f"{sweep_uri}/sweep_summary.json"))
+    summary = json.loads(s3_server.read(f"{sweep_uri}/sweep_summary.json"))
     assert summary["status"] == "completed" and len(summary["trials"]) == 2
     for t in summary["trials"]:
         run = f"{sweep_uri}/{t['trial_id']}"
         assert t["status"] == "completed" and t["steps"] == STEPS and t["run_dir"] == run, t
-        own = json.loads(read(s3_server, f"{run}/summary.json"))
+        own = json.loads(s3_server.read(f"{run}/summary.json"))
         assert own["status"] == "completed" and own["global_step"] == STEPS and own["params"] == t["params"]
         assert own["checkpoint"] == f"{run}/checkpoint_{STEPS:08d}"
         assert own["val_loss"] == pytest.approx(t["metric"])
-        in_run = objects(s3_server, run)
+        in_run = s3_server.objects(run)
         for step in (EVERY, STEPS):
             assert f"checkpoint_{step:08d}/meta.json" in in_run and f"checkpoint_{step:08d}/.metadata" in in_run
         assert "params.json" in in_run  # Tune's own trial files share the prefix, as they share a trial's folder
-        lines = [json.loads(x) for x in read(s3_server, f"{run}/metrics.jsonl").decode().splitlines() if x.strip()]
+        lines = [json.loads(x) for x in s3_server.read(f"{run}/metrics.jsonl").decode().splitlines() if x.strip()]
         assert [r["step"] for r in lines if "train_loss" in r] == list(range(1, STEPS + 1))  # once each, in order
     best = min(summary["trials"], key=lambda t: t["metric"])
     assert summary["best_trial_id"] == best["trial_id"] and summary["best_metric"] == best["metric"]
@@ -154,9 +137,9 @@ def test_a_sweep_on_a_bucket_keeps_everything_there_and_resumes_from_it_alone(s3
         if e["event"] == "start":
             starts[e["trial_id"]] = starts.get(e["trial_id"], 0) + 1
     assert starts == {finished_id: 1, killed_id: 2}
-    assert read(s3_server, f"{sweep_uri}/{finished_id}/summary.json") == finished_stamp  # not run again
-    assert json.loads(read(s3_server, f"{sweep_uri}/{killed_id}/summary.json"))["restarts"] >= 1
-    assert "worker.log" in objects(s3_server, sweep_uri)
+    assert s3_server.read(f"{sweep_uri}/{finished_id}/summary.json") == finished_stamp  # not run again
+    assert json.loads(s3_server.read(f"{sweep_uri}/{killed_id}/summary.json"))["restarts"] >= 1
+    assert "worker.log" in s3_server.objects(sweep_uri)
     assert files_under(staging) == []  # the sweep's and the trials' working copies went with their ends
 
 
@@ -182,4 +165,4 @@ def test_a_sweep_storage_the_bucket_refuses_exits_2_in_one_line(s3_server, bucke
     for w in (w.format(missing=missing) for w in words):
         assert w in lines[0], lines[0]
     assert time.time() - t0 < 60
-    assert objects(s3_server, f"s3://{bucket}") == []  # nothing written
+    assert s3_server.objects(f"s3://{bucket}") == []  # nothing written

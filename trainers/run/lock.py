@@ -148,10 +148,14 @@ class RunLock:
         except (OSError, UsageError) as e:  # storage down for a moment: the next beat tries again
             log.warning("run lock %s: heartbeat failed (%s); retrying", self.path, e)
             return True
+        return self._lost_to(self.path.parent, found[0] if found else None)
+
+    def _lost_to(self, where, holder: dict | None) -> bool:
+        """Say once that the run lost its folder (to `holder`, or to nobody), and stop beating (False)."""
         self.lost = True
-        holder = describe(found[0], None) if found else "nobody: the lock file is gone"
-        print(f"stride: warning: {self.path.parent} is no longer this run's (its run lock is now held by {holder}); "
-              f"this run's workers stop before their next write", file=sys.stderr, flush=True)
+        who = describe(holder, None) if holder is not None else "nobody: the lock is gone"
+        print(f"stride: warning: {where} is no longer this run's (its run lock is now held by {who}); this run's "
+              f"workers stop before their next write", file=sys.stderr, flush=True)
         return False
 
     def held(self) -> bool:
@@ -380,12 +384,8 @@ class ObjectRunLock(RunLock):
         except OSError as e:
             log.warning("run lock %s: heartbeat failed (%s); retrying", self.store.describe(LOCK), e)
             return True
-        self.lost = True
         found = _read_object_lock(self.store)
-        holder = describe(found[0], None) if found else "nobody: the lock is gone"
-        print(f"stride: warning: {self.store.describe()} is no longer this run's (its run lock is now held by "
-              f"{holder}); this run's workers stop before their next write", file=sys.stderr, flush=True)
-        return False
+        return self._lost_to(self.store.describe(), found[0] if found else None)
 
     def held(self) -> bool:
         try:

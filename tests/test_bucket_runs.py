@@ -306,3 +306,71 @@ def s3_server_sizes(s3, uri: str) -> list[tuple[str, int]]:
 
     infos = s3.filesystem().get_file_info(pafs.FileSelector(uri.removeprefix("s3://"), recursive=True))
     return [(i.path, i.size) for i in infos if i.type == pafs.FileType.File]
+
+
+def test_a_lock_replaced_while_a_run_trains_fences_it_exit_1_and_it_writes_nothing_more(
+        s3_server, bucket, tabular_data, tmp_path):
+    env = s3_server.child_env()
+    run = f"s3://{bucket}/runs/fenced"
+    proc = subprocess.Popen([*torchrun_launcher(1), TORCHRUN_PY,
+                             *args(tabular_data, bucket, "fenced", 3000, tmp_path / "s", "train.log_every_steps=10")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **env), start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "metrics.jsonl" not in s3_server.objects(run) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        other = {"token": "f" * 32, "fence": 99, "host": "another-host", "pid": 7, "started": time.time()}
+        _put(s3_server, f"{bucket}/runs/fenced/stride.lock", json.dumps(other).encode())  # another run took it
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "is no longer this run's" in err and "host another-host" in err
+    after = {n: s3_server.read(f"{run}/{n}") for n in s3_server.objects(run)}
+    time.sleep(2)  # anything still writing in the background would land now
+    assert {n: s3_server.read(f"{run}/{n}") for n in s3_server.objects(run)} == after
+    assert json.loads(after["stride.lock"])["token"] == "f" * 32  # the other run's lock, left alone
+    assert "summary.json" not in after  # the fenced run records nothing over the other run's folder
+    steps = [r["step"] for r in metrics(s3_server, run) if "train_loss" in r]
+    assert steps and steps[-1] < 3000
+
+
+@pytest.mark.parametrize("first", ["bucket", "folder"])
+def test_a_run_copied_between_a_bucket_and_a_folder_resumes_on_the_other_side(
+        first, s3_server, bucket, tabular_data, tmp_path):
+    """The names under <storage_path>/<run.name>/ are the same in a folder and a bucket: a run copied with the
+    cloud's own sync tool resumes from the copy, and ends bitwise as a run never moved."""
+    from pyarrow import fs as pafs
+
+    env = s3_server.child_env()
+    folder, uri = tmp_path / "runs", f"s3://{bucket}/runs"
+    ref = launch.forked(tiny(tmp_path / "ref", tabular_data, 12, "checkpoint.every_steps=6", "train.log_every_steps=1",
+                             name="m"), env=env)
+    (tmp_path / "killer.py").write_text(KILLER)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    here, there = (uri, folder) if first == "bucket" else (folder, uri)
+    part = launch.forked(tiny(here, tabular_data, 12, "checkpoint.every_steps=6", "train.log_every_steps=1",
+                              "train.callbacks=[killer:KillAfterCheckpoint]", f"checkpoint.staging_dir={tmp_path / 's'}",
+                              name="m"), env=dict(env, KILL_AT_STEP="6", STRIDE_TASK_PATH=str(tmp_path)))
+    assert part.returncode == -signal.SIGKILL, part.stderr[-3000:]
+    # `aws s3 sync` either way: every object of the run, as files (or the other way round)
+    local, s3fs_ = pafs.LocalFileSystem(), s3_server.filesystem()
+    (folder / "m").mkdir(parents=True, exist_ok=True)
+    if first == "bucket":
+        pafs.copy_files(f"{bucket}/runs/m", str(folder / "m"), source_filesystem=s3fs_, destination_filesystem=local)
+    else:
+        pafs.copy_files(str(folder / "m"), f"{bucket}/runs/m", source_filesystem=local, destination_filesystem=s3fs_)
+    resumed = launch.forked(tiny(there, tabular_data, 12, "checkpoint.every_steps=6", "train.log_every_steps=1",
+                                 "train.callbacks=[killer:KillAfterCheckpoint]", f"checkpoint.staging_dir={tmp_path / 's'}",
+                                 name="m"), env=dict(env, STRIDE_TASK_PATH=str(tmp_path)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming m from checkpoint_00000006" in resumed.stdout
+    want = {r["step"]: r["train_loss"] for r in map(json.loads, (tmp_path / "ref" / "m" / "metrics.jsonl")
+                                                    .read_text().splitlines()) if "train_loss" in r}
+    got_lines = (metrics(s3_server, f"{uri}/m") if first == "folder" else
+                 [json.loads(ln) for ln in (folder / "m" / "metrics.jsonl").read_text().splitlines() if ln])
+    got = {r["step"]: r["train_loss"] for r in got_lines if "train_loss" in r}
+    assert got == want

@@ -138,3 +138,17 @@ def test_missing_credentials_are_one_line_without_secrets(s3_env, monkeypatch):
         store.check_writable("run.storage_path")
     assert "no credentials" in str(e.value), e.value
     assert "testing" not in str(e.value)
+
+
+@pytest.mark.parametrize("error, words", [
+    (PermissionError("Access Denied"), "may not write there"),
+    (OSError("ClientError: An error occurred (AccessDenied) when calling the PutObject operation"), "may not write"),
+    (OSError("Forbidden: 403 POST https://storage.googleapis.com/upload"), "may not write there"),
+    (FileNotFoundError("NoSuchBucket"), "does not exist"),
+    (OSError("NoCredentialsError: Unable to locate credentials"), "no credentials"),
+    (OSError("DefaultCredentialsError: Your default credentials were not found"), "no credentials"),
+])
+def test_what_the_storage_refused_is_said_with_its_fix(error, words):
+    """No permission cannot be staged on the suite's S3 server (it accepts any key for any action): the clouds' words
+    for it, and for the other refusals, each map to the clause that names the fix."""
+    assert words in storage.refusal(Location("s3", "my-bucket", "runs"), error)

@@ -202,6 +202,18 @@ def test_two_machines_without_a_shared_disk_resume_from_the_bucket_on_one_bitwis
     assert files_in_node(node_dir, staging) == [] and files_under(staging) == []
     assert not idle.wait_idle()
 
+    # eval on both machines: the driver downloads the run on the head; the worker on the second machine fetches its
+    # own copy to the same path (its disk has none), and removes it after.
+    evaluated = launch.ray(["eval", "--run", f"{runs}/ref", "--name", "two-nodes", "scaling.num_workers=2",
+                            "scaling.cpus_per_worker=2", "train.num_threads=1"], env, entry=("-m", "stride"))
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    assert "2 node(s)" in evaluated.stdout
+    record = json.loads(s3_server.read(f"{runs}/ref/eval/two-nodes.json"))
+    final = json.loads(s3_server.read(f"{runs}/ref/summary.json"))
+    assert record["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6), (record, final)
+    assert in_node(node_dir, "sh", "-c", "ls -d /tmp/stride-run-* 2>/dev/null").stdout.strip() == ""
+    assert not idle.wait_idle()
+
     args = run_args(two_machines["data"], runs, "cut", staging, *one_per_node)
     first_meta = f"{bucket}/runs/cut/checkpoint_{EVERY:08d}/meta.json"
     killed = kill_after_first_checkpoint(args, env, lambda: first_meta in s3_server.list(f"{runs}/cut"))

@@ -91,6 +91,11 @@ class BucketCopy:
     def close(self) -> None:
         shutil.rmtree(self.run_dir.parent, ignore_errors=True)
 
+    def replica(self) -> dict[str, str]:
+        """What a worker on another node fetches to have this copy at the same path (remote.replica_on_this_node)."""
+        return {"uri": self.uri, "run_dir": str(self.run_dir),
+                "checkpoint": self.checkpoint.relative_to(self.run_dir).as_posix()}
+
     def __enter__(self) -> BucketCopy:
         return self
 

@@ -32,6 +32,8 @@ def run_job(run, job: Job, plan, name: str, before: Callable[[], None] | None = 
     refuse_link(jobs)  # before anything is written: a planted link would take Ray's records (and their removal) away
     if before is not None:
         before()
-    return ray.run_job(run.cfg, job, plan, jobs, name)
+    # A run on a bucket was downloaded on this node only: a worker elsewhere fetches its own copy to the same path.
+    replica = run.copy.replica() if getattr(run, "copy", None) is not None else None
+    return ray.run_job(run.cfg, job, plan, jobs, name, replica=replica)
 
 

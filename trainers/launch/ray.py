@@ -225,7 +225,8 @@ def torch_trainer(cfg: Config, loop, loop_config: dict, num_workers: int, use_gp
                         run_config=run_config)
 
 
-def run_job(cfg: Config, job, plan, storage: Path, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_job(cfg: Config, job, plan, storage: Path, name: str, replica: dict[str, str] | None = None
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A command's job (jobs.py) on the run's gang on Ray: (rank 0's result, where it ran). Ray Train's own records
     of it go to storage/<name>-<random> and are removed after it."""
     import ray.train
@@ -244,7 +245,8 @@ def run_job(cfg: Config, job, plan, storage: Path, name: str) -> tuple[dict[str,
     # in advance, and an earlier job's records are never taken for a run to resume.
     name = f"{name}-{secrets.token_hex(4)}"
     folder = storage / name
-    trainer = torch_trainer(cfg, job_per_worker, {"cfg": cfg.to_dict(), "plan": plan, "job": job}, num_workers, use_gpu,
+    trainer = torch_trainer(cfg, job_per_worker, {"cfg": cfg.to_dict(), "plan": plan, "job": job, "replica": replica},
+                            num_workers, use_gpu,
                             run_config=RunConfig(name=name, storage_path=str(storage),
                                                  failure_config=FailureConfig(max_failures=0),
                                                  logging_config=LoggingConfig(log_level="CRITICAL")))

@@ -11,7 +11,7 @@ from typing import Any
 from stride.trainers import telemetry
 from stride.trainers.run import checkpointing
 from stride.trainers.launch import stop_channel
-from stride.trainers.run.remote import RunRemote
+from stride.trainers.run.remote import RunRemote, replica_on_this_node
 from stride.trainers.config_reader import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
 from stride.trainers.policies import Preemption
@@ -96,4 +96,17 @@ def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     ctx = ray.train.get_context()
     env = WorkerEnv.for_gang(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(),
                              ray.train.torch.get_device(), ray.get_runtime_context().get_node_id())
-    return config["job"](from_dict(config["cfg"]), env, config["plan"])
+    # A bucket run's copy on this node (fetched by its first rank, where the driver's is not), in place before any
+    # rank reads it and kept until every rank is done.
+    with replica_on_this_node(config.get("replica") if ctx.get_local_rank() == 0 else None):
+        _gang_barrier()
+        result = config["job"](from_dict(config["cfg"]), env, config["plan"])
+        _gang_barrier()
+    return result
+
+
+def _gang_barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -309,3 +310,33 @@ class _KeptOpen:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+@contextmanager
+def replica_on_this_node(spec: dict[str, str] | None):
+    """A command's copy of a bucket run (trainers/commands/trained.py BucketCopy) on a worker's node: the driver
+    downloaded it into a private folder of its own node, and a worker on another node finds nothing at that path. Here
+    the same files (summary.json and the one checkpoint, verified) are fetched to the same path, in a folder of this
+    user's alone (mode 0700), for the job's length. `spec`: BucketCopy.replica(); None (a folder run): nothing."""
+    from stride.errors import UsageError
+    from stride.ray_cluster.node import UnsafeStateDir, private_dir
+    from stride.trainers.run import checkpointing
+
+    if spec is None or Path(spec["run_dir"]).is_dir():
+        yield
+        return
+    run_dir = Path(spec["run_dir"])
+    try:
+        private_dir(run_dir.parent)
+    except UnsafeStateDir as e:
+        raise UsageError(f"--run ({spec['uri']}): {e}") from None
+    try:
+        remote = RunRemote(ObjectStore(location_of(spec["uri"])), run_dir)
+        run_dir.mkdir()
+        remote.pull("summary.json")
+        folder = with_backoff(lambda: remote.fetch(spec["checkpoint"], run_dir))
+        if (problem := checkpointing.verify(folder)) is not None:
+            raise UsageError(f"--run ({spec['uri']}): {spec['checkpoint']} is unusable on this node ({problem})")
+        yield
+    finally:
+        shutil.rmtree(run_dir.parent, ignore_errors=True)

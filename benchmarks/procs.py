@@ -1,9 +1,10 @@
-"""The benchmarks' process helpers, in one place: launching a job and timing it, the /proc process table, finding and
+"""The benchmarks' process helpers, in one place: launching a job and timing it, finding and
 stopping what a job left behind (by pid and start time, never by name), a process's and a process tree's memory, the
 machine's memory, free ports and JSON Lines logs.
 
-Standard library only, and nothing of Stride's: every benchmark may import it (run.py, stream_memory.py,
-commands_bench.py, ...), and it imports no benchmark, so there is no cycle through it.
+Standard library, and of Stride's only the cluster tools' /proc process table (ray_cluster/node.py, standard library
+itself): every benchmark may import it (run.py, stream_memory.py, commands_bench.py, ...), and it imports no
+benchmark, so there is no cycle through it.
 """
 
 from __future__ import annotations
@@ -18,39 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stride.ray_cluster.node import processes  # the process table, as the cluster tools read it
+
 REPO = Path(__file__).resolve().parent.parent
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-# ---------------------------------------------------------------- the process table
-
-def _boot_time_s() -> float:
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("btime "):
-            return float(line.split()[1])
-    raise RuntimeError("no btime in /proc/stat")
-
-
-def processes() -> dict[int, dict]:
-    """Every live (non-zombie) process: {pid: {ppid, sid, start_s, cmdline}}."""
-    boot = _boot_time_s()
-    procs = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # exited while we looked
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and parentheses
-        if fields[0] in "ZX":
-            continue
-        procs[int(entry)] = {"ppid": int(fields[1]), "sid": int(fields[3]),
-                             "start_s": boot + int(fields[19]) / _TICKS, "cmdline": cmdline.strip()}
-    return procs
-
-
 def descendants(pid: int) -> dict[int, float]:
     """Every process below `pid` with its start time (so a pid reused later is never killed by mistake)."""
     procs = processes()

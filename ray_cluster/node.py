@@ -30,6 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+# Public: benchmarks/ read the process table as the cluster tools do (tests/test_bench_imports.py).
+__all__ = ["processes"]
+
 STATE_FILE = "stride-node.json"
 MARKER = "STRIDE_RAY_NODE"
 CLIENT_SERVER = "ray.util.client.server"

@@ -49,6 +49,7 @@ PUBLIC_MODULES = {
     "stride.datasets.frame": "a batch's columns, converted as the stream converts them",
     "stride.ray_cluster.connect": "Ray started or joined as Stride's driver does it",
     "stride.ray_cluster.local": "a local Ray head (and worker nodes) with token auth, stopped by pid",
+    "stride.ray_cluster.node": "the process table (live processes, their start times), as the cluster tools read it",
 }
 
 

@@ -374,3 +374,59 @@ def test_a_schedule_of_the_users_own(tmp_path, monkeypatch):
         assert why in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match=r"optim.schedule \('step'\)"):
         load_config(REPO / "trainers/configs/tabular_mlp.yaml", ["optim.schedule=step"])
+
+
+# ---- optim.implementation (issue 45: the GPU step) -----------------------------------------------------------
+
+
+def _steps(overrides: list[str], n: int = 20) -> tuple[list[float], torch.optim.Optimizer, torch.nn.Module]:
+    """n AdamW steps of a small MLP on fixed data with the config's optimizer: the losses, the optimizer, the model."""
+    cfg = load_config(None, ["model.name=mlp", *overrides])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = optim_module.build_optimizer(cfg, model, 1)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    losses = []
+    for _ in range(n):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, opt, model
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "adafactor"])
+def test_auto_picks_foreach_on_the_cpu_and_fused_only_on_cuda(name):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert optim_module.implementation(name, "auto", cpu) == "foreach"
+    assert optim_module.implementation(name, "auto", cuda) == ("foreach" if name == "adafactor" else "fused")
+    _, opt, _ = _steps([f"optim.name={name}"], n=1)
+    assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
+
+
+def test_auto_on_the_cpu_trains_bitwise_as_the_earlier_default_and_each_kernel_closely():
+    """auto (foreach on the CPU) against for_loop, torch's CPU default that Stride used before: the same losses and
+    weights bit for bit; fused (one kernel) within float tolerance."""
+    auto, _, m_auto = _steps([])
+    loop, _, m_loop = _steps(["optim.implementation=for_loop"])
+    fused, opt_fused, _ = _steps(["optim.implementation=fused"])
+    assert auto == loop
+    assert all(torch.equal(a, b) for a, b in zip(m_auto.parameters(), m_loop.parameters()))
+    assert opt_fused.defaults["fused"] is True
+    assert fused == pytest.approx(loop, rel=1e-5)
+
+
+def test_optim_kwargs_win_over_the_implementation():
+    _, opt, _ = _steps(["optim.implementation=fused", "optim.kwargs={foreach: true, fused: false}"], n=1)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.name=adafactor", "optim.implementation=fused"], "optim.name adafactor has foreach, for_loop"),
+    (["optim.name=torch.optim:RAdam", "optim.implementation=foreach"], "only its own"),
+])
+def test_an_implementation_the_optimizer_lacks_is_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        optim_module.check_optimizer(load_config(None, ["model.name=mlp", *overrides]))
+    assert str(e.value).startswith("optim.implementation (") and words in str(e.value) and "\n" not in str(e.value)

@@ -169,6 +169,10 @@ class OptimSection(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for the optimizer, e.g. "
                                    "{nesterov: true} for sgd; they override betas/momentum. A \"<module>:<Class>\" "
                                    "optimizer gets only lr and these (weight_decay is set per parameter group)")
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="The optimizer's kernels: fused (one kernel for all parameters), foreach (batched over "
+        "parameters) or for_loop (one parameter at a time); auto: fused for adamw, adam and sgd on CUDA, foreach "
+        "elsewhere. optim.kwargs' fused/foreach win")
     lr: float = Field(1e-3, allow_inf_nan=False, gt=0.0, description="Peak learning rate at reference_batch_size")
     weight_decay: float = Field(0.01, allow_inf_nan=False, ge=0.0, description="Decoupled weight decay (AdamW) or L2 (SGD)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="adamw and adam betas")

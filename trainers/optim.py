@@ -31,6 +31,30 @@ BUILTIN_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[[Any],
 }
 
 
+# optim.implementation: what each built-in optimizer offers (torch.optim's kernels). auto: fused on CUDA where there is
+# one (one kernel for every parameter: nanoGPT's and torchtitan's choice), else foreach (torch's own CUDA default).
+IMPLEMENTATIONS = {"adamw": ("fused", "foreach", "for_loop"), "adam": ("fused", "foreach", "for_loop"),
+                   "sgd": ("fused", "foreach", "for_loop"), "adafactor": ("foreach", "for_loop")}
+_KWARGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+
+
+def implementation(name: str, chosen: str, device: torch.device) -> str | None:
+    """The kernel optim.implementation picks for optimizer `name` on `device`; None: the optimizer's own default (a
+    user's optimizer under auto). Raises ConfigError for one the optimizer does not have."""
+    from stride.errors import ConfigError
+
+    offered = IMPLEMENTATIONS.get(name)
+    if chosen == "auto":
+        if offered is None:
+            return None
+        return "fused" if device.type == "cuda" and "fused" in offered else "foreach"
+    if offered is None or chosen not in offered:
+        has = ", ".join(offered) if offered else "only its own (a user's optimizer)"
+        raise ConfigError(f"optim.implementation ({chosen}): optim.name {name} has {has}; use "
+                          f"optim.implementation=auto" + (f" or one of {', '.join(offered)}" if offered else ""))
+    return chosen
+
+
 def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
     """optim.name -> (the optimizer class, whether it is built in). A "<module>:<Class>" is found the way
     model.name finds a user's task. Raises ConfigError (exit 2) for a name that is no torch.optim.Optimizer."""
@@ -142,7 +166,9 @@ def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = 
             return optimizer
     cls, builtin = optimizer_class(o.name)
     defaults = BUILTIN_OPTIMIZERS[o.name][1](o) if builtin else {}
-    return cls(groups, lr=lr, **{**defaults, **o.kwargs})
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    kernel = implementation(o.name, o.implementation, device)
+    return cls(groups, lr=lr, **{**defaults, **_KWARGS.get(kernel, {}), **o.kwargs})  # optim.kwargs win
 
 
 def check_optimizer(cfg: Config) -> None:
@@ -152,6 +178,7 @@ def check_optimizer(cfg: Config) -> None:
     from stride.errors import quote
 
     optimizer_class(cfg.optim.name)  # its own errors name optim.name
+    implementation(cfg.optim.name, cfg.optim.implementation, torch.device("cpu"))  # one it has, or exit 2
     check_schedule(cfg)
     dummy = nn.Linear(2, 2)  # a 2-d and a 1-d parameter: both groups
     plain = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"groups": []})})  # groups: the real model's

@@ -21,9 +21,15 @@ from pathlib import Path
 from stride.ray_cluster import local, node
 
 # In the new namespace, before `ray start` runs: nothing mounted there is seen outside (propagation private), and
-# nothing mounted outside later is seen inside.
-MOUNT_PRIVATE = ('IFS=:; for d in $STRIDE_PRIVATE_DIRS; do mkdir -p "$d" && mount -t tmpfs -o mode=1777 tmpfs "$d" '
-                 '|| exit 97; done; unset IFS; exec "$@"')
+# nothing mounted outside later is seen inside. The folders of STRIDE_KEEP_DIRS (the checkout and its .venv: the
+# program a machine has installed) stay visible even where a private folder covers them (a clone under /tmp): each is
+# opened before the tmpfs goes over it, then bound back from that open descriptor (not from its path, which the tmpfs
+# now hides: hence --no-canonicalize). Descriptors 3 to 9: the shell (dash) takes one digit.
+MOUNT_PRIVATE = ('IFS=:; i=3; for k in $STRIDE_KEEP_DIRS; do eval "exec $i<\\"\\$k\\"" || exit 96; i=$((i+1)); done; '
+                 'for d in $STRIDE_PRIVATE_DIRS; do mkdir -p "$d" && mount -t tmpfs -o mode=1777 tmpfs "$d" '
+                 '|| exit 97; done; '
+                 'i=3; for k in $STRIDE_KEEP_DIRS; do mkdir -p "$k" && mount --no-canonicalize --bind /proc/self/fd/$i "$k" '
+                 '|| exit 98; eval "exec $i<&-"; i=$((i+1)); done; unset IFS; exec "$@"')
 
 
 def namespace_problem() -> str | None:
@@ -32,6 +38,14 @@ def namespace_problem() -> str | None:
     if os.geteuid() != 0:
         return "a private mount namespace needs root (unshare --mount, mount -t tmpfs); CI runs the suite as root"
     return None
+
+
+def kept_dirs() -> list[str]:
+    """What a machine has installed and the node runs: the checkout and this interpreter's environment (.venv)."""
+    import sys
+
+    found = sorted({os.path.realpath(Path(__file__).resolve().parent.parent), os.path.realpath(sys.prefix)})
+    return [d for d in found if not any(d.startswith(o + "/") for o in found)]  # a .venv inside the checkout: once
 
 
 def private_dirs(folders: list[Path]) -> list[str]:
@@ -49,7 +63,9 @@ def add_private_node(head: local.Head, state_dir: Path, folders: list[Path], num
     state_dir = node.private_dir(Path(os.path.abspath(state_dir)))
     dirs = private_dirs(folders)
     env = {k: v for k, v in local._node_env(head.token_path).items() if k != "RAY_AUTH_TOKEN_PATH"}
-    env.update(RAY_AUTH_TOKEN=head.token_path.read_text().strip(), STRIDE_PRIVATE_DIRS=":".join(dirs))
+    keep = [k for k in kept_dirs() if any(k == d or k.startswith(d + "/") for d in dirs)]
+    env.update(RAY_AUTH_TOKEN=head.token_path.read_text().strip(), STRIDE_PRIVATE_DIRS=":".join(dirs),
+               STRIDE_KEEP_DIRS=":".join(keep))
     argv, _ = local._ray_start(state_dir, None, set(head.ports.values()), num_cpus)
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", MOUNT_PRIVATE, "sh", *argv,
             f"--address={head.address}"]

@@ -374,3 +374,24 @@ def test_a_run_copied_between_a_bucket_and_a_folder_resumes_on_the_other_side(
                  [json.loads(ln) for ln in (folder / "m" / "metrics.jsonl").read_text().splitlines() if ln])
     got = {r["step"]: r["train_loss"] for r in got_lines if "train_loss" in r}
     assert got == want
+
+
+def test_ema_and_the_data_position_come_back_from_the_bucket_exactly(s3_server, bucket, tabular_data, tmp_path):
+    """A callback's tensor state (train.ema's average) and the data position are in the bucket's checkpoint: a run
+    killed after its checkpoint and resumed from the bucket evaluates its average as a run never stopped, bit for
+    bit."""
+    env = dict(s3_server.child_env(), STRIDE_TASK_PATH=str(tmp_path))
+    (tmp_path / "killer.py").write_text(KILLER)
+    ema = ("train.ema={decay: 0.9, eval: both}", "train.eval_every_steps=12", "model.dropout=0.1",
+           "train.callbacks=[killer:KillAfterCheckpoint]")
+    ref = launch.forked(args(tabular_data, bucket, "eref", 12, tmp_path / "s", *ema), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cut = launch.forked(args(tabular_data, bucket, "ecut", 12, tmp_path / "s", *ema), env=dict(env, KILL_AT_STEP="6"))
+    assert cut.returncode == -signal.SIGKILL, cut.stderr[-3000:]
+    resumed = launch.forked(args(tabular_data, bucket, "ecut", 12, tmp_path / "s", *ema), env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming ecut from checkpoint_00000006" in resumed.stdout
+    last = lambda run: [r for r in metrics(s3_server, f"s3://{bucket}/runs/{run}") if "val_loss" in r][-1]  # noqa: E731
+    want, got = last("eref"), last("ecut")
+    assert any(k.endswith("_ema") for k in want), want  # the average was evaluated beside the raw weights
+    assert got == want

@@ -104,6 +104,8 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     summary = json.loads(s3_server.read(f"{runs}/ref/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
+    assert (summary["config"]["checkpoint"]["upload"], summary["config"]["optim"]["implementation"]) == \
+        ("sync", "for_loop")
     assert files_under(staging) == []
     assert not shared_ray_head.wait_idle()
 
@@ -137,13 +139,17 @@ def test_two_workers_on_the_shared_head_train_to_a_gcs_bucket(gcs_server, ray_cl
     staging = tmp_path / "staging"
     run = f"gs://{bucket}/runs/g"
 
-    done = launch.ray(run_args(tabular_data, f"gs://{bucket}/runs", "g", staging),
+    # The bucket's keys and optim.implementation, rebuilt by the Ray workers from the driver's dict.
+    keys = ("checkpoint.upload=sync", "checkpoint.max_upload_failures=2", "optim.implementation=for_loop")
+    done = launch.ray(run_args(tabular_data, f"gs://{bucket}/runs", "g", staging, *keys),
                       user_env(gcs_server.child_env(), ray_cluster, tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     fs = gcs_server.filesystem()
     listed = [p.removeprefix(f"{bucket}/runs/g/") for p in gcs_server.list(run)]
     summary = json.loads(fs.cat_file(f"{bucket}/runs/g/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
+    assert (summary["config"]["checkpoint"]["upload"], summary["config"]["optim"]["implementation"]) == \
+        ("sync", "for_loop")
     # keep_last's newest checkpoints, each with both workers' shards and meta.json, which rank 0 writes last
     newest = sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")})[-1]
     assert newest == f"checkpoint_{STEPS:08d}"

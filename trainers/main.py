@@ -87,8 +87,11 @@ def _train(cfg: Config, progress_bar: bool) -> tuple[int, dict]:
         # After ray.init: Ray's core installs its own SIGTERM handler (which aborts); ours must replace it.
         channel = StopChannel(f"stride-stop-{token}")  # the stop request reaches workers on every node
         signals = install_signal_handlers(cfg.run_dir, also=channel.post)
-        code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=token,
-                                     stop_channel=channel.name)
+        try:
+            code, summary = train_on_ray(cfg, specs, task.facts, progress_bar=progress_bar, run_lock_token=token,
+                                         stop_channel=channel.name)
+        finally:
+            channel.close()  # now, not by Ray's teardown of the driver (which logs its own failures to stderr)
         return summary
 
     # The lock is held from before the resume check to after the summary: nothing of this run touches the folder

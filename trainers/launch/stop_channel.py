@@ -43,6 +43,14 @@ class StopChannel:
     def post(self, request: dict[str, Any]) -> None:
         self.actor.post.remote(request)  # not waited on: a signal handler must not block
 
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone with its job: nothing to close
+            pass
+
 
 def poller(name: str, clock: Callable[[], float] = time.monotonic) -> Callable[[], dict[str, Any] | None]:
     """A worker's end: the driver's request, or None; asks the actor at most once every POLL_S."""

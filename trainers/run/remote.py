@@ -322,17 +322,22 @@ def replica_on_this_node(spec: dict[str, str] | None):
     from stride.ray_cluster.node import UnsafeStateDir, private_dir
     from stride.trainers.run import checkpointing
 
-    if spec is None or Path(spec["run_dir"]).is_dir():
+    # The checkpoint's meta.json, not the folder: Ray Train may create the job's own records under the run folder on
+    # this node (.jobs) while the job starts.
+    if spec is None or (Path(spec["run_dir"]) / spec["checkpoint"] / "meta.json").is_file():
         yield
         return
     run_dir = Path(spec["run_dir"])
+    root = run_dir.parent
+    if root.is_dir() and not root.is_symlink() and root.lstat().st_uid == os.getuid():
+        os.chmod(root, 0o700)  # made by Ray's records just now, with the default mode: this user's alone again
     try:
-        private_dir(run_dir.parent)
+        private_dir(root)
     except UnsafeStateDir as e:
         raise UsageError(f"--run ({spec['uri']}): {e}") from None
     try:
         remote = RunRemote(ObjectStore(location_of(spec["uri"])), run_dir)
-        run_dir.mkdir()
+        run_dir.mkdir(exist_ok=True)
         remote.pull("summary.json")
         folder = with_backoff(lambda: remote.fetch(spec["checkpoint"], run_dir))
         if (problem := checkpointing.verify(folder)) is not None:

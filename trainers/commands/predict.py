@@ -281,20 +281,11 @@ def finish(out: Path, identity: dict[str, Any], results: dict, t0: float) -> dic
 def out_store(text: str):
     """The bucket prefix --out names (an ObjectStore, checked writable), or None for a folder. UsageError or
     StorageError (exit 2) naming --out, the URI without credentials, and the fix."""
-    from stride.trainers.run.storage import ObjectStore, parse_uri
-
     if not trained.is_uri(text):
         return None
-    try:
-        location = parse_uri(text)
-    except ValueError as e:
-        raise UsageError(f"--out ({trained.shown(text)}) {e}") from None
-    if isinstance(location, Path):
+    store = trained.open_store(text, "--out")
+    if isinstance(store, Path):
         return None
-    try:
-        store = ObjectStore(location)
-    except ImportError as e:
-        raise UsageError(f"--out ({location}): its library is not installed; {e}") from None
     store.check_writable("--out")
     return store
 

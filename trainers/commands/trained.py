@@ -208,14 +208,9 @@ def in_bucket_words(e: BaseException, copy: BucketCopy) -> BaseException:
     return type(e)(str(e).replace(str(copy.run_dir), copy.uri))
 
 
-def download_run(uri: str, which: Pick = "last", label: str = "--run",
-                 checkpoint_label: str = "--checkpoint") -> BucketCopy | Path:
-    """The run at `uri` (s3://bucket/prefix/name, gs://...) with the checkpoint `which` names (last: the newest
-    complete one in the bucket that verifies; best: best/ as summary.json names it; a checkpoint's name or URI under
-    the run; a function of the run (generate): last), downloaded into a new private folder. A file:// URI is its
-    folder, returned as it is. UsageError (exit 2), one line naming `label` and the URI (never a credential): a URI
-    that is not one, a bucket that does not exist or cannot be read, no run there, no such checkpoint."""
-    from stride.trainers.run.remote import RunRemote
+def open_store(uri: str, label: str):
+    """The bucket of an object-store URI an argument (`label`) gave, or the folder of a file:// URI. UsageError (exit
+    2), one line naming `label` and the URI (never a credential): not a URI Stride takes, or no library for it."""
     from stride.trainers.run.storage import ObjectStore, parse_uri
 
     try:
@@ -225,9 +220,24 @@ def download_run(uri: str, which: Pick = "last", label: str = "--run",
     if isinstance(location, Path):
         return location
     try:
-        store = ObjectStore(location)
+        return ObjectStore(location)
     except ImportError as e:
         raise UsageError(f"{label} ({location}): its library is not installed; {e}") from None
+
+
+def download_run(uri: str, which: Pick = "last", label: str = "--run",
+                 checkpoint_label: str = "--checkpoint") -> BucketCopy | Path:
+    """The run at `uri` (s3://bucket/prefix/name, gs://...) with the checkpoint `which` names (last: the newest
+    complete one in the bucket that verifies; best: best/ as summary.json names it; a checkpoint's name or URI under
+    the run; a function of the run (generate): last), downloaded into a new private folder. A file:// URI is its
+    folder, returned as it is. UsageError (exit 2), one line naming `label` and the URI (never a credential): a URI
+    that is not one, a bucket that does not exist or cannot be read, no run there, no such checkpoint."""
+    from stride.trainers.run.remote import RunRemote
+
+    store = open_store(uri, label)
+    if isinstance(store, Path):
+        return store
+    location = store.location
     root = Path(tempfile.mkdtemp(prefix="stride-run-")).resolve()  # mode 0700: this user's alone
     local = root / (location.prefix.rsplit("/", 1)[-1] or location.bucket)  # the run's name, as in a folder
     copy = BucketCopy(RunRemote(store, local), local, local, str(location))

@@ -104,8 +104,6 @@ def test_a_driver_killed_on_the_shared_head_resumes_from_the_bucket_bitwise_and_
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     summary = json.loads(s3_server.read(f"{runs}/ref/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
-    assert (summary["config"]["checkpoint"]["upload"], summary["config"]["optim"]["implementation"]) == \
-        ("sync", "for_loop")
     assert files_under(staging) == []
     assert not shared_ray_head.wait_idle()
 

@@ -98,11 +98,24 @@ def job_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                              ray.train.torch.get_device(), ray.get_runtime_context().get_node_id())
     # A bucket run's copy on this node (fetched by its first rank, where the driver's is not), in place before any
     # rank reads it and kept until every rank is done.
-    with replica_on_this_node(config.get("replica") if ctx.get_local_rank() == 0 else None):
+    first_here = _first_rank_on_node(ray.get_runtime_context().get_node_id())
+    with replica_on_this_node(config.get("replica") if first_here else None):
         _gang_barrier()
         result = config["job"](from_dict(config["cfg"]), env, config["plan"])
         _gang_barrier()
     return result
+
+
+def _first_rank_on_node(node_id: str) -> bool:
+    """Whether this worker is the lowest rank on its Ray node. Not Ray Train's local rank: that counts workers by IP
+    address, and two nodes behind one address (containers, network namespaces) would each have no local rank 0."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return True
+    nodes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node_id)
+    return nodes.index(node_id) == dist.get_rank()
 
 
 def _gang_barrier() -> None:

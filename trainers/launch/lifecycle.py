@@ -52,12 +52,17 @@ def open_remote_run(cfg, task, instance: str, remote):
     """open_run for a run on a bucket: the prefix is writable with these credentials, the lock is taken there (on
     conditional writes), and a checkpoint already there is of this task's model."""
     from stride.trainers.run import lock as runlock
-    from stride.trainers.run.storage import ObjectStore, location_of
+    from stride.trainers.run.storage import StorageError, location_of, refusal
 
     check_job_storage(cfg)
-    ObjectStore(location_of(cfg.run.storage_path)).check_writable("run.storage_path")
     ensure_writable(cfg.run_dir, "checkpoint.staging_dir", cfg.checkpoint.staging_dir or cfg.run_dir.parent)
-    lock = runlock.acquire_object(remote.store, cfg.run.name, cfg.run.lock_stale_s, instance)
+    # The lock's conditional write is the first write there: a bucket that does not exist, no credentials or no
+    # permission is refused on it (no probe object before it: each request is a round trip before the first step).
+    try:
+        lock = runlock.acquire_object(remote.store, cfg.run.name, cfg.run.lock_stale_s, instance)
+    except OSError as e:
+        raise StorageError(f"run.storage_path ({location_of(cfg.run.storage_path)}): "
+                           f"{refusal(remote.store.location, e)}") from None
     try:
         check_remote_resume(cfg, remote, task)
     except BaseException:
@@ -70,10 +75,10 @@ def check_remote_resume(cfg, remote, task) -> None:
     """check_resume for a run on a bucket, on the newest complete checkpoint's meta.json and DCP metadata alone."""
     import shutil
 
-    complete = remote.complete()
-    if not complete:
+    newest = next(remote.newest_complete(remote.store.listing("")), None)
+    if newest is None:
         return
-    step, name = complete[-1]
+    step, name = newest
     probe = cfg.run_dir / ".resume-check"
     shutil.rmtree(probe, ignore_errors=True)
     (probe / name).mkdir(parents=True)

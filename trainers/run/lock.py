@@ -482,7 +482,8 @@ class ObjectFence(Fence):
 
     def _look(self) -> None:
         try:
-            version = self.store.version(LOCK)
+            # One metadata request while the version stands still; the record only when it moved (or first).
+            version = self.store.version(LOCK) if self._seen_version is not None else ""
             if version is not None and version != self._seen_version:
                 found = _read_object_lock(self.store)
                 version = found[1] if found else None

@@ -21,6 +21,7 @@ The names under `<storage_path>/<run.name>/` are those of a folder, so a run cop
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -31,13 +32,14 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stride.trainers.run.storage import Location, ObjectStore, location_of, with_backoff
 
 log = logging.getLogger("stride")
 
 META = "meta.json"
+PUSH_GAP_S = 1.0  # push_soon: at most one upload of a side file per second
 CHECKPOINT_PREFIX = "checkpoint_"
 SIDE_FILES = ("metrics.jsonl", "tensorboard", "wandb")  # written locally by rank 0's sinks, synced at checkpoints
 
@@ -73,6 +75,7 @@ class RunRemote:
         self._wanted: set[str] = set()
         self._ranged: dict[str, Any] = {}  # open_ranged's files, by object name
         self._pusher: threading.Thread | None = None
+        self._hurry = threading.Event()  # flush(): the pusher skips its gap
 
     @classmethod
     def of(cls, cfg) -> RunRemote | None:
@@ -111,11 +114,14 @@ class RunRemote:
             self.store.write(name, data)
 
     def push_soon(self, name: str) -> None:
-        """push(name) from a background thread, coalesced: a burst of requests is one upload of the newest bytes, and
-        the caller (a log step) never waits on the network. `flush()` waits for it."""
+        """push(name) from a background thread, coalesced: the requests within PUSH_GAP_S of an upload are one upload
+        of the newest bytes after it, and the caller (a log step) never waits on the network. A PUT per log line would
+        cost every step a share of the CPU (the request's signing, the client's event loop) for no reader's gain.
+        `flush()` waits for it."""
         with self._push_lock:
             self._wanted.add(name)
             if self._pusher is None or not self._pusher.is_alive():
+                self._hurry.clear()
                 self._pusher = threading.Thread(target=self._push_wanted, name="stride-push", daemon=True)
                 self._pusher.start()
 
@@ -125,23 +131,31 @@ class RunRemote:
                 if not self._wanted:
                     self._pusher = None
                     return
-                name = self._wanted.pop()
-            try:
-                with_backoff(lambda: self.push_tree(name) if (self.local / name).is_dir() else self.push(name))
-            except OSError as e:  # the next push carries the whole file again
-                log.warning("%s could not be uploaded to %s (%s); retrying at the next log step", name, self, e)
+                names, self._wanted = sorted(self._wanted), set()
+            for name in names:
+                try:
+                    with_backoff(lambda: self.push_tree(name) if (self.local / name).is_dir() else self.push(name))
+                except OSError as e:  # the next push carries the whole file again
+                    log.warning("%s could not be uploaded to %s (%s); retrying at the next log step", name, self, e)
+            self._hurry.wait(PUSH_GAP_S)
 
-    def sync_side_files(self) -> None:
-        """At a checkpoint: metrics.jsonl and the trackers' local folders (TensorBoard's events, W&B's offline run)
-        reach the bucket in the background, so that a run killed later still has them up to here."""
+    def sync_side_files(self, wait: bool = False) -> None:
+        """metrics.jsonl and the trackers' local folders (TensorBoard's events, W&B's offline run) to the bucket: in
+        the background, or with `wait` now (a checkpoint's upload thread, before its commit: a checkpoint complete in
+        the bucket has every line logged up to its step there too, whenever the run is killed)."""
         for name in SIDE_FILES:
-            if (self.local / name).exists():
+            if not (self.local / name).exists():
+                continue
+            if wait:
+                self.push_tree(name) if (self.local / name).is_dir() else self.push(name)
+            else:
                 self.push_soon(name)
 
     def flush(self) -> None:
         """Wait for push_soon's uploads."""
         pusher = self._pusher
         if pusher is not None:
+            self._hurry.set()
             pusher.join()
 
     def push_tree(self, name: str) -> None:
@@ -200,9 +214,13 @@ class RunRemote:
     def complete(self) -> list[tuple[int, str]]:
         """(step, folder name) of every checkpoint in the bucket whose meta.json names files that are all there at
         their recorded sizes, oldest first."""
-        listed = self.store.listing("")
-        found = []
-        for name in sorted({n.split("/", 1)[0] for n in listed if n.startswith(CHECKPOINT_PREFIX) and "/" in n}):
+        return sorted(self.newest_complete(self.store.listing("")))
+
+    def newest_complete(self, listed: dict[str, int]) -> Iterator[tuple[int, str]]:
+        """complete()'s checkpoints in `listed` (a listing of the run), newest first, each meta.json read only when
+        the caller asks for the next one: a resume reads one, not every kept checkpoint's."""
+        names = {n.split("/", 1)[0] for n in listed if n.startswith(CHECKPOINT_PREFIX) and "/" in n}
+        for name in sorted(names, reverse=True):  # checkpoint_<step, 8 digits>: by name is by step
             if f"{name}/{META}" not in listed:
                 continue
             try:
@@ -213,31 +231,39 @@ class RunRemote:
                 continue
             if isinstance(files, dict) and all(listed.get(f"{name}/{f}") == (w or {}).get("bytes")
                                                for f, w in files.items()):
-                found.append((step, name))
-        return sorted(found)
+                yield step, name
 
-    def fetch(self, folder_name: str, dest_root: Path, only: tuple[str, ...] | None = None) -> Path:
+    def fetch(self, folder_name: str, dest_root: Path, only: tuple[str, ...] | None = None,
+              listed: dict[str, int] | None = None) -> Path:
         """The checkpoint `folder_name` downloaded under `dest_root` (meta.json last, so that a copy cut short is
-        never complete), or just its files named in `only`; the caller verifies and removes it."""
+        never complete), or just its files named in `only`; the caller verifies and removes it. `listed`: a listing
+        of the run already made (one request fewer)."""
         dest = Path(dest_root) / folder_name
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
-        names = sorted(n for n in self.store.listing(folder_name) if only is None or n.rsplit("/", 1)[1] in only)
+        if listed is None:
+            listed = self.store.listing(folder_name)
+        names = sorted(n for n in listed if n.startswith(folder_name + "/")
+                       and (only is None or n.rsplit("/", 1)[1] in only))
         for n in [n for n in names if not n.endswith("/" + META)] + [n for n in names if n.endswith("/" + META)]:
             self.store.download(n, dest / posixpath.basename(n))
         return dest
 
     def resume_copy(self, rank: int) -> Path | None:
-        """The newest complete checkpoint in the bucket, downloaded into this rank's staging and verified (sizes and
-        sha256, as a folder's); an unusable one is passed over for the one before, with a warning. None: none."""
+        """The newest complete checkpoint in the bucket, its meta.json and DCP's metadata downloaded into this rank's
+        staging, its shards read from the bucket by byte range (open_ranged), verified as a folder's is (sizes here;
+        every tensor item is still loaded as a tensor only). An unusable one is passed over for the one before, with a
+        warning. None: none."""
         from stride.trainers.run import checkpointing
 
         dest_root = self._resume_root(rank)
-        for step, name in reversed(self.complete()):
-            folder = with_backoff(lambda: self.fetch(name, dest_root, only=(META, ".metadata")))
-            sizes = {n.rsplit("/", 1)[1]: size for n, size in self.store.listing(name).items()}
-            checkpointing.read_shards_from(folder, sizes, lambda shard, name=name: self.open_ranged(f"{name}/{shard}"))
+        listed = self.store.listing("")
+        for step, name in self.newest_complete(listed):
+            folder = with_backoff(lambda: self.fetch(name, dest_root, only=(META, ".metadata"), listed=listed))
+            sizes = {n.rsplit("/", 1)[1]: size for n, size in listed.items() if n.startswith(name + "/")}
+            checkpointing.read_shards_from(
+                folder, sizes, lambda shard, name=name: self.open_ranged(f"{name}/{shard}", sizes[shard]))
             problem = checkpointing.verify(folder)
             if problem is None:
                 return folder
@@ -246,16 +272,14 @@ class RunRemote:
             shutil.rmtree(folder, ignore_errors=True)
         return None
 
-    def open_ranged(self, name: str):
-        """A seekable binary file of the object `name` that fetches only the byte ranges read (plus an 8 KiB
-        read-ahead), so that a rank loads the slices it holds, not whole shard files. One file per object for the whole
-        resume (its read-ahead serves the next item's read; drop_resume_copy closes them); the caller's close() leaves
-        it open."""
+    def open_ranged(self, name: str, size: int):
+        """A seekable binary file of the object `name` (`size` bytes) that holds only the byte ranges read or
+        prefetched (RangedObject): a rank loads the slices it holds, never whole shard files of other ranks. One store
+        of parts per object for the whole resume (drop_resume_copy drops them); each open is a cursor over it."""
         with self._push_lock:
             if name not in self._ranged:
-                self._ranged[name] = self.store.fs.open(self.store._path(name), "rb", block_size=1 << 13,
-                                                        cache_type="readahead")
-            return _KeptOpen(self._ranged[name])
+                self._ranged[name] = RangedObject(self.store, name, size)
+            return self._ranged[name].cursor()
 
     def drop_resume_copy(self, rank: int) -> None:
         from stride.trainers.run import checkpointing
@@ -265,8 +289,6 @@ class RunRemote:
             checkpointing.read_shards_from(folder, {}, None)
         with self._push_lock:
             ranged, self._ranged = self._ranged, {}
-        for f in ranged.values():
-            f.close()
         shutil.rmtree(root, ignore_errors=True)
 
     def _resume_root(self, rank: int) -> Path:
@@ -293,23 +315,106 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class _KeptOpen:
-    """A file whose close() leaves it open: the reader that owns it (RunRemote.open_ranged) closes it."""
+class RangedObject:
+    """The byte ranges of one object that a resume has read, kept in memory until the resume is loaded. `prefetch`
+    fetches many ranges at once (concurrent requests, adjacent ranges merged, parts already held skipped): verify
+    names each tensor item's head and tail, DCP's read names this rank's items, so that a resume costs a few requests
+    per shard file, not a few per tensor. A read outside what was fetched fetches exactly its bytes."""
 
-    def __init__(self, f):
-        self._f = f
+    MERGE_GAP = 64 << 10  # ranges closer than this are one request (the gap's bytes are cheaper than a round trip)
 
-    def __getattr__(self, name: str):
-        return getattr(self._f, name)
+    def __init__(self, store: ObjectStore, name: str, size: int):
+        self.store, self.name, self.size = store, name, size
+        self.parts: list[tuple[int, bytes]] = []  # (start, bytes), sorted, never overlapping
+        self._lock = threading.Lock()
 
-    def close(self) -> None:
-        pass
+    def cursor(self) -> _RangedCursor:
+        return _RangedCursor(self)
 
-    def __enter__(self):
-        return self
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        wanted = []
+        for start, end in sorted((max(0, s), min(self.size, e)) for s, e in ranges):
+            if start >= end:
+                continue
+            if wanted and start <= wanted[-1][1] + self.MERGE_GAP:
+                wanted[-1][1] = max(wanted[-1][1], end)
+            else:
+                wanted.append([start, end])
+        gaps = [g for start, end in wanted for g in self._gaps(start, end)]
+        if gaps:
+            self._fetch(gaps)
 
-    def __exit__(self, *exc) -> None:
-        pass
+    def read(self, start: int, end: int) -> bytes:
+        end = min(end, self.size)
+        if start >= end:
+            return b""
+        if gaps := self._gaps(start, end):
+            self._fetch(gaps)
+        with self._lock:
+            pieces = [(s, d) for s, d in self.parts if s < end and s + len(d) > start]
+        return b"".join(d[max(0, start - s):end - s] for s, d in pieces)
+
+    def _gaps(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The sub-ranges of [start, end) that no part holds."""
+        gaps, at = [], start
+        with self._lock:
+            for s, d in self.parts:
+                if s + len(d) <= at:
+                    continue
+                if s >= end:
+                    break
+                if s > at:
+                    gaps.append((at, s))
+                at = max(at, s + len(d))
+        if at < end:
+            gaps.append((at, end))
+        return gaps
+
+    def _fetch(self, ranges: list[tuple[int, int]]) -> None:
+        path = self.store._path(self.name)
+        try:
+            got = self.store.fs.cat_ranges([path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
+        except Exception as e:  # noqa: BLE001 - the libraries' many kinds, as ObjectStore's methods
+            raise OSError(f"{type(e).__name__}: {e}") from e
+        for (start, end), data in zip(ranges, got):
+            if isinstance(data, BaseException):
+                raise OSError(f"{self.store.describe(self.name)}: {type(data).__name__}: {data}") from data
+            if len(data) != end - start:
+                raise OSError(f"{self.store.describe(self.name)} is shorter than listed ({start + len(data)} of "
+                              f"{end} bytes)")
+        with self._lock:
+            self.parts = sorted(self.parts + [(s, d) for (s, _), d in zip(ranges, got)], key=lambda p: p[0])
+
+
+class _RangedCursor(io.RawIOBase):
+    """A seekable read-only file over a RangedObject."""
+
+    def __init__(self, obj: RangedObject):
+        super().__init__()
+        self.obj, self.pos = obj, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.obj.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.obj.read(self.pos, self.pos + len(buffer))
+        memoryview(buffer).cast("B")[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        self.obj.prefetch(ranges)
 
 
 @contextmanager

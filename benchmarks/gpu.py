@@ -1,28 +1,35 @@
-"""GPU benchmark: Stride's training step against a hand-written PyTorch loop, tokens/s and MFU for char_gpt.
+"""GPU benchmark: Stride's training step against hand-written PyTorch loops, tokens/s and MFU for char_gpt.
 
     torchrun --nproc-per-node 1 benchmarks/gpu.py                        # S, M, L x fp32, bf16, fp16 x compile off/on
                                                                          # x activation checkpointing off/on
-    torchrun --nproc-per-node 1 benchmarks/gpu.py --shapes L --modes bf16 --compile on
+    torchrun --nproc-per-node 1 benchmarks/gpu.py --shapes L --modes bf16 --compile on --profile /tmp/traces
     torchrun --nproc-per-node 8 benchmarks/gpu.py --shapes M,L           # DDP: every rank measures, rank 0 writes
     python benchmarks/gpu.py --device cpu                                # tiny shape: a logic check, not a benchmark
 
 It imports only torch, the standard library and Stride's plain-PyTorch core (stride.trainers.models,
-stride.trainers.step, stride.trainers.telemetry's peak table), so it runs on a GPU machine without Ray, pydantic or a
-network. For every shape, precision and compile setting it times two loops on the same model, optimizer and random
-on-device data:
+stride.trainers.step, stride.trainers.optim's kernel choice, stride.trainers.telemetry's peak table), so it runs on a
+GPU machine without Ray, pydantic or a network. For every shape, precision and compile setting it builds three loops
+on the same weights and random on-device data, and times them in turn:
 
-- Stride: `stride.trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun
-  loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic); compile on is
-  `train.compile` (stride.trainers.blocks.compile_blocks: each block's forward, before DDP);
-- reference: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`; compile
-  on is `torch.compile(model)`.
+- stride: `stride.trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun
+  loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic), AdamW with
+  the kernel `optim.implementation=auto` picks (fused on CUDA), clipping at 1.0; compile on is `train.compile`
+  (stride.trainers.blocks.compile_blocks: each block's forward, before DDP);
+- nanogpt (the judged reference, `--reference`): what a nanoGPT user writes: fused AdamW, clipping at 1.0, the
+  whole model and the loss in one torch.compile'd module (compile on), the loss read on the host every 10 steps;
+- minimal: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`, foreach
+  AdamW, no clipping; compile on is `torch.compile(model)` (the reference of the first GPU figures).
 
-Activation checkpointing on (`--ac`) recomputes every block in both loops (stride.trainers.blocks, as
+Activation checkpointing on (`--ac`) recomputes every block in every loop (stride.trainers.blocks, as
 `train.activation_checkpointing` does); the MFU goal is judged with it off (recomputation is work MFU does not count).
 
-Warm-up steps (compilation included) are not timed; a step's time is the median of the CUDA-event intervals between
-consecutive timed steps (torch.cuda.synchronize before and after the timed steps, none inside, so each loop keeps
-whatever host syncs it has of its own). Writes benchmarks/results/gpu-<device>.json and prints one table.
+Each loop is warmed up (compilation included, not timed), then the loops take turns, `--reps` times, in ABBA order
+(A B, B A, A B, ...), `--steps` steps each turn: a step's time is the CUDA-event interval between consecutive steps
+(torch.cuda.synchronize before and after each turn, none inside, so each loop keeps whatever host syncs it has of its
+own). Per loop: p50, p90 and max of every timed step, the SM clock and power draw sampled during its turns
+(torch.cuda's NVML readings, else nvidia-smi), and its memory. `--profile DIR` writes a trace (torch.profiler,
+Chrome format) of 3 steps per loop after the timed turns. Writes benchmarks/results/gpu-<device>.json and prints one
+table.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ import platform
 import re
 import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +60,7 @@ sys.path.insert(0, str(REPO))  # `torchrun benchmarks/gpu.py` puts only benchmar
 
 from stride.trainers import blocks  # noqa: E402 - train.compile and train.activation_checkpointing, as the loop does
 from stride.trainers.models import CharGPT  # noqa: E402
+from stride.trainers.optim import implementation, kernel_kwargs  # noqa: E402 - optim.implementation=auto
 from stride.trainers.step import Precision, train_step  # noqa: E402
 from stride.trainers.telemetry import peak_table  # noqa: E402,F401 - the one GPU peak table (also MFU in training)
 
@@ -63,6 +73,8 @@ SHAPES = {
     "tiny": (2, 64, 2, 32, 4),  # CPU logic checks
 }
 MODES = ("fp32", "bf16", "fp16")
+REFERENCES = ("nanogpt", "minimal")
+NANOGPT_LOSS_EVERY = 10  # nanoGPT reads the loss on the host at its log steps only
 # Stride's defaults (stride.trainers.config), copied because importing the config needs pydantic.
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP_NORM = 1e-3, (0.9, 0.95), 0.01, 1.0
 FLOPS_FORMULA = ("6*N + 12*layers*width*context per token (nanoGPT/PaLM MFU estimate, forward + backward; N = "
@@ -84,7 +96,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", default="both", help="torch.compile: both|on|off")
     p.add_argument("--ac", default=None, help="activation checkpointing of every block: both|on|off (default both on "
                                               "cuda, off on cpu)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per loop (the median is reported)")
+    p.add_argument("--reference", default=",".join(REFERENCES),
+                   help="comma-separated of nanogpt,minimal; the first is the judged one (default nanogpt,minimal)")
+    p.add_argument("--reps", type=int, default=3, help="turns per loop, in ABBA order (default 3)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="write a trace of 3 steps per loop into DIR")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per loop and turn")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--device", default="cuda", help="cuda|cpu")
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s per GPU for MFU, all modes (default: table)")
@@ -101,6 +117,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.ac = a.ac or ("both" if a.device == "cuda" else "off")
     if a.ac not in ("both", "on", "off"):
         raise UsageError(f"--ac ({a.ac}) must be both, on or off; use e.g. --ac off")
+    a.reference = split_list("--reference", a.reference, list(REFERENCES))
+    if a.reps < 1:
+        raise UsageError(f"--reps ({a.reps}) must be at least 1; use e.g. --reps 3")
     if a.steps < 1:
         raise UsageError(f"--steps ({a.steps}) must be at least 1; use e.g. --steps 20")
     if a.warmup < 0:
@@ -177,31 +196,96 @@ def char_gpt_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch["targets"].reshape(-1))
 
 
-def build(shape: tuple[int, ...], device: torch.device, ddp: bool, compiled: bool, ac: bool, stride: bool):
+def fresh_model(shape: tuple[int, ...], device: torch.device, ac: bool) -> CharGPT:
     layers, width, heads, context, _ = shape
-    torch.manual_seed(0)  # both loops start from the same weights
+    torch.manual_seed(0)  # every loop starts from the same weights
     raw = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0).to(device)
-    # The same parameter groups as stride.trainers.optim.build_optimizer (which needs the pydantic config).
+    if ac:  # train.activation_checkpointing (stride.trainers.blocks), in every loop: the same recomputation
+        blocks.checkpoint_activations(list(raw.blocks))
+    return raw
+
+
+def adamw(raw: torch.nn.Module, **kernel) -> torch.optim.Optimizer:
+    """AdamW over the same parameter groups as stride.trainers.optim.build_optimizer (which needs the config)."""
     decay = [p for p in raw.parameters() if p.dim() >= 2]
     no_decay = [p for p in raw.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS)
-    if compiled:
-        # A fresh cache per loop: every shape/dtype recompiles the same forward, and past dynamo's recompile
-        # limit it would silently fall back to eager and time the wrong thing.
-        torch._dynamo.reset()
-    if ac:  # train.activation_checkpointing (stride.trainers.blocks), in both loops: the same recomputation
-        blocks.checkpoint_activations(list(raw.blocks))
-    if compiled and stride:  # train.compile: Stride's per-block compile, before DDP wraps the model
-        blocks.compile_blocks(raw, list(raw.blocks), "default")
-    model = raw
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, **kernel)
 
-        model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
-    if compiled and not stride:
-        model = torch.compile(model)  # the hand-written way: compile(DDP(m)), DDPOptimizer splits at buckets
-    return raw, model, optimizer
+
+def wrap_ddp(raw: torch.nn.Module, device: torch.device, ddp: bool) -> torch.nn.Module:
+    if not ddp:
+        return raw
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+class WithLoss(torch.nn.Module):
+    """nanoGPT's forward: the model and the loss, one module (so one compiled graph)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+def build_loop(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device,
+               ddp: bool):
+    """(the raw model, one training step: (inputs, targets) -> the loss, a tensor left on the device)."""
+    raw = fresh_model(shape, device, ac)
+    precision = Precision.create(mode, device)
+    amp_dtype = precision.dtype
+    if loop == "stride":
+        optimizer = adamw(raw, **kernel_kwargs(implementation("adamw", "auto", device)))
+        if compiled:  # train.compile: Stride's per-block compile, before DDP wraps the model
+            blocks.compile_blocks(raw, list(raw.blocks), "default")
+        model, scaler = wrap_ddp(raw, device, ddp), precision.grad_scaler()
+
+        def step(x, y):
+            batch = {"inputs": x, "targets": y}
+            return train_step(char_gpt_loss, model, optimizer, scaler, precision, [batch], GRAD_CLIP_NORM).loss
+        return raw, step
+    scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+    autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype or torch.float32,
+                                 enabled=amp_dtype is not None)
+    if loop == "nanogpt":
+        optimizer = adamw(raw, fused=True)
+        forward = WithLoss(wrap_ddp(raw, device, ddp))
+        forward = torch.compile(forward) if compiled else forward
+        count = [0]
+
+        def step(x, y):
+            with autocast():
+                loss = forward(x, y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), GRAD_CLIP_NORM)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            count[0] += 1
+            if count[0] % NANOGPT_LOSS_EVERY == 0:
+                loss.item()  # its log line
+            return loss.detach()
+        return raw, step
+    optimizer = adamw(raw)
+    model = wrap_ddp(raw, device, ddp)
+    model = torch.compile(model) if compiled else model  # compile(DDP(m)): DDPOptimizer splits at buckets
+
+    def step(x, y):
+        with autocast():
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return raw, step
 
 
 def random_batches(shape: tuple[int, ...], device: torch.device, seed: int, n: int = 4):
@@ -214,83 +298,153 @@ def random_batches(shape: tuple[int, ...], device: torch.device, seed: int, n: i
     return out
 
 
-def time_steps(step, batches, steps: int, warmup: int, device: torch.device) -> dict:
-    """Median seconds per step over `steps` timed steps after `warmup` untimed ones, and peak memory."""
+class GpuSampler:
+    """The SM clock (MHz) and power draw (W) of one GPU, sampled every 0.2 s while `with` is open: torch.cuda's
+    NVML readings where pynvml is installed, else nvidia-smi, else nothing (the figures are then null)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.samples, self._stop = device, [], threading.Event()
+        self.read = self._reader() if device.type == "cuda" else None
+
+    def _reader(self):
+        try:
+            torch.cuda.clock_rate(self.device), torch.cuda.power_draw(self.device)
+            return lambda: (float(torch.cuda.clock_rate(self.device)), torch.cuda.power_draw(self.device) / 1e3)
+        except Exception:  # noqa: BLE001 - no pynvml: nvidia-smi, if there is one
+            pass
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return None
+        index = os.environ.get("CUDA_VISIBLE_DEVICES", str(self.device.index or 0)).split(",")[self.device.index or 0]
+
+        def read():
+            out = subprocess.run([smi, "-i", index, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            clock, power = (float(v) for v in out.strip().split(",")[:2])
+            return clock, power
+        return read
+
+    def __enter__(self):
+        if self.read is not None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self):
+        while not self._stop.wait(0.2):
+            try:
+                self.samples.append(self.read())
+            except Exception:  # noqa: BLE001 - a reading that failed is one sample fewer
+                pass
+
+    def __exit__(self, *exc):
+        if self.read is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def figures(self) -> dict:
+        if not self.samples:
+            return {"sm_clock_mhz_mean": None, "power_w_mean": None, "power_w_max": None}
+        return {"sm_clock_mhz_mean": statistics.fmean(c for c, _ in self.samples),
+                "power_w_mean": statistics.fmean(p for _, p in self.samples),
+                "power_w_max": max(p for _, p in self.samples)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_turn(step, batches, steps: int, first: int, device: torch.device) -> tuple[list[float], float]:
+    """Seconds of each of `steps` steps (CUDA events; wall clock on CPU), and the loss of the last."""
     cuda = device.type == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    for i in range(warmup):
-        step(*batches[i % len(batches)])
-    sync()
+    sync(device)
     if cuda:
-        # Peak over the timed steps only; the weights, gradients and optimizer state are already allocated.
-        torch.cuda.reset_peak_memory_stats(device)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         marks[0].record()
     stamps = [time.perf_counter()]
     loss = None
     for i in range(steps):
-        loss = step(*batches[(warmup + i) % len(batches)])
+        loss = step(*batches[(first + i) % len(batches)])
         if cuda:
             marks[i + 1].record()
         else:
             stamps.append(time.perf_counter())
-    sync()
-    wall = time.perf_counter() - stamps[0]
+    sync(device)
     if cuda:
-        per_step = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
-    else:
-        per_step = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"step_s_median": statistics.median(per_step), "step_s_mean_wall": wall / steps,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
-            "last_loss": float(loss)}
+        return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)], float(loss)
+    return [b - a for a, b in zip(stamps, stamps[1:])], float(loss)
 
 
-def measure(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device, args,
-            rank: int, ddp: bool) -> dict:
-    """Build a fresh model and optimizer and time one loop ("reference" or "stride"); this rank's figures.
-    Everything it builds dies with the call, so the next loop starts with the memory free."""
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def run_setting(shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device, args, rank: int,
+                ddp: bool, label: str) -> dict:
+    """Every loop at one shape/precision/compile/checkpointing setting: built and warmed up, then timed in turns
+    (ABBA); this rank's figures per loop."""
+    loops = ["stride", *args.reference]
     batches = random_batches(shape, device, seed=1000 + rank)
-    raw, model, optimizer = build(shape, device, ddp, compiled, ac, stride=loop == "stride")
-    precision = Precision.create(mode, device)
-
-    if loop == "stride":
-        scaler = precision.grad_scaler()
-
-        def step(x, y):
-            batch = {"inputs": x, "targets": y}
-            return train_step(char_gpt_loss, model, optimizer, scaler, precision, [batch], GRAD_CLIP_NORM).loss
-    else:
-        scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
-        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-        def step(x, y):
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-    out = time_steps(step, batches, args.steps, args.warmup, device)
-    out.update(params=sum(p.numel() for p in raw.parameters()), flops_per_token=raw.flops_per_token())
-    return out
-
-
-def run_pair(shape: tuple[int, ...], mode: str, compiled: bool, ac: bool, device: torch.device, args, rank: int,
-             ddp: bool) -> dict:
-    """The reference loop, then Stride's, at one shape/precision/compile/checkpointing setting."""
+    built, resident = {}, {}
+    if compiled:
+        # A fresh cache per setting: every shape/dtype recompiles the same forward, and past dynamo's recompile
+        # limit it would silently fall back to eager and time the wrong thing.
+        torch._dynamo.reset()
+    for loop in loops:
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        raw, step = build_loop(loop, shape, mode, compiled, ac, device, ddp)
+        for i in range(args.warmup):
+            step(*batches[i % len(batches)])
+        sync(device)
+        built[loop] = (raw, step)
+        resident[loop] = (torch.cuda.memory_allocated(device) - before) / 1e9 if device.type == "cuda" else None
+    times = {loop: [] for loop in loops}
+    peaks = {loop: 0.0 for loop in loops}
+    samplers = {loop: GpuSampler(device) for loop in loops}
+    last = {}
+    for rep in range(args.reps):
+        for loop in (loops if rep % 2 == 0 else loops[::-1]):
+            if device.type == "cuda":
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            with samplers[loop]:
+                turn, last[loop] = timed_turn(built[loop][1], batches, args.steps, args.warmup + rep * args.steps,
+                                              device)
+            times[loop] += turn
+            if device.type == "cuda":
+                peaks[loop] = max(peaks[loop], (torch.cuda.max_memory_allocated(device) - base) / 1e9)
+    if args.profile:
+        profile(built, batches, device, Path(args.profile), f"{label}-rank{rank}")
     out = {}
-    for loop in ("reference", "stride"):
-        out[loop] = measure(loop, shape, mode, compiled, ac, device, args, rank, ddp)
-        free_memory(device)
-    out["params"], out["flops_per_token"] = out["stride"]["params"], out["stride"]["flops_per_token"]
+    for loop in loops:
+        raw = built[loop][0]
+        out[loop] = {"step_s_median": statistics.median(times[loop]), "step_s_p90": quantile(times[loop], 0.9),
+                     "step_s_max": max(times[loop]), "step_s_mean": statistics.fmean(times[loop]),
+                     "steps_timed": len(times[loop]), "resident_memory_gb": resident[loop],
+                     "step_peak_memory_gb": peaks[loop] if device.type == "cuda" else None,
+                     "last_loss": last[loop], **samplers[loop].figures()}
+        out["params"], out["flops_per_token"] = sum(p.numel() for p in raw.parameters()), raw.flops_per_token()
+    del built
     return out
+
+
+def profile(built: dict, batches, device: torch.device, folder: Path, label: str) -> None:
+    """A Chrome trace of 3 steps of each loop: <folder>/<setting>-<loop>.json."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for loop, (_, step) in built.items():
+        sync(device)
+        with torch_profile(activities=activities) as prof:
+            for i in range(3):
+                step(*batches[i % len(batches)])
+            sync(device)
+        prof.export_chrome_trace(str(folder / f"{label}-{loop}.json"))
 
 
 def free_memory(device: torch.device) -> None:
@@ -303,17 +457,26 @@ def free_memory(device: torch.device) -> None:
 
 def summarize(name: str, per_rank: list[dict], shape: tuple[int, ...], world_size: int, peak: float | None,
               peak_reason: str | None) -> dict:
-    """Global tokens/s from the slowest rank's median step; MFU per GPU."""
+    """Global tokens/s from the slowest rank's median step; MFU per GPU; the step's p90 and max, the clock and power
+    draw (rank 0's), and the memory (the most of any rank)."""
     _, _, _, context, batch = shape
     tokens_per_step = batch * context
     step_s = max(r[name]["step_s_median"] for r in per_rank)
     per_gpu = tokens_per_step / step_s
-    mems = [r[name]["peak_memory_gb"] for r in per_rank if r[name]["peak_memory_gb"] is not None]
     mfu = per_gpu * per_rank[0]["flops_per_token"] / peak if peak else None
+    mine = per_rank[0][name]
+
+    def most(key: str) -> float | None:
+        values = [r[name].get(key) for r in per_rank if r[name].get(key) is not None]
+        return max(values) if values else None
     return {"tokens_per_second": per_gpu * world_size, "tokens_per_second_per_gpu": per_gpu,
-            "step_ms_median": step_s * 1e3, "step_ms_mean_wall": per_rank[0][name]["step_s_mean_wall"] * 1e3,
+            "step_ms_median": step_s * 1e3, "step_ms_p90": max(r[name]["step_s_p90"] for r in per_rank) * 1e3,
+            "step_ms_max": max(r[name]["step_s_max"] for r in per_rank) * 1e3,
+            "step_ms_mean": mine["step_s_mean"] * 1e3, "steps_timed": mine["steps_timed"],
             "mfu": mfu, "mfu_reason": None if mfu is not None else peak_reason,
-            "peak_memory_gb": max(mems) if mems else None, "last_loss": per_rank[0][name]["last_loss"]}
+            "resident_memory_gb": most("resident_memory_gb"), "step_peak_memory_gb": most("step_peak_memory_gb"),
+            "sm_clock_mhz_mean": mine["sm_clock_mhz_mean"], "power_w_mean": mine["power_w_mean"],
+            "power_w_max": mine["power_w_max"], "last_loss": mine["last_loss"]}
 
 
 def fmt_rate(v: float | None) -> str:
@@ -327,19 +490,20 @@ def fmt_pct(v: float | None) -> str:
 
 
 def table(results: list[dict], skipped: list[dict]) -> str:
-    head = ("shape", "mode", "compile", "ac", "ref tok/s", "Stride tok/s", "Stride/ref", "ref MFU", "Stride MFU",
-            "mem GB ref/Stride", "note")
+    head = ("shape", "mode", "compile", "ac", "ref tok/s", "Stride tok/s", "Stride/ref", "Stride/minimal", "ref MFU",
+            "Stride MFU", "p90 ms ref/Stride", "note")
     rows = []
     for r in results:
         s, ref = r["stride"], r["reference"]
-        mem = "-" if s["peak_memory_gb"] is None else f"{ref['peak_memory_gb']:.1f}/{s['peak_memory_gb']:.1f}"
+        minimal = r["stride_over"].get("minimal")
         rows.append((r["shape"], r["mode"], "on" if r["compile"] else "off", "on" if r["ac"] else "off",
-                     fmt_rate(ref["tokens_per_second"]),
-                     fmt_rate(s["tokens_per_second"]), f"{r['stride_over_reference']:.3f}", fmt_pct(ref["mfu"]),
-                     fmt_pct(s["mfu"]), mem, s["mfu_reason"] or ""))
+                     fmt_rate(ref["tokens_per_second"]), fmt_rate(s["tokens_per_second"]),
+                     f"{r['stride_over_reference']:.3f}", "-" if minimal is None else f"{minimal:.3f}",
+                     fmt_pct(ref["mfu"]), fmt_pct(s["mfu"]), f"{ref['step_ms_p90']:.1f}/{s['step_ms_p90']:.1f}",
+                     s["mfu_reason"] or ""))
     for k in skipped:
         rows.append((k["shape"], k["mode"], "on" if k["compile"] else "off", "on" if k["ac"] else "off", "-", "-",
-                     "-", "-", "-", "-", "skipped: " + k["reason"]))
+                     "-", "-", "-", "-", "-", "skipped: " + k["reason"]))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -352,11 +516,53 @@ def goals(results: list[dict], on_gpu: bool) -> list[dict]:
               if r["shape"] == "L" and r["mode"] == "bf16" and r["compile"] and not r["ac"]]
     mfu = l_bf16[0] if l_bf16 else None
     return [
-        {"goal": "Stride tokens/s >= reference at every measured shape and mode", "value": ratio,
+        {"goal": "Stride tokens/s >= the judged reference's at every measured shape and mode", "value": ratio,
          "met": ratio >= 1.0 if on_gpu and ratio is not None else None},
         {"goal": "Stride MFU >= 45% at L, bf16, torch.compile", "value": mfu,
          "met": mfu >= 0.45 if on_gpu and mfu is not None else None},
     ]
+
+
+def write_report(args, results: list[dict], skipped: list[dict], device: torch.device, name: str, world_size: int,
+                 peak_source: str | None, peaks: dict, notes: list[str]) -> Path:
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"gpu-{slug(name)}.json"
+    report = {
+        "benchmark": "benchmarks/gpu.py: Stride train_step vs hand-written PyTorch loops, char_gpt",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": {"type": device.type, "name": name, "world_size": world_size,
+                   "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
+                   if device.type == "cuda" else None},
+        "software": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+        "settings": {"steps_per_turn": args.steps, "reps": args.reps, "warmup": args.warmup,
+                     "allow_tf32": args.allow_tf32, "references": args.reference, "judged_reference": args.reference[0],
+                     "vocab_size": VOCAB_SIZE, "dropout": 0.0, "data": "random tokens generated on the device",
+                     "optimizer": f"AdamW lr {LR} betas {BETAS} weight decay {WEIGHT_DECAY} (2-d parameters only)",
+                     "stride_loop": f"stride.trainers.step.train_step with CharGPTTask's loss, Precision, "
+                                    f"grad_clip_norm {GRAD_CLIP_NORM}, AdamW's kernel by optim.implementation=auto, "
+                                    f"train.compile as per-block compile",
+                     "nanogpt_loop": f"fused AdamW, clip_grad_norm_ {GRAD_CLIP_NORM}, model + loss in one "
+                                     f"torch.compile'd module, the loss read every {NANOGPT_LOSS_EVERY} steps",
+                     "minimal_loop": "autocast forward + cross_entropy, scaler.scale(loss).backward(), scaler.step, "
+                                     "scaler.update, zero_grad(set_to_none=True); foreach AdamW; no clipping",
+                     "timing": "CUDA-event intervals between consecutive steps (wall clock on CPU), loops in turns "
+                               "(ABBA) of steps_per_turn steps, reps turns each; synchronize around each turn; "
+                               "warm-up (and compilation) not timed; p50 (median), p90, max over every timed step",
+                     "tokens_per_second": "global: batch_per_gpu * context * world_size / slowest rank's "
+                                          "median step; MFU per GPU",
+                     "clock_and_power": "sampled every 0.2 s during each loop's turns (NVML via torch.cuda, else "
+                                        "nvidia-smi); null where neither is available",
+                     "memory": "resident: allocated by building and warming the loop; step peak: the most "
+                               "allocated above that during its turns"},
+        "flops_per_token_formula": FLOPS_FORMULA,
+        "peak_flops": {"source": peak_source, "per_dtype": peaks or None},
+        "notes": notes,
+        "results": results,
+        "skipped": skipped,
+        "goals": goals(results, device.type == "cuda"),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -407,7 +613,8 @@ def main(argv: list[str]) -> int:
                     print(f"[gpu.py] {shape_name} {mode} compile={'on' if compiled else 'off'} "
                           f"ac={'on' if ac else 'off'} ...", file=sys.stderr, flush=True)
                 try:
-                    mine = run_pair(shape, mode, compiled, ac, device, args, rank, ddp)
+                    label = f"{shape_name}-{mode}-compile_{'on' if compiled else 'off'}-ac_{'on' if ac else 'off'}"
+                    mine = run_setting(shape, mode, compiled, ac, device, args, rank, ddp, label)
                 except torch.cuda.OutOfMemoryError:
                     if ddp:
                         raise  # the other ranks are inside a collective: stop them all (torchrun does)
@@ -434,41 +641,21 @@ def main(argv: list[str]) -> int:
                          "context": shape[3], "batch_per_gpu": shape[4], "params": mine["params"],
                          "flops_per_token": mine["flops_per_token"], "mode": mode, "compile": compiled, "ac": ac,
                          "peak_flops": peak}
-                entry["reference"] = summarize("reference", per_rank, shape, world_size, peak, why)
                 entry["stride"] = summarize("stride", per_rank, shape, world_size, peak, why)
-                entry["stride_over_reference"] = (entry["stride"]["tokens_per_second"]
-                                                  / entry["reference"]["tokens_per_second"])
+                entry["references"] = {ref: summarize(ref, per_rank, shape, world_size, peak, why)
+                                       for ref in args.reference}
+                entry["stride_over"] = {ref: entry["stride"]["tokens_per_second"] / fig["tokens_per_second"]
+                                        for ref, fig in entry["references"].items()}
+                entry["judged_reference"] = args.reference[0]
+                entry["reference"] = entry["references"][args.reference[0]]
+                entry["stride_over_reference"] = entry["stride_over"][args.reference[0]]
+                if rank == 0:  # what is measured so far survives a run cut short
+                    write_report(args, results + [entry], skipped, device, name, world_size, peak_source, peaks,
+                                 notes)
                 results.append(entry)
 
     if rank == 0:
-        out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"gpu-{slug(name)}.json"
-        report = {
-            "benchmark": "benchmarks/gpu.py: Stride train_step vs a hand-written PyTorch loop, char_gpt",
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": {"type": device.type, "name": name, "world_size": world_size,
-                       "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))
-                       if device.type == "cuda" else None},
-            "software": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-            "settings": {"steps": args.steps, "warmup": args.warmup, "allow_tf32": args.allow_tf32,
-                         "vocab_size": VOCAB_SIZE, "dropout": 0.0, "data": "random tokens generated on the device",
-                         "optimizer": f"AdamW lr {LR} betas {BETAS} weight decay {WEIGHT_DECAY} (2-d parameters only)",
-                         "stride_loop": f"stride.trainers.step.train_step with CharGPTTask's loss, Precision, "
-                                        f"grad_clip_norm {GRAD_CLIP_NORM}",
-                         "reference_loop": "autocast forward + cross_entropy, scaler.scale(loss).backward(), "
-                                           "scaler.step, scaler.update, zero_grad(set_to_none=True); no clipping",
-                         "timing": "median of CUDA-event intervals between timed steps (wall clock on CPU); "
-                                   "torch.cuda.synchronize before and after the timed steps; warm-up not timed",
-                         "tokens_per_second": "global: batch_per_gpu * context * world_size / slowest rank's "
-                                              "median step; MFU per GPU"},
-            "flops_per_token_formula": FLOPS_FORMULA,
-            "peak_flops": {"source": peak_source, "per_dtype": peaks or None},
-            "notes": notes,
-            "results": results,
-            "skipped": skipped,
-            "goals": goals(results, device.type == "cuda"),
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = write_report(args, results, skipped, device, name, world_size, peak_source, peaks, notes)
         print(table(results, skipped))
         print(f"wrote {out}")
     if ddp:

@@ -40,9 +40,11 @@ def load_gpu_py() -> dict:
         sys.path[:] = saved
 
 
-def check_loop(fig: dict) -> None:
+def check_loop(fig: dict, steps_timed: int | None = None) -> None:
     assert fig["tokens_per_second"] > 0 and fig["tokens_per_second_per_gpu"] > 0
-    assert fig["step_ms_median"] > 0
+    assert 0 < fig["step_ms_median"] <= fig["step_ms_p90"] <= fig["step_ms_max"]
+    if steps_timed is not None:  # every turn's steps, pooled
+        assert fig["steps_timed"] == steps_timed
     # MFU is a number, or null with the reason said
     assert (fig["mfu"] is not None and fig["mfu"] > 0 and fig["mfu_reason"] is None) or \
            (fig["mfu"] is None and fig["mfu_reason"])
@@ -52,7 +54,8 @@ def check_loop(fig: dict) -> None:
 def test_cpu_tiny_without_ray_or_pydantic(tmp_path):
     out = tmp_path / "gpu-cpu.json"
     r = run_gpu_py(["--device", "cpu", "--shapes", "tiny", "--modes", "fp32,bf16,fp16", "--compile", "off",
-                    "--steps", "3", "--warmup", "1", "--out", str(out)])
+                    "--steps", "3", "--warmup", "1", "--reps", "2", "--out", str(out), "--profile",
+                    str(tmp_path / "traces")])
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["device"] == {"type": "cpu", "name": "cpu", "world_size": 1, "capability": None}
@@ -67,11 +70,20 @@ def test_cpu_tiny_without_ray_or_pydantic(tmp_path):
     for res in rep["results"]:
         assert (res["layers"], res["width"], res["heads"], res["context"], res["batch_per_gpu"]) == (2, 64, 2, 32, 4)
         assert res["flops_per_token"] > 6 * 100_000  # ~118k parameters
-        check_loop(res["stride"])
-        check_loop(res["reference"])
+        check_loop(res["stride"], steps_timed=6)
+        # nanoGPT's loop is the judged reference; the first figures' minimal loop is measured beside it
+        assert res["judged_reference"] == "nanogpt" and set(res["references"]) == {"nanogpt", "minimal"}
+        assert res["reference"] == res["references"]["nanogpt"]
+        for name, fig in res["references"].items():
+            check_loop(fig, steps_timed=6)
+            ratio = res["stride"]["tokens_per_second"] / fig["tokens_per_second"]
+            assert res["stride_over"][name] == pytest.approx(ratio)
+        assert res["stride_over_reference"] == res["stride_over"]["nanogpt"]
         assert res["stride"]["mfu"] is None and "--peak-flops" in res["stride"]["mfu_reason"]  # no CPU peak known
-        ratio = res["stride"]["tokens_per_second"] / res["reference"]["tokens_per_second"]
-        assert res["stride_over_reference"] == pytest.approx(ratio)
+        assert res["stride"]["sm_clock_mhz_mean"] is None  # no GPU to sample
+        traces = {p.name for p in (tmp_path / "traces").iterdir()}
+        for loop in ("stride", "nanogpt", "minimal"):
+            assert f"tiny-{res['mode']}-compile_off-ac_off-rank0-{loop}.json" in traces
     # goals are judged only on a GPU
     assert [g["met"] for g in rep["goals"]] == [None, None]
     # one table on stdout, a row per measured or skipped combination
@@ -107,7 +119,8 @@ def test_cpu_compile_path(tmp_path):
         (res,) = rep["results"]
         assert res["compile"] is True
         check_loop(res["stride"])
-        check_loop(res["reference"])
+        for fig in res["references"].values():
+            check_loop(fig)
 
 
 def test_bad_option_one_line_exit_2():
@@ -125,6 +138,8 @@ def test_bad_option_one_line_exit_2():
     (["--warmup", "-1"], "--warmup (-1) must be"),
     (["--device", "tpu"], "--device (tpu) must be"),
     (["--peak-flops", "-1"], "--peak-flops (-1) must be"),
+    (["--reps", "0"], "--reps (0) must be"),
+    (["--reference", "llmc"], "--reference (llmc) must be"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_options_in_process(args, says, capsys):
@@ -156,8 +171,11 @@ def test_peak_table_and_slug():
     assert gpu["peak_table"]("NVIDIA H100 80GB HBM3", 5e14)[1] == {k: 5e14 for k in ("bf16", "fp16", "tf32", "fp32")}
     assert gpu["slug"]("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     # MFU = tokens/s per GPU x FLOPs per token / peak; global tokens/s from the slowest rank
-    per_rank = [{"flops_per_token": 1e9, "stride": {"step_s_median": s, "step_s_mean_wall": s, "peak_memory_gb": 1.0,
-                                                    "last_loss": 5.5}} for s in (0.1, 0.2)]
+    per_rank = [{"flops_per_token": 1e9, "stride": {"step_s_median": s, "step_s_p90": s, "step_s_max": s,
+                                                    "step_s_mean": s, "steps_timed": 1, "resident_memory_gb": 1.0,
+                                                    "step_peak_memory_gb": 1.0, "sm_clock_mhz_mean": None,
+                                                    "power_w_mean": None, "power_w_max": None, "last_loss": 5.5}}
+                for s in (0.1, 0.2)]
     fig = gpu["summarize"]("stride", per_rank, (2, 64, 2, 1000, 10), 2, 1e15, None)
     assert fig["tokens_per_second_per_gpu"] == pytest.approx(50_000)
     assert fig["tokens_per_second"] == pytest.approx(100_000)
@@ -178,6 +196,8 @@ def test_gpu_small_bf16(tmp_path):
         return
     (res,) = rep["results"]
     check_loop(res["stride"])
-    check_loop(res["reference"])
-    assert res["stride"]["peak_memory_gb"] > 0 and res["reference"]["peak_memory_gb"] > 0
+    for fig in res["references"].values():
+        check_loop(fig)
+    assert res["stride"]["resident_memory_gb"] > 0 and res["reference"]["resident_memory_gb"] > 0
+    assert res["stride"]["step_peak_memory_gb"] > 0 and res["reference"]["step_peak_memory_gb"] > 0
     assert res["params"] == pytest.approx(10.9e6, rel=0.05)

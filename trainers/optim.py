@@ -19,7 +19,7 @@ from stride.trainers.schedules import SCHEDULES, Schedule
 if TYPE_CHECKING:  # config needs pydantic
     from stride.trainers.config import Config
 
-__all__ = ["build_optimizer", "build_scheduler"]
+__all__ = ["build_optimizer", "build_scheduler", "implementation", "kernel_kwargs"]
 
 
 # optim.name's short names: the class, and the config fields it takes beyond lr (optim.kwargs override them).
@@ -53,6 +53,11 @@ def implementation(name: str, chosen: str, device: torch.device) -> str | None:
         raise ConfigError(f"optim.implementation ({chosen}): optim.name {name} has {has}; use "
                           f"optim.implementation=auto" + (f" or one of {', '.join(offered)}" if offered else ""))
     return chosen
+
+
+def kernel_kwargs(kernel: str | None) -> dict[str, bool]:
+    """The constructor arguments of a torch.optim optimizer that select `kernel` (implementation()'s answer)."""
+    return dict(_KWARGS.get(kernel, {}))
 
 
 def optimizer_class(name: str) -> tuple[type[torch.optim.Optimizer], bool]:
@@ -168,7 +173,7 @@ def build_optimizer(cfg: Config, model: nn.Module, world_size: int, task: Any = 
     defaults = BUILTIN_OPTIMIZERS[o.name][1](o) if builtin else {}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     kernel = implementation(o.name, o.implementation, device)
-    return cls(groups, lr=lr, **{**defaults, **_KWARGS.get(kernel, {}), **o.kwargs})  # optim.kwargs win
+    return cls(groups, lr=lr, **{**defaults, **kernel_kwargs(kernel), **o.kwargs})  # optim.kwargs win
 
 
 def check_optimizer(cfg: Config) -> None:

@@ -152,24 +152,3 @@ def test_what_the_storage_refused_is_said_with_its_fix(error, words):
     """No permission cannot be staged on the suite's S3 server (it accepts any key for any action): the clouds' words
     for it, and for the other refusals, each map to the clause that names the fix."""
     assert words in storage.refusal(Location("s3", "my-bucket", "runs"), error)
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice value here")
-def test_the_storage_threads_yield_the_cpu_to_training_and_training_keeps_its_own():
-    """Uploads and polls run at background priority (a training step comes first on a busy node): fsspec's one
-    request loop, and each thread that calls background_priority; the thread that trains keeps its priority."""
-    import threading
-
-    import fsspec.asyn
-
-    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    storage.filesystem("s3")
-    loop = fsspec.asyn.iothread[0]
-    assert os.getpriority(os.PRIO_PROCESS, loop.native_id) >= storage.BACKGROUND_NICE
-    seen = []
-    worker = threading.Thread(target=lambda: (storage.background_priority(),
-                                              seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))))
-    worker.start()
-    worker.join()
-    assert seen == [max(own, storage.BACKGROUND_NICE)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own

@@ -104,12 +104,6 @@ def with_retries(fn, where: str, attempts: int = 4, first_wait_s: float = 0.5, e
             time.sleep(wait)
 
 
-def _background_priority() -> None:
-    from stride.trainers.run.storage import background_priority
-
-    background_priority()
-
-
 def _errors(e: BaseException) -> list[BaseException]:
     """The ranks' own errors inside DCP's CheckpointException ({rank: (error, traceback)}), else [e]."""
     failures = getattr(e, "failures", None)
@@ -142,9 +136,7 @@ class CheckpointWriter:
         # A run on a bucket (trainers/run/remote.py): the folder is node-local staging, published after the write.
         self.remote, self.sync = remote, sync
         self.keep_last = 1 << 30  # the run sets checkpoint.keep_last (a bucket's retention is the writer's)
-        # A run on a bucket: the uploads (sha256, the requests) run at background priority, after training's step.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stride-checkpoint",
-                                        initializer=_background_priority if remote is not None else None)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stride-checkpoint")
         self._pending: Future | None = None
 
     def save(self, folder: Path, state: dict[str, Any], meta: dict[str, Any]) -> Future:

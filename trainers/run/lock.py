@@ -472,9 +472,6 @@ class ObjectFence(Fence):
     @staticmethod
     def _poll(ref) -> None:
         """Until the fence is lost or gone (a weak reference: a finished Trainer's fence stops polling)."""
-        from stride.trainers.run.storage import background_priority
-
-        background_priority()
         while (fence := ref()) is not None and fence._lost_why is None:
             wait = min(fence.POLL_S, fence.stale_s / 8)
             del fence

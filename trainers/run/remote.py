@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from stride.trainers.run.storage import Location, ObjectStore, background_priority, location_of, with_backoff
+from stride.trainers.run.storage import Location, ObjectStore, location_of, with_backoff
 
 log = logging.getLogger("stride")
 
@@ -126,7 +126,6 @@ class RunRemote:
                 self._pusher.start()
 
     def _push_wanted(self) -> None:
-        background_priority()
         while True:
             with self._push_lock:
                 if not self._wanted:

@@ -388,32 +388,6 @@ class _DroppedConnectionNoise(logging.Filter):
         return not ("never retrieved" in str(context) and type(exc).__module__.startswith("aiohttp"))
 
 
-BACKGROUND_NICE = 10  # the storage's threads (uploads, polls) run at this nice value: a training step comes first
-
-
-def background_priority(thread_id: int | None = None) -> None:
-    """Lower one thread's CPU priority (Linux: the nice value is per thread; `thread_id` None: the calling thread).
-    Uploads and polls yield the CPU to the training step on a busy node and take what it leaves; elsewhere, or where
-    it cannot be set, nothing."""
-    import threading
-
-    try:
-        tid = thread_id if thread_id is not None else threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
-    except (AttributeError, OSError):
-        pass
-
-
-def _storage_loop_in_background() -> None:
-    """fsspec runs every request of s3fs and gcsfs on one event-loop thread of its own: at background priority."""
-    import fsspec.asyn
-
-    fsspec.asyn.get_loop()
-    thread = fsspec.asyn.iothread[0]
-    if thread is not None and thread.native_id is not None:
-        background_priority(thread.native_id)
-
-
 def filesystem(scheme: str):
     """fsspec's filesystem for `scheme`, configured from the environment only. Raises ImportError naming the extra
     to install."""
@@ -429,18 +403,14 @@ def filesystem(scheme: str):
         except ImportError as e:
             raise ImportError(_INSTALL["s3"]) from e
         # botocore reads AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 itself, and its credential chain.
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-        _storage_loop_in_background()
-        return fs
+        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
     try:
         from gcsfs.core import GCSFileSystem  # the core class: gcsfs's default probes gRPC first (60 s per bucket)
     except ImportError as e:
         raise ImportError(_INSTALL["gs"]) from e
     # gcsfs reads STORAGE_EMULATOR_HOST; an emulator takes no credentials.
     token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
-    fs = GCSFileSystem(token=token, skip_instance_cache=True, use_listings_cache=False)
-    _storage_loop_in_background()
-    return fs
+    return GCSFileSystem(token=token, skip_instance_cache=True, use_listings_cache=False)
 
 
 def gcs_client():

@@ -137,8 +137,10 @@ def test_two_workers_on_the_shared_head_train_to_a_gcs_bucket(gcs_server, ray_cl
     staging = tmp_path / "staging"
     run = f"gs://{bucket}/runs/g"
 
-    # The bucket's keys and optim.implementation, rebuilt by the Ray workers from the driver's dict.
-    keys = ("checkpoint.upload=sync", "checkpoint.max_upload_failures=2", "optim.implementation=for_loop")
+    # The bucket's keys, optim.implementation and train.gc_every_steps, rebuilt by the Ray workers from the driver's
+    # dict.
+    keys = ("checkpoint.upload=sync", "checkpoint.max_upload_failures=2", "optim.implementation=for_loop",
+            "train.gc_every_steps=7")
     done = launch.ray(run_args(tabular_data, f"gs://{bucket}/runs", "g", staging, *keys),
                       user_env(gcs_server.child_env(), ray_cluster, tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -146,8 +148,8 @@ def test_two_workers_on_the_shared_head_train_to_a_gcs_bucket(gcs_server, ray_cl
     listed = [p.removeprefix(f"{bucket}/runs/g/") for p in gcs_server.list(run)]
     summary = json.loads(fs.cat_file(f"{bucket}/runs/g/summary.json"))
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["global_step"] == STEPS
-    assert (summary["config"]["checkpoint"]["upload"], summary["config"]["optim"]["implementation"]) == \
-        ("sync", "for_loop")
+    assert (summary["config"]["checkpoint"]["upload"], summary["config"]["optim"]["implementation"],
+            summary["config"]["train"]["gc_every_steps"]) == ("sync", "for_loop", 7)
     # keep_last's newest checkpoints, each with both workers' shards and meta.json, which rank 0 writes last
     newest = sorted({n.split("/")[0] for n in listed if n.startswith("checkpoint_")})[-1]
     assert newest == f"checkpoint_{STEPS:08d}"

@@ -78,3 +78,36 @@ def test_stop_request_posted_by_the_driver_without_a_file(tmp_path):
     posted["request"] = {"status": "interrupted", "signal": 15}
     assert not (tmp_path / ".stride-stop").exists()
     assert stop.requested() and stop.status() == "interrupted" and stop.signal() == 15
+
+
+def test_garbage_collection_is_off_while_training_and_runs_every_n_steps(monkeypatch):
+    """train.gc_every_steps: set-up's objects frozen, no automatic collection, a young-generation collection at the
+    steps that are multiples of N (the same on every rank), and Python's collector as it was afterwards."""
+    import gc
+
+    from stride.trainers.policies import GarbageCollection
+
+    assert gc.isenabled()
+    collected = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(generation))
+    with GarbageCollection(3) as collector:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        collected.clear()  # set-up's full collection, before freezing
+        for step in range(1, 8):
+            collector.step(step)
+        assert collected == [1, 1]  # steps 3 and 6
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+    collected.clear()
+    with GarbageCollection(0) as collector:  # 0: Python's own collection, untouched
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        collector.step(50)
+    assert collected == [] and gc.isenabled()
+
+
+def test_ddp_options_are_bucket_views_and_broadcast_only_buffers_that_exist():
+    from stride.trainers.step import ddp_options
+
+    assert ddp_options(torch.nn.Linear(2, 2)) == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
+    assert ddp_options(torch.nn.BatchNorm1d(2)) == {"gradient_as_bucket_view": True, "broadcast_buffers": True}

@@ -320,6 +320,7 @@ class TrainSection(Section):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
     max_nonfinite_steps: int = Field(5, ge=1, le=MAX_STEPS, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
+    gc_every_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Python's garbage collection while training: automatic collection off (what set-up built is frozen out of it), a young-generation collection every N optimizer steps on every rank, as torchtitan does; 0: Python's automatic collection")
     collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")

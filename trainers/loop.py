@@ -35,7 +35,7 @@ from stride.trainers.run.remote import RunRemote
 from stride.trainers.callbacks import Callbacks, build as build_callbacks
 from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
-from stride.trainers.policies import TRANSFORM_STREAM, Cadence, NonFinitePolicy, Preemption, StopRequest, reseed
+from stride.trainers.policies import TRANSFORM_STREAM, Cadence, GarbageCollection, NonFinitePolicy, Preemption, StopRequest, reseed
 from stride.errors import TrainingError
 from stride.trainers.sinks import Sinks, saved_state
 from stride.trainers.sinks.base import RunInfo
@@ -661,7 +661,8 @@ class Trainer:
         self.restore()
         stream = self.stream = self.open_stream()
         try:
-            with trainer_blocks.compile_errors(self.cfg.train.compile):
+            with trainer_blocks.compile_errors(self.cfg.train.compile), \
+                    GarbageCollection(self.cfg.train.gc_every_steps) as self.collector:
                 return self.train_loop(stream)
         except Exception:
             self.writer.settle()  # the checkpoint being written when the run failed is completed, not torn
@@ -713,6 +714,7 @@ class Trainer:
                     and not self.scaler.is_enabled():  # fp16: skipped steps are the scaler's normal business
                 log.warning(warning)
             clock.steps += 1
+            self.collector.step(s.step)
             sinks.step_done()
             profiler.after_step(s.step, sinks)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from stride.errors import RunFolderError
 from stride.trainers.run.folder import atomic_write_text
+import gc
 import json
 import logging
 import math
@@ -56,6 +57,37 @@ class Cadence:
             eval=self.has_val and (bool(self.eval_every and step % self.eval_every == 0) or (last and not stopping)),
             checkpoint=bool(self.checkpoint_every and step % self.checkpoint_every == 0) or last,
             last=last)
+
+
+class GarbageCollection:
+    """train.gc_every_steps. Python's automatic collection runs when allocations pass a threshold, so its pauses fall
+    on arbitrary steps of arbitrary ranks (a GPU step's mean exceeded its median by 2.6-3.8 ms, benchmarks/README.md),
+    and a rank that pauses holds up the gang at the next collective. Here, as torchtitan does: what set-up built is
+    frozen out of every later collection (gc.freeze: the model, the data's indexes), automatic collection is off
+    while training, and a young-generation collection runs every N steps, at the same step on every rank. 0: Python's
+    own collection, untouched. Everything is as it was after the `with`."""
+
+    def __init__(self, every_steps: int):
+        self.every = every_steps
+        self._was_enabled = gc.isenabled()
+
+    def __enter__(self) -> GarbageCollection:
+        if self.every:
+            self._was_enabled = gc.isenabled()
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        return self
+
+    def step(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.every:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
 
 
 class NonFinitePolicy:

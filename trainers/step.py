@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
-__all__ = ["LossFn", "LossOutput", "Precision", "StepResult", "evaluate", "resolve_precision", "train_step"]
+__all__ = ["LossFn", "LossOutput", "Precision", "StepResult", "ddp_options", "evaluate", "resolve_precision",
+           "train_step"]
 
 # The loss of one micro-batch: Task.loss, or any function of (model, batch) (benchmarks/gpu.py's hand-written one).
 # A scalar mean, or (loss_sum, count) for losses weighted by their terms (tokens) across micro-batches and ranks.
@@ -66,6 +67,16 @@ class Precision:
 
             return ShardedGradScaler(self.device_type, enabled=True)
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == torch.float16)
+
+
+# ---- data parallel ----
+
+def ddp_options(model: nn.Module) -> dict[str, bool]:
+    """DistributedDataParallel's settings for `model`, the same on both launchers (torchrun's DDP, Ray's
+    prepare_model): gradients are views into DDP's all-reduce buckets (no copy of every gradient after each
+    all-reduce, one gradient's memory less), and the buffers are broadcast from rank 0 before every forward only when
+    the model has buffers."""
+    return {"gradient_as_bucket_view": True, "broadcast_buffers": any(True for _ in model.buffers())}
 
 
 # ---- one optimizer step ----

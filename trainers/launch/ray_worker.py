@@ -14,6 +14,7 @@ from stride.trainers.launch import stop_channel
 from stride.trainers.run.remote import RunRemote, replica_on_this_node
 from stride.trainers.config_reader import from_dict
 from stride.trainers.loop import RunPlan, WorkerEnv, run
+from stride.trainers.step import ddp_options
 from stride.trainers.policies import Preemption
 
 
@@ -25,6 +26,13 @@ def preemption_notice() -> Preemption | None:
     if info is None:
         return None
     return Preemption(tuple(info.preempted_node_ids), info.deadline_ms / 1000.0 if info.deadline_ms else None)
+
+
+def prepare_model(model):
+    """Ray Train's DDP wrapping, with the settings torchrun's DDP has (step.ddp_options)."""
+    import ray.train.torch
+
+    return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(model))
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +82,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     env = WorkerEnv.for_gang(
         ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ray.train.torch.get_device(),
-        ray.get_runtime_context().get_node_id(), plan, wrap_model=ray.train.torch.prepare_model, report=report,
+        ray.get_runtime_context().get_node_id(), plan, wrap_model=prepare_model, report=report,
         progress_bar=progress_bar,
         # Prometheus: stride_samples_per_second ... stride_checkpoint_blocked_seconds (trainers/telemetry.py).
         record_metrics=telemetry.Gauges(cfg.run.name, ctx.get_world_rank()).record,

@@ -31,6 +31,7 @@ from stride.trainers.run import lock as runlock
 from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
 from stride.trainers.loop import WorkerEnv, plan_run, run
+from stride.trainers.step import ddp_options
 from stride.trainers.policies import clear_stop_request
 
 
@@ -188,7 +189,8 @@ def train(config: str, overrides: list[str]) -> int:
     run_dir = cfg.run_dir
 
     def ddp(m: torch.nn.Module) -> torch.nn.Module:
-        return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None)
+        return torch.nn.parallel.DistributedDataParallel(m, device_ids=[local_rank] if use_cuda else None,
+                                                         **ddp_options(m))
 
     def report(metrics: dict, written: Future | None) -> None:
         # Every rank writes its shards into run_dir/checkpoint_<step> in the background; rank 0 prunes the old ones

@@ -32,6 +32,7 @@ from stride.trainers.config_reader import load_config
 from stride.trainers.launch.checks import prepare
 from stride.trainers.loop import WorkerEnv, plan_run, run
 from stride.trainers.step import ddp_options
+from stride.trainers.run.storage import import_library, location_of
 from stride.trainers.policies import clear_stop_request
 
 
@@ -120,6 +121,8 @@ def take_run_lock(cfg, task, rank: int, world_size: int) -> tuple[runlock.RunLoc
             outcome = ("held", lock.token)
         except UsageError as e:
             refusal, outcome = e, ("refused", str(e))
+    elif (location := location_of(cfg.run.storage_path)) is not None:
+        import_library(location.scheme)  # while rank 0 takes the lock: off this rank's way to its first step
     if world_size > 1:
         box = [outcome]
         dist.broadcast_object_list(box, src=0)

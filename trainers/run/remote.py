@@ -76,6 +76,7 @@ class RunRemote:
         self._ranged: dict[str, Any] = {}  # open_ranged's files, by object name
         self._pusher: threading.Thread | None = None
         self._hurry = threading.Event()  # flush(): the pusher skips its gap
+        self._metas: dict[str, bytes] = {}  # meta.json of the checkpoints newest_complete() found complete
 
     @classmethod
     def of(cls, cfg) -> RunRemote | None:
@@ -223,14 +224,16 @@ class RunRemote:
         for name in sorted(names, reverse=True):  # checkpoint_<step, 8 digits>: by name is by step
             if f"{name}/{META}" not in listed:
                 continue
+            raw = self.store.read(f"{name}/{META}")
             try:
-                meta = json.loads(self.store.read(f"{name}/{META}") or b"null")
+                meta = json.loads(raw or b"null")
                 files = meta["files"]
                 step = meta["step"]
             except (ValueError, TypeError, KeyError):
                 continue
             if isinstance(files, dict) and all(listed.get(f"{name}/{f}") == (w or {}).get("bytes")
                                                for f, w in files.items()):
+                self._metas[name] = raw  # fetch() writes these bytes instead of reading them again
                 yield step, name
 
     def fetch(self, folder_name: str, dest_root: Path, only: tuple[str, ...] | None = None,
@@ -247,7 +250,10 @@ class RunRemote:
         names = sorted(n for n in listed if n.startswith(folder_name + "/")
                        and (only is None or n.rsplit("/", 1)[1] in only))
         for n in [n for n in names if not n.endswith("/" + META)] + [n for n in names if n.endswith("/" + META)]:
-            self.store.download(n, dest / posixpath.basename(n))
+            if n == f"{folder_name}/{META}" and folder_name in self._metas:
+                (dest / META).write_bytes(self._metas[folder_name])
+            else:
+                self.store.download(n, dest / posixpath.basename(n))
         return dest
 
     def resume_copy(self, rank: int) -> Path | None:

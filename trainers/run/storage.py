@@ -388,6 +388,18 @@ class _DroppedConnectionNoise(logging.Filter):
         return not ("never retrieved" in str(context) and type(exc).__module__.startswith("aiohttp"))
 
 
+def import_library(scheme: str) -> None:
+    """Import the storage library of `scheme` now (s3fs and aiobotocore take ~0.5 s of CPU): for a process that
+    would otherwise wait idle first and import it on the way to its first step. Nothing when it is not installed
+    (filesystem() says so when it is needed)."""
+    import importlib
+
+    try:
+        importlib.import_module("s3fs" if scheme == "s3" else "gcsfs.core")
+    except ImportError:
+        pass
+
+
 def filesystem(scheme: str):
     """fsspec's filesystem for `scheme`, configured from the environment only. Raises ImportError naming the extra
     to install."""

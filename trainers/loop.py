@@ -290,6 +290,10 @@ class Trainer:
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
+        # The stop agreement of every step, on the host (StopRequest): another gloo group, as the writer's
+        # collectives run on theirs from its own thread.
+        self.control_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
+                              else None)
         self.writer = checkpointing.CheckpointWriter(env.world_rank, self.checkpoint_group, self.written,
                                                      fence=self.fence.still_holds, remote=self.remote,
                                                      sync=cfg.checkpoint.upload == "sync")
@@ -675,7 +679,8 @@ class Trainer:
         sinks = self.sinks = self.open_sinks()
         cfg, env, s = self.cfg, self.env, self.state
         sample_log = _open_sample_log(self.plan.sample_log, env.world_rank)
-        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted, env.stop_requested)
+        stop = self.stop = StopRequest(self.run_dir, env.device, env.world_size, env.preempted, env.stop_requested,
+                                       group=self.control_group)
         stop.install()
         callbacks = self.callbacks
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,

@@ -172,7 +172,9 @@ class StopRequest:
     """Interrupts and preemption: a stop file in the run folder (written by the driver's signal handler, or by
     anyone), a signal to this process, a callback's request, or the runtime's notice that a node of the gang will be
     preempted (`preempted`: WorkerEnv.preempted). Checked at every step boundary and agreed on by all ranks with one
-    tiny all-reduce, so either every rank stops at the same step or none does.
+    tiny all-reduce, so either every rank stops at the same step or none does. The all-reduce runs on `group`, a gloo
+    group of the host (None: the default group): on GPUs it never waits for the device's queued step, so checking
+    every step costs the GPU nothing and a stop is still agreed at the step it was asked at.
 
     A stop ends the run after its checkpoint. A preemption does not: after its checkpoint the workers wait
     (wait_out_preemption) for the runtime to end the gang at the deadline and start it again from that checkpoint,
@@ -180,8 +182,9 @@ class StopRequest:
 
     def __init__(self, run_dir: Path, device: torch.device, world_size: int,
                  preempted: Callable[[], Preemption | None] | None = None,
-                 posted: Callable[[], dict[str, Any] | None] | None = None):
+                 posted: Callable[[], dict[str, Any] | None] | None = None, group=None):
         self.path = Path(run_dir) / STOP_FILE
+        self.group = group
         self.posted = posted  # the driver's request by another way than the file (Ray's stop channel)
         self.device, self.world_size = device, world_size
         self.local: dict[str, Any] | None = None
@@ -227,8 +230,9 @@ class StopRequest:
         flags = [1.0 if (self.local is not None or self._driver_request()) else 0.0, 1.0 if notice else 0.0,
                  -notice.deadline_s if notice and notice.deadline_s is not None else -math.inf]
         if self.world_size > 1:
-            t = torch.tensor(flags, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            on = "cpu" if self.group is not None or self.device.type != "cuda" else self.device
+            t = torch.tensor(flags, dtype=torch.float64, device=on)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
             flags = t.tolist()
         stop, preempted, deadline = flags
         if not stop and preempted:

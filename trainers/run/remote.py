@@ -221,6 +221,8 @@ class RunRemote:
         """complete()'s checkpoints in `listed` (a listing of the run), newest first, each meta.json read only when
         the caller asks for the next one: a resume reads one, not every kept checkpoint's."""
         names = {n.split("/", 1)[0] for n in listed if n.startswith(CHECKPOINT_PREFIX) and "/" in n}
+        # Only checkpoints still in the bucket: prune() calls this after every checkpoint of a long run.
+        self._metas = {n: raw for n, raw in self._metas.items() if n in names}
         for name in sorted(names, reverse=True):  # checkpoint_<step, 8 digits>: by name is by step
             if f"{name}/{META}" not in listed:
                 continue

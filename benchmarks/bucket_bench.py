@@ -19,8 +19,11 @@ makes bucket_checkpoint_blocked_ratio (the checkpoint_blocked_s of a run's log l
 (the median step_time_s past WARMUP) and bucket_resume_ratio (first step of the resume) of them, a sample per
 repetition: the bucket's over the folder's.
 
-The server runs on this machine's CPUs beside the ranks: its work (receiving and storing the uploads, in memory) is
-counted in the bucket's figures here, and no network is.
+The server runs on this machine's 2 CPUs beside the ranks, at nice 19 (SERVER_NICE): on a cluster the bucket's work
+(receiving, checksumming and storing the uploads) is done on other machines and costs the training host nothing, so
+here it runs on the CPU time the ranks leave idle. At nice 0 its ~55 ms of CPU per 12 MB shard was taken from the
+ranks' steps (bucket_step_time_ratio 1.020 at 31ba7de, against ~0.97-0.99 at nice 19). The client's work (hashing,
+signing and sending every request, in the ranks' own processes) is counted in full; no network is.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ STEPS, CKPT_EVERY, LOG_EVERY, WARMUP, RESUME_STEPS = 120, 30, 5, 10, 4
 SMOKE = {"steps": 40, "ckpt_every": 10}
 BUCKET = "bench"
 VARIANTS = ("folder", "bucket")
+SERVER_NICE = 19  # the server takes the CPU the ranks leave: on a cluster, the bucket is not on their host
 
 
 def s3_server_module():
@@ -141,6 +145,7 @@ def measure(reps: int = 5, smoke: bool = False, timeout_s: int = 600) -> dict:
         run_checked([PY, "datasets/prepare.py", "tabular", "--out", str(data), "--rows", str(ROWS)],
                     dict(os.environ), 300, "bucket_bench")
         s3.start()
+        os.setpriority(os.PRIO_PROCESS, s3.pid, SERVER_NICE)  # before its first request: its threads inherit it
         s3.create_bucket(BUCKET)
         env = s3.child_env(clean_env())  # both variants: only run.storage_path differs
         runs = []

@@ -13,8 +13,8 @@ on the same weights and random on-device data, and times them in turn:
 
 - stride: `stride.trainers.step.train_step` with `Precision` and its GradScaler, exactly what the Ray and torchrun
   loops call, with the char_gpt task's loss (CharGPTTask.loss, copied: the task module needs pydantic), AdamW with
-  the kernel `optim.implementation=auto` picks (fused on CUDA), clipping at 1.0; compile on is `train.compile`
-  (stride.trainers.blocks.compile_blocks: each block's forward, before DDP);
+  the kernel `optim.implementation=auto` picks (fused on CUDA), clipping at 1.0; compile on is `train.compile=auto` without FSDP
+  (stride.trainers.blocks.compile_loss: the task's loss with the model in it, one function, after DDP wraps it);
 - nanogpt (the judged reference, `--reference`): what a nanoGPT user writes: fused AdamW, clipping at 1.0, the
   whole model and the loss in one torch.compile'd module (compile on), the loss read on the host every 10 steps;
 - minimal: autocast forward, cross-entropy, `scaler.scale(loss).backward()`, `scaler.step`, `zero_grad`, foreach
@@ -241,13 +241,13 @@ def build_loop(loop: str, shape: tuple[int, ...], mode: str, compiled: bool, ac:
     amp_dtype = precision.dtype
     if loop == "stride":
         optimizer = adamw(raw, **kernel_kwargs(implementation("adamw", "auto", device)))
-        if compiled:  # train.compile: Stride's per-block compile, before DDP wraps the model
-            blocks.compile_blocks(raw, list(raw.blocks), "default")
         model, scaler = wrap_ddp(raw, device, ddp), precision.grad_scaler()
+        # train.compile=auto under DDP (=model): the task's loss with the model in it, one function, after DDP wraps
+        loss_fn = blocks.compile_loss(char_gpt_loss, "default") if compiled else char_gpt_loss
 
         def step(x, y):
             batch = {"inputs": x, "targets": y}
-            return train_step(char_gpt_loss, model, optimizer, scaler, precision, [batch], GRAD_CLIP_NORM).loss
+            return train_step(loss_fn, model, optimizer, scaler, precision, [batch], GRAD_CLIP_NORM).loss
         return raw, step
     scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype or torch.float32,

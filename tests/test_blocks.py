@@ -46,6 +46,18 @@ def test_both_switches_leave_the_models_names_and_outputs_alone():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("setting,strategy,scope", [
+    ("auto", "ddp", "model"), ("auto", "fsdp", "blocks"), (True, "ddp", "model"), (True, "fsdp", "blocks"),
+    (False, "ddp", "off"), ("model", "fsdp", "model"), ("blocks", "ddp", "blocks"), ("off", "fsdp", "off")])
+def test_compile_auto_compiles_the_model_with_its_loss_except_under_fsdp(setting, strategy, scope):
+    """train.compile=auto: one graph of the model and the loss, but per block under FSDP (its all-gathers run
+    between the blocks); true and false, the switch of earlier configs, read as auto and off."""
+    from stride.trainers.config import TrainSection
+
+    t = TrainSection(compile=setting, strategy=strategy)
+    assert t.compile_scope == scope and t.compile in ("auto", "model", "blocks", "off")
+
+
 @pytest.mark.slow
 def test_a_compile_failure_names_the_setting_to_turn_off(tmp_path, tabular_data):
     """No usable C++ compiler for inductor: the run fails (exit 1) with one line naming train.compile, not a
@@ -56,6 +68,6 @@ def test_a_compile_failure_names_the_setting_to_turn_off(tmp_path, tabular_data)
                 timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     err = r.stderr.strip().splitlines()
-    assert err[-1].startswith("stride: error: train.compile=true failed (") and "set train.compile=false" in err[-1]
+    assert err[-1].startswith("stride: error: train.compile=auto failed (") and "set train.compile=off" in err[-1]
     assert not any(ln.startswith("Traceback") for ln in err), r.stderr[-3000:]
     assert os.environ.get("CXX") != env["CXX"]  # the test's environment only

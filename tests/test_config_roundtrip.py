@@ -43,7 +43,7 @@ ONE_SOURCE = {
               "epochs": None, "precision": "fp32", "eval_every_steps": 10, "log_every_steps": 5, "deterministic": True,
               "num_threads": 1, "nonfinite": "stop", "max_nonfinite_steps": 2, "gc_every_steps": 10,
               "collective_timeout_s": 60.0,
-              "peak_flops": 1e12, "profile_steps": [2, 3], "strategy": "fsdp", "compile": True,
+              "peak_flops": 1e12, "profile_steps": [2, 3], "strategy": "fsdp", "compile": "model",
               "compile_mode": "max-autotune", "activation_checkpointing": True, "activation_checkpointing_every": 2},
     "scaling": {"num_workers": 4, "use_gpu": False, "cpus_per_worker": 0.5, "max_failures": 2, "preflight": True,
                 "resize_check_s": 5.0},

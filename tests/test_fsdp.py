@@ -90,7 +90,7 @@ def runs(tmp_path_factory, small_text, tabular_data):
     # warm cache could hold kernels from another run). Inductor reads TORCHINDUCTOR_CACHE_DIR whenever it resolves
     # its cache folder, so set for this case alone it takes effect; the case is last, after no other compiled one.
     inductor = storage / "inductor"
-    cases.append(case("compiled", "compiled", 10, "train.strategy=fsdp", "train.compile=true",
+    cases.append(case("compiled", "compiled", 10, "train.strategy=fsdp", "train.compile=auto",
                       "train.activation_checkpointing=true", "train.activation_checkpointing_every=2",
                       env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)}))
     results = tmp_path_factory.mktemp("torchrun_cases")
@@ -274,7 +274,7 @@ def test_activation_checkpointing_under_fsdp_gives_bitwise_the_same_losses(runs)
 
 @pytest.mark.slow
 def test_compiled_blocks_under_fsdp_train_like_eager(runs):
-    """train.compile=true (inductor on CPU) with every other block checkpointed: the eager FSDP run's first 10 steps
+    """train.compile=auto (blocks under FSDP; inductor on CPU) with every other block checkpointed: the eager FSDP run's first 10 steps
     (the schedule depends on the step only) up to the float rounding of fused kernels, and checkpoints with the same
     tensor names (a compiled run's checkpoint is any run's)."""
     # Both switches reached the model (2 blocks compiled, 1 of 2 checkpointed) and inductor generated code for this

@@ -198,7 +198,7 @@ def torchrun_runs(project, tmp_path_factory):
     common = ["--config", "signal.yaml", f"run.storage_path={storage}", *OVERLAY, "train.log_every_steps=1"]
     short = ["train.max_steps=10", "train.eval_every_steps=10"]
     cases = {"ddp": [], "fsdp": ["train.strategy=fsdp"], "ddp_ac": ["train.activation_checkpointing=true"],
-             "compiled": ["train.compile=true", "train.activation_checkpointing=true"],
+             "compiled": ["train.compile=model", "train.activation_checkpointing=true"],
              "bf16": ["train.precision=bf16", *short], "fp16": ["train.precision=fp16", *short],
              "elastic": [*ELASTIC, "train.batch_size_per_worker=64", "train.max_steps=10"]}
     env = {"elastic": {"STRIDE_SAMPLE_LOG": str(storage / "samples")}}
@@ -300,13 +300,13 @@ def test_activation_checkpointing_of_the_users_blocks_under_ddp_is_bitwise_neutr
 
 @pytest.mark.slow
 def test_compile_and_activation_checkpointing_of_the_users_blocks_train_like_eager(torchrun_runs):
-    """2 DDP processes with train.compile=true and activation checkpointing on the user's task: both are applied to
-    its 3 blocks, and the training is torchrun's eager DDP run, up to the rounding of inductor's fused kernels. (The
-    loop's guarantee: the Ray launcher runs the same loop.)"""
+    """2 DDP processes with train.compile=model and activation checkpointing on the user's task: the model and the
+    loss compile as one function around its 3 checkpointed blocks, and the training is torchrun's eager DDP run, up to
+    the rounding of inductor's fused kernels. (The loop's guarantee: the Ray launcher runs the same loop.)"""
     (run, out), (ddp_run, _) = case_run(torchrun_runs, "compiled"), case_run(torchrun_runs, "ddp")
     assert "torch.compile (mode default)" in out and "activation checkpointing: 3 of 3 blocks" in out, out[-3000:]
     s = summary(run)
-    assert s["compiled_modules"] == 3 and s["activation_checkpointed_blocks"] == 3, s
+    assert s["compiled_modules"] == 1 and s["activation_checkpointed_blocks"] == 3, s
     got, eager = train_losses(run), train_losses(ddp_run)
     assert sorted(got) == sorted(eager) == list(range(1, 41))
     for step in eager:

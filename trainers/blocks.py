@@ -1,6 +1,8 @@
 """What the loop does to a task's repeated blocks (Task.blocks, the units FSDP shards): activation checkpointing and
 torch.compile. Applied in torchtitan's order, before FSDP wraps them: checkpointing, then compile, then fully_shard.
 
+train.compile=model compiles the task's loss with the model in it instead (compile_loss), after DDP wraps it.
+
 Both change how a block runs, never its parameters or their names, so checkpoints, export and resharding see the same
 model with either switch on or off.
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -18,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stride.errors import TrainingError
 
-__all__ = ["checkpoint_activations", "compile_blocks"]
+__all__ = ["checkpoint_activations", "compile_blocks", "compile_loss"]
 
 
 def checkpoint_activations(blocks: list[nn.Module], every: int = 1) -> int:
@@ -50,11 +53,19 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:
     return len(targets)
 
 
+def compile_loss(loss_fn: Callable, mode: str) -> Callable:
+    """train.compile=model: `loss_fn(model, batch)` (Task.loss) as one compiled function, so the embedding, every
+    block, the head and the loss are one graph with one set of guards (nanoGPT compiles its model with the loss in
+    it). Called with the DDP-wrapped model, dynamo splits the graph at DDP's buckets (its DDPOptimizer), so the
+    all-reduces still overlap the backward."""
+    return torch.compile(loss_fn, mode=None if mode == "default" else mode)
+
+
 @contextmanager
-def compile_errors(enabled: bool):
+def compile_errors(setting: str):
     """A failure inside torch.compile (no C++ compiler for inductor on CPU, an op it cannot trace) becomes one line
     naming the setting to turn off."""
-    if not enabled:
+    if setting == "off":
         yield
         return
     from torch._dynamo.exc import TorchDynamoException
@@ -63,5 +74,5 @@ def compile_errors(enabled: bool):
         yield
     except TorchDynamoException as e:
         reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
-        raise TrainingError(f"train.compile=true failed ({type(e).__name__}: {reason}); set train.compile=false, or "
+        raise TrainingError(f"train.compile={setting} failed ({type(e).__name__}: {reason}); set train.compile=off, or "
                             f"another train.compile_mode") from None

@@ -326,11 +326,23 @@ class TrainSection(Section):
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
                                                                  "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2)")
-    compile: bool = Field(False, description="torch.compile the task's repeated blocks (or the whole model) for training and evaluation (inductor)")
+    compile: Literal["auto", "model", "blocks", "off"] = Field("off", description="torch.compile for training and evaluation (inductor): model: the model and the task's loss in one graph, compiled after DDP wraps the model; blocks: each of the task's repeated blocks (or the whole model's forward when it names none), before FSDP wraps them; auto: blocks under train.strategy=fsdp, else model; off. true and false read as auto and off")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile's mode with train.compile=true (reduce-overhead: CUDA graphs, GPU only)")
+        "default", description="torch.compile's mode with train.compile on (reduce-overhead: CUDA graphs, GPU only)")
     activation_checkpointing: bool = Field(False, description="Recompute the activations of the task's repeated blocks in the backward pass: less memory, more compute")
     activation_checkpointing_every: int = Field(1, ge=1, description="With activation_checkpointing: every k-th block (1: all of them)")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, v: Any) -> Any:
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @property
+    def compile_scope(self) -> str:
+        """What train.compile compiles: "model", "blocks" or "off" (auto resolved for train.strategy)."""
+        if self.compile == "auto":
+            return "blocks" if self.strategy == "fsdp" else "model"
+        return self.compile
 
     @field_validator("profile_steps")
     @classmethod

@@ -389,11 +389,23 @@ class Trainer:
                 blocks, t.activation_checkpointing_every)
             if self.rank0:
                 log.info("activation checkpointing: %d of %d blocks recompute their activations", n, len(blocks))
-        if t.compile:
+        if t.compile_scope == "blocks":
             n = self.block_settings["compiled_modules"] = trainer_blocks.compile_blocks(model, blocks, t.compile_mode)
             if self.rank0:
                 log.info("torch.compile (mode %s): %d module(s); compiled at the first training and evaluation "
                          "forwards", t.compile_mode, n)
+
+    def compile_loss(self) -> None:
+        """train.compile=model: the task's loss and the (wrapped) model it calls, one compiled function, for training
+        and evaluation. After DDP wraps the model, so dynamo sees DDP and splits the graph at its buckets."""
+        self.loss_fn = self.task.loss
+        if self.cfg.train.compile_scope != "model":
+            return
+        self.loss_fn = trainer_blocks.compile_loss(self.task.loss, self.cfg.train.compile_mode)
+        self.block_settings["compiled_modules"] = 1
+        if self.rank0:
+            log.info("torch.compile (mode %s): the model and the task's loss in one graph; compiled at the first "
+                     "training and evaluation forwards", self.cfg.train.compile_mode)
 
     # ---- restore: the newest complete checkpoint, at any world size and either strategy ----
 
@@ -404,6 +416,7 @@ class Trainer:
         if not self.sharded:  # DDP (Ray: prepare_model; torchrun: DistributedDataParallel); FSDP sharded in setup
             self.model = self.env.wrap_model(self.model)
         self.raw_model = getattr(self.model, "module", self.model)
+        self.compile_loss()
         if self.remote is not None:
             self.remote.drop_resume_copy(self.env.world_rank)  # everything is loaded: staging holds no checkpoint
 
@@ -548,7 +561,7 @@ class Trainer:
     def step(self, batches: list[dict[str, torch.Tensor]]) -> StepResult:
         self.unfreeze()
         try:
-            result = train_step(self.task.loss, self.model, self.optimizer, self.scaler, self.precision, batches,
+            result = train_step(self.loss_fn, self.model, self.optimizer, self.scaler, self.precision, batches,
                                 self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe)
         except torch.OutOfMemoryError:
             raise TrainingError(
@@ -577,7 +590,7 @@ class Trainer:
     def evaluate_weights(self) -> dict[str, float]:
         self.task.training = False
         out = evaluate(self.task, self.model, self.precision, self._eval_batches(), self.env.device,
-                       tuple(src.name for src in self.plan.val.sources))
+                       tuple(src.name for src in self.plan.val.sources), self.loss_fn)
         if self.sharded:
             fsdp.reshard(self.model)  # a forward without backward leaves the root unsharded
         return out

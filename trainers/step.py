@@ -288,20 +288,22 @@ def _means(reduced: list[float], names: list[str], summed: bool | None, suffix: 
 
 @torch.no_grad()
 def evaluate(task, model: nn.Module, precision: Precision, batches, device: torch.device,
-             groups: tuple[str, ...] = ()) -> dict[str, float]:
+             groups: tuple[str, ...] = (), loss_fn: LossFn | None = None) -> dict[str, float]:
     """val_loss (task.loss) and val_<name> (task.metrics, per sample) over this rank's rows, then summed across
     ranks so every rank returns the mean over every validation sample; a task.loss returning (loss_sum, count)
     gives the mean over every term (token) instead. `batches` yields (batch, rows) or (batch, rows, group): a batch
     with 0 rows only keeps the ranks' forwards in step (FSDP all-gathers in every forward) and counts for nothing.
     With `groups` (data.val's sources), each batch's group also gets its own means, val_loss/<group> and
-    val_<name>/<group>, reduced in the same all-reduce."""
+    val_<name>/<group>, reduced in the same all-reduce. `loss_fn`: the task's loss as training runs it (compiled with
+    train.compile=model), task.loss by default."""
+    loss_fn = loss_fn or task.loss
     was_training = model.training
     model.eval()
     total, parts = _EvalSums(), [_EvalSums() for _ in groups]
     summed: bool | None = None
     for batch, n, *group in batches:
         with precision.autocast():
-            loss, count = split_loss(task.loss(model, batch), summed)
+            loss, count = split_loss(loss_fn(model, batch), summed)
             per_sample = task.metrics(model, batch)
         summed = count is not None
         total.add(loss, count, n, per_sample)

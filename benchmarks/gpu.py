@@ -106,6 +106,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s per GPU for MFU, all modes (default: table)")
     p.add_argument("--allow-tf32", action="store_true", help="let fp32 matmuls use TF32 (MFU then against the TF32 peak)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-<device>.json)")
+    p.add_argument("--sync-check", action="store_true",
+                   help="first, Stride's step (eager, fused AdamW) under torch.cuda.set_sync_debug_mode('error') in "
+                        "every mode: host syncs between log steps, recorded in the JSON's notes")
     a = p.parse_args(argv)
 
     if a.device not in ("cuda", "cpu"):
@@ -565,6 +568,30 @@ def write_report(args, results: list[dict], skipped: list[dict], device: torch.d
     return out
 
 
+def sync_check(modes: list[str], device: torch.device, ddp: bool) -> list[str]:
+    """Stride's step between log steps may not wait for the GPU (issue 45): 3 steps of each mode under
+    torch.cuda.set_sync_debug_mode("error"), after 2 untimed ones. One note per mode."""
+    notes = []
+    for mode in modes:
+        _, step = build_loop("stride", SHAPES["tiny"], mode, False, False, device, ddp)
+        batches = random_batches(SHAPES["tiny"], device, seed=0)
+        for x, y in batches[:2]:
+            step(x, y)
+        torch.cuda.synchronize(device)
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            for x, y in batches[:3]:
+                step(x, y)
+            verdict = "0 host syncs"
+        except RuntimeError as e:
+            verdict = f"a host sync: {str(e).splitlines()[0][:200]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        notes.append(f"sync check, {mode}: {verdict} in 3 of Stride's steps (eager, fused AdamW, clipping; "
+                     f"torch.cuda.set_sync_debug_mode('error'))")
+    return notes
+
+
 def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -598,6 +625,9 @@ def main(argv: list[str]) -> int:
     if compile_reason:
         notes.append(f"torch.compile skipped: {compile_reason}")
 
+    if args.sync_check and device.type == "cuda":
+        notes += sync_check(args.modes, device, ddp)
+        print("\n".join(notes[-len(args.modes):]), file=sys.stderr, flush=True)
     results, skipped = [], []
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]

@@ -96,6 +96,8 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     import re
 
     import stride.trainers.loop as loop
+    import torch
+
     from stride.trainers.step import StepResult
 
     real = loop.train_step
@@ -104,7 +106,8 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     def nan_after_12(*a, **k):
         calls["n"] += 1
         r = real(*a, **k)
-        return r if calls["n"] <= 12 else StepResult(float("nan"), float("nan"), False)
+        return r if calls["n"] <= 12 else StepResult(torch.tensor(float("nan")), torch.tensor(float("nan")),
+                                                      torch.tensor(False))
 
     monkeypatch.setattr(loop, "train_step", nan_after_12)
     capsys.readouterr()

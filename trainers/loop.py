@@ -636,9 +636,16 @@ class Trainer:
         self.fence.still_holds()  # save() clears a torn folder of this step on rank 0 before its background write
         return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step), state, meta)
 
+    def settle(self, nonfinite: NonFinitePolicy) -> None:
+        """The steps since the last read, read and judged (NonFinitePolicy.settle); fp16's skipped steps are the
+        GradScaler's normal business, not warned about."""
+        for warning in nonfinite.settle():
+            if self.rank0 and not self.scaler.is_enabled():
+                log.warning(warning)
+
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
-    def log_figures(self, result: StepResult, clock: telemetry.StepClock, since: tuple[float, int],
+    def log_figures(self, loss: float, clock: telemetry.StepClock, since: tuple[float, int],
                     padding=None) -> tuple[dict, dict]:
         now, s, A = time.perf_counter(), self.state, self.cfg.train.grad_accum_steps
         own = clock.figures()
@@ -648,7 +655,7 @@ class Trainer:
             own["gpu_memory_bytes"] = float(torch.cuda.max_memory_allocated(self.env.device))
             torch.cuda.reset_peak_memory_stats(self.env.device)
         keys = ("step_time_s", "data_wait_s", "data_wait_fraction", *(("padding_fraction",) if padding is not None else ()))
-        mean = all_reduce_mean_many([result.loss, *(own[k] for k in keys)], self.env.device)
+        mean = all_reduce_mean_many([loss, *(own[k] for k in keys)], self.env.device)
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
         lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
         metrics = {"train_loss": mean[0], **lrs,
@@ -713,7 +720,7 @@ class Trainer:
 
         def log_train(metrics: dict[str, Any]) -> None:  # the step's training figures, averaged over ranks
             nonlocal since, last_train
-            train, own = self.log_figures(result, clock, since, stream.padding)
+            train, own = self.log_figures(nonfinite.loss, clock, since, stream.padding)
             since = (time.perf_counter(), s.samples_seen)
             metrics.update(train)
             eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)
@@ -728,9 +735,7 @@ class Trainer:
             reseed(cfg.run.seed, env.world_rank, s.step)  # dropout: a function of the step
             result = self.step(batches)
             callbacks.optimizer_step()  # train.ema's update
-            if (warning := nonfinite.observe(s.step, result.finite, result.loss, result.grad_norm)) and self.rank0 \
-                    and not self.scaler.is_enabled():  # fp16: skipped steps are the scaler's normal business
-                log.warning(warning)
+            nonfinite.defer(s.step, result)  # read at the next log, evaluation or checkpoint step: no wait per step
             clock.steps += 1
             self.collector.step(s.step)
             sinks.step_done()
@@ -739,6 +744,8 @@ class Trainer:
             metrics: dict[str, Any] = {"step": s.step, "epoch": self.stream.position(s.micro_step)[0],
                                        "samples_seen": s.samples_seen}
             due = cadence.due(s.step)
+            if due.any:
+                self.settle(nonfinite)
             if self.rank0 and (due.log or due.eval):  # before the sinks write: one file read per log step
                 self.fence.still_holds()
             if due.log:
@@ -759,6 +766,7 @@ class Trainer:
                 elif self.rank0:
                     log.warning("%s: checkpointing at step %d", stop.preemption.describe(), s.step)
                 if not due.log:  # a stop always logs
+                    self.settle(nonfinite)
                     if self.rank0:
                         self.fence.still_holds()
                     log_train(metrics)

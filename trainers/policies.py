@@ -96,6 +96,28 @@ class NonFinitePolicy:
 
     def __init__(self, mode: str, limit: int):
         self.mode, self.limit, self.in_a_row = mode, limit, 0
+        self.pending: list[tuple[int, Any]] = []  # (step, StepResult) not read yet
+        self.loss: float = math.nan  # the newest read step's loss
+
+    def defer(self, step: int, result) -> None:
+        """A step's result (trainers/step.py StepResult, on the device), judged at the next `settle`."""
+        self.pending.append((step, result))
+
+    def settle(self) -> list[str]:
+        """Read the deferred steps' figures in one device-to-host copy and judge them in order, as if each had been
+        read at its own step: the warnings to log, or the TrainingError of the step that ends the run. The loop
+        settles at log, evaluation and checkpoint steps only, so a GPU is never made to wait in between; a run that
+        must stop does so at the next of those (its non-finite steps were skipped on the device meanwhile, and no
+        checkpoint is written before it stops)."""
+        from stride.trainers.step import read_many
+
+        pending, self.pending = self.pending, []
+        warnings = []
+        for (step, _), (loss, grad_norm, finite) in zip(pending, read_many([r for _, r in pending])):
+            self.loss = loss
+            if (warning := self.observe(step, finite, loss, grad_norm)) is not None:
+                warnings.append(warning)
+        return warnings
 
     def observe(self, step: int, finite: bool, loss: float, grad_norm: float | None) -> str | None:
         """None after a finite step; the warning to log after a skipped one; raises when the run must stop."""

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # The public names (benchmarks/ and users import only these; tests/test_bench_imports.py checks benchmarks/).
-__all__ = ["LossFn", "LossOutput", "Precision", "StepResult", "ddp_options", "evaluate", "resolve_precision",
-           "train_step"]
+__all__ = ["LossFn", "LossOutput", "Precision", "StepResult", "ddp_options", "evaluate", "read_many",
+           "resolve_precision", "skip_nonfinite_step", "train_step"]
 
 # The loss of one micro-batch: Task.loss, or any function of (model, batch) (benchmarks/gpu.py's hand-written one).
 # A scalar mean, or (loss_sum, count) for losses weighted by their terms (tokens) across micro-batches and ranks.
@@ -83,12 +83,29 @@ def ddp_options(model: nn.Module) -> dict[str, bool]:
 
 @dataclass
 class StepResult:
-    """What train_step returns: the step's loss, its gradient norm (None when not computed), and whether both were
-    finite."""
+    """What train_step returns, left on the device: the step's loss, its gradient norm and whether both were finite
+    (0-d tensors). Reading them waits for the step's kernels, so the loop reads them at log, evaluation and
+    checkpoint steps only, all at once (`read`, `read_many`)."""
 
-    loss: float  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
-    grad_norm: float | None
-    finite: bool
+    loss: torch.Tensor  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
+    grad_norm: torch.Tensor
+    finite: torch.Tensor  # bool: the optimizer applied the step
+
+    def read(self) -> tuple[float, float, bool]:
+        """(loss, grad_norm, finite) as Python values: one device-to-host copy."""
+        return read_many([self])[0]
+
+
+def read_many(results: list[StepResult]) -> list[tuple[float, float, bool]]:
+    """(loss, grad_norm, finite) of every result, in one device-to-host copy: each read waits for every kernel queued
+    before it, so a loop that read every step left the GPU idle while the CPU queued the next step."""
+    if not results:
+        return []
+    norms = [r.grad_norm.full_tensor() if hasattr(r.grad_norm, "full_tensor") else r.grad_norm for r in results]
+    device = norms[0].device
+    rows = torch.stack([torch.stack([r.loss.detach().float().to(device), n.detach().float(),
+                                     r.finite.float().to(device)]) for r, n in zip(results, norms)])
+    return [(loss, norm, bool(ok)) for loss, norm, ok in rows.tolist()]
 
 
 @dataclass
@@ -164,7 +181,7 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
     n = len(micro_batches)
     total: torch.Tensor | None = None  # the micro-losses' fp32 sum, left on the device (read once, with the norm)
     sums: torch.Tensor | None = None  # this rank's [loss_sum, count], float64, for the (loss_sum, count) form
-    weight = 1.0  # the sums' multiplier before backward: 1, or _fp16_weight
+    weight = torch.ones((), dtype=torch.float64)  # the sums' multiplier before backward: 1, or _fp16_weight
     for i, batch in enumerate(micro_batches):
         sync = i == n - 1
         if hasattr(model, "set_requires_gradient_sync"):
@@ -183,40 +200,43 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
                 weight = _fp16_weight(count, loss.device)
             # A sum is not divided by its count here: the global count is known only after every micro-batch of
             # every rank.
-            scaler.scale(loss / n if count is None else loss * weight).backward()
+            scaler.scale(loss / n if count is None else loss * weight.to(loss.dtype)).backward()
         if count is None:
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        else:
-            own = torch.stack([loss.detach().double().cpu(), torch.as_tensor(count).detach().double().cpu()])
+        else:  # float64 where the loss is: summed over micro-batches and ranks without a read
+            own = torch.stack([loss.detach().double(), _on(count, loss.device).double()])
             sums = own if sums is None else sums + own
     if sums is None:
-        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total, loss_divisor=n)
+        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total.double() / n)  # = today's float / n
     # Every rank joins the all-reduce, one without terms too; the result is the same everywhere, so is the decision.
-    loss_sum, count = all_reduce_sum(sums, loss.device).tolist()
-    if count == 0:  # no term on any rank: nothing to average, no step
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(math.nan, math.nan, False)
+    loss_sum, count = all_reduce_sum_here(sums)
     # DDP and FSDP average the ranks' gradients of their weighted sums: x W / (weight x count) makes that the
-    # global mean's.
+    # global mean's. No term on any rank (count 0): the factor and the loss are not finite, so the step is skipped.
     return _optimizer_step(model, optimizer, scaler, grad_clip_norm, loss_sum / count,
                            _world_size() / (weight * count))
 
 
-def _fp16_weight(count: Any, device: torch.device) -> float:
+def _on(value: Any, device: torch.device) -> torch.Tensor:
+    """A count (a Python number or a tensor) as a tensor on `device`: a host-to-device copy at most, never a read."""
+    return torch.as_tensor(value).detach().to(device, non_blocking=True)
+
+
+def _fp16_weight(count: Any, device: torch.device) -> torch.Tensor:
     """1 / the mean count per rank of the step's first micro-batch (one all-reduce), for fp16. A sum's gradients
     are ~count times a mean's: at the GradScaler's initial scale they would overflow for ~log2(count) steps in a
     row, each skipped, and train.max_nonfinite_steps would end the run. The same weight on every rank and
     micro-batch keeps the step exact (train_step divides it out)."""
     world = _world_size()
-    total = float(all_reduce_sum(torch.as_tensor(count).detach().double().cpu().reshape(1), device))
-    return world / max(total, world)
+    total = all_reduce_sum_here(_on(count, device).double().reshape(1))[0]
+    return world / total.clamp(min=world)
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    grad_clip_norm: float | None, loss: float | torch.Tensor, grad_factor: float | None = None,
-                    loss_divisor: int = 1) -> StepResult:
-    """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss (`loss` / `loss_divisor`) or
-    the gradients are not finite; the gradients are cleared either way."""
+                    grad_clip_norm: float | None, loss: torch.Tensor,
+                    grad_factor: torch.Tensor | None = None) -> StepResult:
+    """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss or the gradients are not
+    finite; the gradients are cleared either way. Decided on the device (skip_nonfinite_step): nothing here waits for
+    the GPU."""
     # The norm is taken after the all-reduce, so every rank sees the same value and takes the same decision.
     # Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the shards' norms across ranks, so
     # a NaN/inf in any rank's shard makes the norm non-finite on every rank.
@@ -224,34 +244,37 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
     if grad_factor is not None:  # before clipping: the threshold is for the true gradient
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, grad_factor)  # DTensors under FSDP take it as plain tensors do
+            # in the gradients' dtype, as a Python number's would be; DTensors under FSDP take it as plain tensors do
+            torch._foreach_mul_(grads, grad_factor.to(grads[0].device, grads[0].dtype))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf"))
-    grad_norm, loss = _read_floats(norm, loss)
-    loss = loss / loss_divisor
+    local_norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP: replicated, the same on every rank
     if scaler.is_enabled():
-        # fp16: the scaler skips steps with inf/NaN gradients and lowers the scale; that counts as not finite.
-        scale_before = scaler.get_scale()
+        # fp16: the scaler skips steps with inf/NaN gradients (its found_inf, handed to a fused optimizer on the
+        # device) and lowers the scale; a lowered scale is a step not taken.
+        scale_before = scaler._scale.clone()
         scaler.step(optimizer)
         scaler.update()
-        finite = scaler.get_scale() >= scale_before
+        finite = scaler._scale >= scale_before
     else:
-        finite = math.isfinite(grad_norm) and math.isfinite(loss)
-        if finite:  # never apply NaN/inf gradients: the weights would be lost
-            optimizer.step()
+        finite = torch.isfinite(local_norm) & torch.isfinite(loss.to(local_norm.device))
+        skip_nonfinite_step(optimizer, finite)  # never apply NaN/inf gradients: the weights would be lost
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, finite)
+    return StepResult(loss.detach(), norm.detach(), finite)
 
 
-def _read_floats(norm: torch.Tensor, loss: float | torch.Tensor) -> tuple[float, float]:
-    """The gradient norm and the loss as Python floats, in one device-to-host copy: each read waits for every
-    queued kernel, and a second wait per step (the loss after backward) left a GPU idle while the CPU queued the
-    clipping, then the optimizer (benchmarks/README.md, GPU)."""
-    if hasattr(norm, "full_tensor"):  # FSDP: a replicated DTensor, the same value on every rank
-        norm = norm.full_tensor()
-    if not torch.is_tensor(loss):
-        return float(norm), loss
-    grad_norm, value = torch.stack([norm.float(), loss.float().to(norm.device)]).tolist()
-    return grad_norm, value
+def skip_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step() where `finite` (a bool on the device) holds, a skipped step (weights, moments and step count
+    as they were) where not. A fused optimizer (AdamW, Adam, SGD with optim.implementation fused, auto's choice on
+    CUDA) takes the decision on the device, as GradScaler hands it found_inf; other kernels cannot, so theirs is one
+    read of `finite` per step (on CPU, foreach's default there, a read waits for nothing)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif bool(finite):
+        optimizer.step()
 
 
 # ---- evaluation, reduced across ranks ----
@@ -318,6 +341,15 @@ def evaluate(task, model: nn.Module, precision: Precision, batches, device: torc
     for i, name in enumerate(groups, 1):
         out |= _means(reduced[i * width:(i + 1) * width], names, summed, f"/{name}")
     return out
+
+
+def all_reduce_sum_here(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` over every rank, left where `t` is (NCCL on the GPU, gloo on the CPU): no read."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        buf = t.clone()
+        dist.all_reduce(buf)
+        return buf
+    return t
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:

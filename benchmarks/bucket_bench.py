@@ -21,9 +21,10 @@ repetition: the bucket's over the folder's.
 
 The server runs on this machine's 2 CPUs beside the ranks, at nice 19 (SERVER_NICE): on a cluster the bucket's work
 (receiving, checksumming and storing the uploads) is done on other machines and costs the training host nothing, so
-here it runs on the CPU time the ranks leave idle. At nice 0 its ~55 ms of CPU per 12 MB shard was taken from the
-ranks' steps (bucket_step_time_ratio 1.020 at 31ba7de, against ~0.97-0.99 at nice 19). The client's work (hashing,
-signing and sending every request, in the ranks' own processes) is counted in full; no network is.
+here it runs on the CPU time the ranks leave idle. (At nice 0 it took ~55 ms of CPU per 12 MB shard.) The
+client's work (hashing, signing and sending every request, in the ranks' own processes) is counted in full; no
+network is. It is what remains: the windows of steps during a checkpoint's upload are ~10-20 ms slower per step than
+the folder's (bucket_step_time_ratio 1.020 at nice 0, 1.026 at nice 19 on a quiet machine).
 """
 
 from __future__ import annotations

@@ -71,3 +71,20 @@ def test_the_data_and_cluster_layers_import_nothing_of_trainers():
             if re.match(r"\s*(from|import)\s+stride\.trainers\b", line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_a_regular_install_carries_every_subpackage():
+    """setup.cfg lists packages one by one (package_dir maps the repo's folders under `stride`): a folder with an
+    __init__.py that is not listed is missing from a wheel, and so from `pip install .` on a cluster's nodes, while
+    the editable install of a checkout still finds it."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    mapped = {line.split("=")[0].strip(): line.split("=")[1].strip()
+              for line in cfg["options"]["package_dir"].strip().splitlines()}
+    found = {top + "." + ".".join(init.parent.relative_to(REPO / folder).parts) if init.parent != REPO / folder else top
+             for top, folder in mapped.items() for init in (REPO / folder).rglob("__init__.py")
+             if "__pycache__" not in init.parts and "user_project" not in init.parts}
+    assert found - listed == set(), f"not in setup.cfg's packages: {sorted(found - listed)}"

@@ -27,8 +27,11 @@ def plant(run_dir, age_s: float = 0.0, **fields) -> dict:
     record = {"token": "f" * 32, "fence": 7, "host": "elsewhere", "pid": 1, "pid_start": "1", "started": time.time(),
               "instance": None, **fields}
     path = run_dir / runlock.LOCK
-    path.write_text(json.dumps(record))
-    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    # Whole or not at all, as another run's lock appears (never a truncated file a fence could read in between).
+    part = path.with_name(path.name + ".planting")
+    part.write_text(json.dumps(record))
+    os.utime(part, (time.time() - age_s, time.time() - age_s))
+    os.replace(part, path)
     return record
 
 

@@ -213,6 +213,7 @@ class Trainer:
         self.run_dir = Path(plan.run_dir)
         self.checkpoint_metrics: dict[str, Any] = {}  # the figures the resumed checkpoint recorded
         self.task = make_task(cfg, plan.facts)
+        self.loss_fn = self.task.loss  # training's and evaluation's; train.compile=model compiles it (compile_loss)
         # Task.train_metrics, when the task has them: computed on each training forward's outputs.
         own_metrics = type(self.task).train_metrics is not Task.train_metrics
         self.train_metrics = TrainMetrics(self.task) if own_metrics else None

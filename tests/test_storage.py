@@ -152,28 +152,3 @@ def test_what_the_storage_refused_is_said_with_its_fix(error, words):
     """No permission cannot be staged on the suite's S3 server (it accepts any key for any action): the clouds' words
     for it, and for the other refusals, each map to the clause that names the fix."""
     assert words in storage.refusal(Location("s3", "my-bucket", "runs"), error)
-
-
-def test_shards_upload_from_a_niced_child_process_and_its_failures_come_back(bucket_store, tmp_path):
-    """trainers/run/uploader.py: the child (nice 19, its own process: no GIL shared with training) sends the file and
-    returns its size and sha256; a file it cannot send is an OSError in the parent, which retries, and the child
-    goes on serving; closing ends it."""
-    import hashlib
-
-    from stride.trainers.run.uploader import NICE, Uploader
-
-    data = os.urandom(3 << 20)
-    (tmp_path / "shard").write_bytes(data)
-    up = Uploader(str(bucket_store.location))
-    try:
-        got = up.upload(tmp_path / "shard", "run/checkpoint_00000010/__0_0.distcp")
-        assert got == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        assert bucket_store.read("run/checkpoint_00000010/__0_0.distcp") == data
-        child = up._proc
-        assert os.getpriority(os.PRIO_PROCESS, child.pid) == NICE
-        with pytest.raises(OSError):
-            up.upload(tmp_path / "no-such-shard", "run/checkpoint_00000010/__1_0.distcp")
-        assert up.upload(tmp_path / "shard", "run/x") == got and up._proc is child  # the same child, still serving
-    finally:
-        up.close()
-    assert child.poll() is not None

@@ -176,8 +176,6 @@ class CheckpointWriter:
                 pass
 
     def close(self) -> None:
-        if self.remote is not None:  # after the write in flight, in its thread: nothing here waits for it
-            self._pool.submit(self.remote.close_uploads)
         self._pool.shutdown(wait=False)
 
     def _write(self, folder: Path, staged: dict[str, Any], meta: dict[str, Any]) -> Path:

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stride.trainers.run.storage import Location, ObjectStore, location_of, with_backoff
-from stride.trainers.run.uploader import Uploader
 
 log = logging.getLogger("stride")
 
@@ -78,7 +77,6 @@ class RunRemote:
         self._pusher: threading.Thread | None = None
         self._hurry = threading.Event()  # flush(): the pusher skips its gap
         self._metas: dict[str, bytes] = {}  # meta.json of the checkpoints newest_complete() found complete
-        self._uploader: Uploader | None = None  # started at the first checkpoint's upload
 
     @classmethod
     def of(cls, cfg) -> RunRemote | None:
@@ -196,16 +194,12 @@ class RunRemote:
         return mine
 
     def upload_shards(self, folder: Path, rank: int) -> dict[str, dict[str, Any]]:
-        """Upload this rank's files of the checkpoint `folder`; returns name -> {bytes, sha256} of each. Hashed and
-        sent by this rank's upload process (trainers/run/uploader.py): training's CPU and GIL are not taken."""
-        if self._uploader is None:
-            self._uploader = Uploader(str(self.store.location))
-        return {p.name: self._uploader.upload(p, f"{folder.name}/{p.name}") for p in self.own_files(folder, rank)}
-
-    def close_uploads(self) -> None:
-        """End the upload process (after the file in hand); the next upload starts another."""
-        if self._uploader is not None:
-            self._uploader.close()
+        """Upload this rank's files of the checkpoint `folder`; returns name -> {bytes, sha256} of each."""
+        files = {}
+        for p in self.own_files(folder, rank):
+            files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            self.store.upload(p, f"{folder.name}/{p.name}")
+        return files
 
     def commit(self, folder_name: str, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
         """meta.json, last: the checkpoint exists from here on. Every file it names must be in the bucket with its
@@ -319,6 +313,14 @@ class RunRemote:
                 continue
             if name in complete or (newest is not None and name < newest):
                 self.store.delete(name)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class RangedObject:

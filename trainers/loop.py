@@ -646,6 +646,18 @@ class Trainer:
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
+    def gradient_figures(self, norms: list[float]) -> dict[str, float]:
+        """grad_norm: the log step's global gradient norm before clipping (the same on every rank); clipped: the
+        share of the steps since the last log line that optim.grad_clip_norm clipped; loss_scale: fp16's GradScaler
+        scale. Read from what the steps left on the device (NonFinitePolicy.settle): no read of their own."""
+        if not norms:
+            return {}
+        clip = self.cfg.optim.grad_clip_norm
+        out = {"grad_norm": norms[-1], "clipped": sum(clip is not None and n > clip for n in norms) / len(norms)}
+        if self.scaler.is_enabled():
+            out["loss_scale"] = float(self.scaler.get_scale())
+        return out
+
     def log_figures(self, loss: float, clock: telemetry.StepClock, since: tuple[float, int],
                     padding=None) -> tuple[dict, dict]:
         now, s, A = time.perf_counter(), self.state, self.cfg.train.grad_accum_steps
@@ -722,6 +734,7 @@ class Trainer:
         def log_train(metrics: dict[str, Any]) -> None:  # the step's training figures, averaged over ranks
             nonlocal since, last_train
             train, own = self.log_figures(nonfinite.loss, clock, since, stream.padding)
+            train.update(self.gradient_figures(nonfinite.take_norms()))
             since = (time.perf_counter(), s.samples_seen)
             metrics.update(train)
             eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)

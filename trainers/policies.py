@@ -98,10 +98,16 @@ class NonFinitePolicy:
         self.mode, self.limit, self.in_a_row = mode, limit, 0
         self.pending: list[tuple[int, Any]] = []  # (step, StepResult) not read yet
         self.loss: float = math.nan  # the newest read step's loss
+        self.norms: list[float] = []  # the gradient norms (before clipping) of the steps read since take_norms()
 
     def defer(self, step: int, result) -> None:
         """A step's result (trainers/step.py StepResult, on the device), judged at the next `settle`."""
         self.pending.append((step, result))
+
+    def take_norms(self) -> list[float]:
+        """The gradient norms read since the last call, oldest first."""
+        norms, self.norms = self.norms, []
+        return norms
 
     def settle(self) -> list[str]:
         """Read the deferred steps' figures in one device-to-host copy and judge them in order, as if each had been
@@ -115,6 +121,7 @@ class NonFinitePolicy:
         warnings = []
         for (step, _), (loss, grad_norm, finite) in zip(pending, read_many([r for _, r in pending])):
             self.loss = loss
+            self.norms.append(grad_norm)
             if (warning := self.observe(step, finite, loss, grad_norm)) is not None:
                 warnings.append(warning)
         return warnings

@@ -1,5 +1,6 @@
 """Two CPU workers under Ray Train (gloo) on the built-in task: loss falls, replicas agree, every row once, an MLflow
-server records the run. The run is started from a user's folder that holds
+server records the run. The run compiles the model with its loss (train.compile=model, after Ray's DDP wraps the
+model on each worker) and logs the step's gradient figures. The run is started from a user's folder that holds
 their callbacks module (tests/test_callbacks.py's), with TensorBoard beside MLflow: the callbacks run on every Ray
 worker and TensorBoard records the run. Resume on Ray (the step, the same MLflow run, no second one) is the run
 stopped four ways in tests/test_user_task.py; that torchrun and Ray train alike, bitwise, with MLflow on in the Ray run
@@ -40,7 +41,8 @@ def ray_runs(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     mlflow = f"tracking.mlflow_uri={mlflow_server}"
     ray = shared_ray_head.env()
     a = run_cli([str(REPO / "trainers/main.py"), *tiny_args(tabular_data, storage, "a", STEPS, mlflow),
-                 "tracking.sinks=[mlflow, tensorboard]", "train.callbacks=[my_callbacks:Counter]"],
+                 "tracking.sinks=[mlflow, tensorboard]", "train.callbacks=[my_callbacks:Counter]",
+                 "train.compile=model"],
                 env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")}, cwd=project)
     assert not shared_ray_head.wait_idle()
     return {"storage": storage, "a": a, "mlflow": mlflow_server, "ray": ray}
@@ -65,6 +67,9 @@ def test_two_workers_train_and_agree(ray_runs):
         assert key in s, key
     assert s["checkpoint"] and os.path.isdir(s["checkpoint"])
     assert "stride: summary" in a.stdout and "stride: mlflow" in a.stdout
+    assert s["compiled_modules"] == 1  # train.compile=model reached both workers from the driver's dict
+    logged = [r for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
+    assert all(r["grad_norm"] > 0 and 0 <= r["clipped"] <= 1 for r in logged), logged[0]
 
 
 def test_the_users_callbacks_run_on_every_ray_worker_and_tensorboard_records_the_run(ray_runs):

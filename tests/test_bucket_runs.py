@@ -43,6 +43,10 @@ def metrics(s3, run_uri: str) -> list[dict]:
     return [json.loads(line) for line in s3.read(f"{run_uri}/metrics.jsonl").decode().splitlines() if line]
 
 
+def trained(s3, run_uri: str) -> bool:
+    return "metrics.jsonl" in s3.objects(run_uri) and any("train_loss" in r for r in metrics(s3, run_uri))
+
+
 def args(data, bucket, name, steps, staging, *extra):
     return tiny(f"s3://{bucket}/runs", data, steps, "checkpoint.every_steps=6", "train.log_every_steps=1",
                 f"checkpoint.staging_dir={staging}", *extra, name=name)
@@ -318,7 +322,7 @@ def test_a_lock_replaced_while_a_run_trains_fences_it_exit_1_and_it_writes_nothi
                             env=dict(os.environ, **env), start_new_session=True)
     try:
         deadline = time.time() + 120
-        while "metrics.jsonl" not in s3_server.objects(run) and time.time() < deadline:
+        while not trained(s3_server, run) and time.time() < deadline:  # a logged step, not just the run's header
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
         other = {"token": "f" * 32, "fence": 99, "host": "another-host", "pid": 7, "started": time.time()}

@@ -23,7 +23,7 @@ from test_slurm import FINISHED, assert_job_cleaned_up, output, sbatch, work  # 
 
 s3_server = s3_server_fixture()
 LAUNCH = str(REPO / "ray_cluster" / "slurm" / "launch.py")
-STEPS, LOG_EVERY = 200, 5
+STEPS, LOG_EVERY = 600, 10  # long enough that the preemption lands mid-run on a slow, loaded machine
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_a_slurm_job_on_a_bucket_is_preempted_requeued_and_completes_there(slurm
         if signalled_after is None:
             if state not in ("PENDING", "RUNNING", "CONFIGURING", None):
                 pytest.fail(f"B ended before it trained ({state}): {output(work, 'B')[-4000:]}")
-            if len(seen := logged_steps(s3_server, f"{run}/metrics.jsonl")) >= 2:
+            if seen := logged_steps(s3_server, f"{run}/metrics.jsonl"):
                 signalled_after = seen[-1]
                 r = slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
                 assert r.returncode == 0, r.stderr

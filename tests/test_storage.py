@@ -112,6 +112,23 @@ def test_listing_folders_copy_delete(bucket_store, tmp_path):
     assert (tmp_path / "back").read_bytes() == b"x" * 1000
 
 
+def test_a_shard_goes_up_with_the_sha256_meta_json_records_for_the_bucket_to_check(s3_env, tmp_path):
+    """S3 refuses a PUT whose bytes do not match its x-amz-checksum-sha256 (BadDigest) and keeps the digest with the
+    object: the one meta.json records, computed once on the host. (moto stores the digest but does not check it, so
+    the refusal is S3's documented behaviour, not tested here.)"""
+    import base64
+    import hashlib
+
+    s3_env.create_bucket(bucket := f"b-{uuid.uuid4().hex[:12]}")
+    store = ObjectStore(Location("s3", bucket, "runs"))
+    (tmp_path / "shard").write_bytes(b"x" * 1000)
+    digest = hashlib.sha256(b"x" * 1000).hexdigest()
+    store.upload(tmp_path / "shard", "c/__0_0.distcp", sha256=digest)
+    head = store.fs.call_s3("head_object", Bucket=bucket, Key="runs/c/__0_0.distcp", ChecksumMode="ENABLED")
+    assert base64.b64decode(head["ChecksumSHA256"]).hex() == digest
+    assert store.read("c/__0_0.distcp") == b"x" * 1000
+
+
 def test_the_clock_is_the_servers(bucket_store):
     import time
 

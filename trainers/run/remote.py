@@ -198,7 +198,7 @@ class RunRemote:
         files = {}
         for p in self.own_files(folder, rank):
             files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            self.store.upload(p, f"{folder.name}/{p.name}")
+            self.store.upload(p, f"{folder.name}/{p.name}", sha256=files[p.name]["sha256"])
         return files
 
     def commit(self, folder_name: str, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:

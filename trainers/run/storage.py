@@ -15,6 +15,7 @@ If-None-Match/If-Match, GCS generation preconditions). The run lock (trainers/ru
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ SCHEMES = ("s3", "gs")
 # S3's and GCS's bucket naming rules, the part they share (lower case, digits, dots, dashes; 3-63 characters);
 # GCS also allows underscores.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
+_S3_SINGLE_PUT = 100 << 20  # s3fs sends a file of this size or more in parts (2 x its 50 MiB chunks)
 _INSTALL = {"s3": "pip install 'stride[s3]' (s3fs)", "gs": "pip install 'stride[gcs]' (gcsfs)"}
 
 
@@ -131,7 +133,9 @@ class Store:
         """Write `name` only if it is still at `version`: the new version, or None when it changed or is gone."""
         raise NotImplementedError
 
-    def upload(self, local: Path, name: str) -> None:
+    def upload(self, local: Path, name: str, sha256: str | None = None) -> None:
+        """Copy the local file `local` to `name`. `sha256` (hex), when the caller has it, is the file's digest: the
+        storage checks the bytes it receives against it."""
         raise NotImplementedError
 
     def download(self, name: str, local: Path) -> None:
@@ -266,8 +270,15 @@ class ObjectStore(Store):
             return None
         return str(blob.generation)
 
-    def upload(self, local: Path, name: str) -> None:
-        self.fs.put_file(str(local), self._path(name))
+    def upload(self, local: Path, name: str, sha256: str | None = None) -> None:
+        if self.location.scheme == "s3" and sha256 and Path(local).stat().st_size < _S3_SINGLE_PUT:
+            # One pass over the bytes on this host (the caller's sha256), checked by the bucket: botocore would
+            # otherwise add a CRC32 pass, and over http a SigV4 payload-hash pass (payload signing is off:
+            # UNSIGNED-PAYLOAD, as botocore sends over https whenever a checksum is present).
+            digest = base64.b64encode(bytes.fromhex(sha256)).decode()
+            self.fs.put_file(str(local), self._path(name), ChecksumAlgorithm="SHA256", ChecksumSHA256=digest)
+            return
+        self.fs.put_file(str(local), self._path(name))  # multipart (s3fs's own size limit), or GCS
 
     def download(self, name: str, local: Path) -> None:
         self.fs.get_file(self._path(name), str(local))
@@ -415,7 +426,8 @@ def filesystem(scheme: str):
         except ImportError as e:
             raise ImportError(_INSTALL["s3"]) from e
         # botocore reads AWS_ENDPOINT_URL and AWS_ENDPOINT_URL_S3 itself, and its credential chain.
-        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
+                                 config_kwargs={"s3": {"payload_signing_enabled": False}})
     try:
         from gcsfs.core import GCSFileSystem  # the core class: gcsfs's default probes gRPC first (60 s per bucket)
     except ImportError as e:
@@ -484,7 +496,7 @@ class FolderStore(Store):
         self.write(name, data)
         return hashlib.sha256(data).hexdigest()
 
-    def upload(self, local: Path, name: str) -> None:
+    def upload(self, local: Path, name: str, sha256: str | None = None) -> None:
         self.write(name, Path(local).read_bytes())
 
     def download(self, name: str, local: Path) -> None:

@@ -134,7 +134,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = CharGPT(256, 64, args.layers, args.heads, args.width)  # (vocab, context, layers, heads, width)
     params = sum(p.numel() for p in model.parameters())
-    model = fsdp.shard_model(model, list(model.blocks), torch.device("cpu"), world, None)
+    model = fsdp.shard_model(model, list(model.blocks), torch.device("cpu"), fsdp.Mesh.flat(world), None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

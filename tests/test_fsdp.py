@@ -325,7 +325,7 @@ fp32 = Precision.create("fp32", cpu, sharded=True)
 def model(precision=fp32, shard=True):
     torch.manual_seed(0)
     m = CharGPT(256, 16, 2, 2, 32)
-    return fsdp.shard_model(m, list(m.blocks), cpu, 2, precision.fsdp_param_dtype) if shard else m
+    return fsdp.shard_model(m, list(m.blocks), cpu, fsdp.Mesh.flat(2), precision.fsdp_param_dtype) if shard else m
 
 def full(m):
     return torch.cat([p.full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten() for p in m.parameters()])
@@ -385,7 +385,7 @@ def dropout_model(every):
         for inner in block.modules():
             if inner is not block:
                 inner.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    return fsdp.shard_model(m, list(m.blocks), cpu, 2, None), calls
+    return fsdp.shard_model(m, list(m.blocks), cpu, fsdp.Mesh.flat(2), None), calls
 
 grads = []
 for every in (None, 2):

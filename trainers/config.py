@@ -285,6 +285,16 @@ class EMASection(Section):
                                                 "the average's), raw, or both (val_loss and val_loss_ema)")
 
 
+class FsdpSection(Section):
+    shard_size: int | None = Field(None, ge=1, description="train.strategy=hsdp: ranks per shard group (each group "
+                                   "holds one copy of the model, sharded; the groups are replicas); null: the workers "
+                                   "per node. Must divide the number of workers")
+    offload: Literal["none", "cpu"] = Field("none", description="Under fsdp and hsdp, cpu: parameters, gradients and "
+                                            "optimizer state live on the CPU (pinned) between uses, and the optimizer "
+                                            "steps there (FSDP2's CPUOffloadPolicy): for a model that does not fit "
+                                            "even sharded")
+
+
 class TrainSection(Section):
     ema: EMASection | None = Field(None, description="An exponential moving average of the weights, sharded like "
                                    "them, in the checkpoint, exported with export.py --ema: {decay, eval}")
@@ -324,8 +334,10 @@ class TrainSection(Section):
     collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
-                                                                 "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2)")
+    strategy: Literal["ddp", "fsdp", "hsdp"] = Field("ddp", description="ddp: every worker holds the whole model (DistributedDataParallel); "
+                                                                 "fsdp: parameters, gradients and optimizer state are sharded across workers (FSDP2); "
+                                                                 "hsdp: sharded within groups of train.fsdp.shard_size workers (a node), replicated across groups (docs/fsdp.md)")
+    fsdp: FsdpSection = Field(default_factory=FsdpSection, description="Sharding settings under train.strategy fsdp and hsdp")
     compile: Literal["auto", "model", "blocks", "off"] = Field("off", description="torch.compile for training and evaluation (inductor): model: the model and the task's loss in one graph, compiled after DDP wraps the model; blocks: each of the task's repeated blocks (or the whole model's forward when it names none), before FSDP wraps them; auto: blocks under train.strategy=fsdp, else model; off. true and false read as auto and off")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile on (reduce-overhead: CUDA graphs, GPU only)")
@@ -341,7 +353,7 @@ class TrainSection(Section):
     def compile_scope(self) -> str:
         """What train.compile compiles: "model", "blocks" or "off" (auto resolved for train.strategy)."""
         if self.compile == "auto":
-            return "blocks" if self.strategy == "fsdp" else "model"
+            return "blocks" if self.strategy != "ddp" else "model"
         return self.compile
 
     @field_validator("profile_steps")
@@ -351,6 +363,13 @@ class TrainSection(Section):
             raise ValueError(f"must be [start, end] with 1 <= start <= end <= {MAX_STEPS}; use e.g. "
                              f"train.profile_steps=[10,12]")
         return v
+
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> "TrainSection":
+        if self.fsdp.offload != "none" and self.strategy == "ddp":
+            raise ValueError(f"train.fsdp.offload ({self.fsdp.offload}) needs a sharded model; use "
+                             f"train.strategy=fsdp (or hsdp), or train.fsdp.offload=none")
+        return self
 
     @model_validator(mode="after")
     def _has_stop(self) -> "TrainSection":
@@ -656,6 +675,24 @@ def check_batch_fits(cfg: Config, train_rows: int, world_size: int) -> None:
         raise DataError(f"train.batch_size_per_worker ({cfg.train.batch_size_per_worker}) x {workers} worker(s) = {G} "
                         f"rows per micro-step exceeds the {train_rows} rows of {where}; use "
                         f"train.batch_size_per_worker={max(1, train_rows // workers)} or less")
+
+
+def check_mesh_fits(cfg: Config, world_size: int) -> None:
+    """train.strategy=hsdp needs replicas (two workers or more) and shard groups that split the workers evenly: the
+    Ray driver's check once it knows the worker count, and the gang's (torchrun's --nproc-per-node is not
+    scaling.num_workers). An elastic run adapts instead (trainers/fsdp.py: plan_mesh). Raises UsageError."""
+    from stride.errors import UsageError
+
+    size = cfg.train.fsdp.shard_size
+    if cfg.train.strategy != "hsdp" or elastic_range(cfg) is not None:
+        return
+    if world_size == 1:
+        raise UsageError("train.strategy (hsdp) needs two workers or more (shard groups and their replicas); use 2 "
+                         "workers or more, or train.strategy=fsdp")
+    if size is not None and world_size % size:
+        fits = max(d for d in range(1, min(size, world_size) + 1) if world_size % d == 0)
+        raise UsageError(f"train.fsdp.shard_size ({size}) does not divide the {world_size} workers; use "
+                         f"train.fsdp.shard_size={fits}, or a multiple of {size} workers")
 
 
 def global_batch_size(cfg: Config, world_size: int) -> int:

@@ -34,7 +34,8 @@ from stride.trainers.run import lock as runlock
 from stride.trainers.run.remote import RunRemote
 from stride.trainers.callbacks import Callbacks, build as build_callbacks
 from stride.trainers.callbacks.base import CallbackState
-from stride.trainers.config import Config, check_batch_fits, global_batch_size, global_micro_batch, public_dict, scaled_lr
+from stride.trainers.config import (Config, check_batch_fits, check_mesh_fits, global_batch_size, global_micro_batch,
+                                    public_dict, scaled_lr)
 from stride.trainers.policies import TRANSFORM_STREAM, Cadence, GarbageCollection, NonFinitePolicy, Preemption, StopRequest, reseed
 from stride.errors import TrainingError
 from stride.trainers.sinks import Sinks, saved_state
@@ -238,16 +239,33 @@ class Trainer:
         if self.env.device.type == "cpu":
             torch.set_num_threads(t.num_threads or max(1, int(self.plan.cpus_per_worker)))
 
-    def setup_precision(self, shard: bool = True) -> None:
-        """train.precision and train.strategy on this gang (fsdp shards only across several workers)."""
+    def setup_precision(self, shard: bool = True, strict: bool = False) -> None:
+        """train.precision and train.strategy on this gang (fsdp and hsdp shard only across several workers).
+        `strict` (training a fixed gang): an hsdp layout the workers cannot hold is refused rather than adapted."""
         t, W = self.cfg.train, self.env.world_size
         self.precision_name = resolve_precision(t.precision, self.env.device)
-        # train.strategy=fsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
-        self.sharded = shard and t.strategy == "fsdp" and W > 1
-        if t.strategy == "fsdp" and not self.sharded and self.rank0:
-            log.info("train.strategy=fsdp with %d worker(s): training unsharded", W)
-        self.strategy = "fsdp" if self.sharded else "ddp" if W > 1 else "none"
+        # train.strategy=fsdp/hsdp: shard before the optimizer is built, so that it holds (and updates) only the shards.
+        if strict:
+            check_mesh_fits(self.cfg, W)
+        self.sharded = shard and t.strategy != "ddp" and W > 1
+        if t.strategy != "ddp" and not self.sharded and self.rank0:
+            log.info("train.strategy=%s with %d worker(s): training unsharded", t.strategy, W)
+        self.mesh = self.plan_mesh() if self.sharded else None
+        self.strategy = self.mesh.strategy if self.mesh else "ddp" if W > 1 else "none"
         self.precision = Precision.create(self.precision_name, self.env.device, self.sharded)
+
+    def plan_mesh(self) -> fsdp.Mesh:
+        """Which ranks shard together (fsdp.plan_mesh), from every rank's node; rank 0 says what the layout costs."""
+        t = self.cfg.train
+        nodes = [self.env.node] * self.env.world_size
+        torch.distributed.all_gather_object(nodes, self.env.node)
+        mesh = fsdp.plan_mesh(t.strategy, t.fsdp.shard_size, nodes)
+        if self.rank0:
+            for note in mesh.notes:
+                log.warning("train.strategy=hsdp: %s", note)
+            log.info("train.strategy=%s: %d shard group(s) of %d rank(s)%s", mesh.strategy, mesh.replicas,
+                     mesh.shard_size, "" if t.fsdp.offload == "none" else "; parameters and optimizer state on the CPU")
+        return mesh
 
     def setup(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
@@ -263,7 +281,7 @@ class Trainer:
         log.info("data: %d train rows in %d blocks, %s val rows; shuffle window %d rows; %s", train.num_rows,
                  len(train.blocks), val.num_rows if val else 0, self.order.window_rows, self.batch_text(W))
 
-        self.setup_precision()
+        self.setup_precision(strict=True)
         self.checkpoint_dir = self.remote.resume_copy(env.world_rank) if self.remote else env.latest_checkpoint()
         self.resume_meta = checkpointing.read_meta(self.checkpoint_dir) if self.checkpoint_dir else None
         model = self.build_model()
@@ -322,8 +340,8 @@ class Trainer:
         with fsdp.params_on_meta():
             model = self.task.build_model()
         self.apply_block_settings(model)
-        model = fsdp.shard_model(model, self.task.blocks(model), env.device, env.world_size,
-                                 self.precision.fsdp_param_dtype)
+        model = fsdp.shard_model(model, self.task.blocks(model), env.device, self.mesh,
+                                 self.precision.fsdp_param_dtype, offload=self.cfg.train.fsdp.offload == "cpu")
         fsdp.materialize(model, env.device)
         if self.init_source() is None and type(self.task).init_weights is Task.init_weights:
             torch.manual_seed(cfg.run.seed)
@@ -849,6 +867,8 @@ class Trainer:
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
             "worker_nodes": [n for _, _, n in per_rank],
+            **({"mesh": self.mesh.summary([n for _, _, n in per_rank]), "offload": self.cfg.train.fsdp.offload,
+                "state_devices": fsdp.state_devices(self.raw_model, self.optimizer)} if self.mesh else {}),
             **({"init": self.init_record} if self.init_record else {}),
             **(self.callbacks.summary_fields() if self.rank0 else {}),  # checkpoint.keep_best's best_checkpoints
         }

@@ -15,7 +15,7 @@ from typing import Any
 from stride.datasets.splits import DataSpec
 from stride.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, DataError, RunFolderError, TrainingError, UsageError
 from stride.trainers import sinks
-from stride.trainers.config import Config
+from stride.trainers.config import Config, check_mesh_fits
 from stride.trainers.launch.checks import check_batch_fits, check_multinode_paths, preflight
 from stride.trainers.launch.lifecycle import last_line
 from stride.trainers.launch.scaling import elastic, resolve_scaling
@@ -63,6 +63,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
     num_workers, use_gpu, resources = resolve_scaling(cfg)
     check_multinode_paths(cfg, resources["nodes"])
     check_batch_fits(cfg, specs, num_workers)
+    check_mesh_fits(cfg, num_workers)
     pipeline, data_cpus = choose_pipeline(cfg, num_workers, use_gpu, resources)
     plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, data_pipeline=pipeline, data_cpus_per_task=data_cpus,
                     **plan_extra)

@@ -282,6 +282,12 @@ def test_on_ray_the_encoder_is_loaded_frozen_then_trained_and_each_lr_logged(pro
     assert any(not torch.equal(weights(run, 15)[n], pretrained[n]) for n in pretrained)  # trained after
     lines = [x for x in read_jsonl(run / "metrics.jsonl") if "lr" in x]
     assert len(lines) == STEPS and all(x["lr/head"] == pytest.approx(0.1 * x["lr"], rel=1e-12) for x in lines)
+    # grad_norm/<group>: the frozen encoder has no gradient until step 10; the groups' norms combine to grad_norm.
+    assert all(x["grad_norm/encoder"] == 0 for x in lines if x["step"] <= 10)
+    assert all(x["grad_norm/encoder"] > 0 and x["grad_norm/head"] > 0 for x in lines if x["step"] > 10)
+    for x in lines:
+        together = sum(x[f"grad_norm/{g}"] ** 2 for g in ("default", "encoder", "head")) ** 0.5
+        assert together == pytest.approx(x["grad_norm"], rel=1e-5), x
     s = summary(run)
     assert s["status"] == "completed" and s["world_size"] == 2 and s["init"]["loaded"] == len(pretrained)
     from mlflow.tracking import MlflowClient

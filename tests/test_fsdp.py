@@ -345,6 +345,19 @@ rr = train_step(ce, ref, ref_sgd, torch.amp.GradScaler("cpu", enabled=False), Pr
 assert r.finite and math.isclose(r.grad_norm, rr.grad_norm, rel_tol=1e-5), (r.grad_norm, rr.grad_norm)
 assert torch.allclose(full(m), full(ref), rtol=1e-5, atol=1e-7), (full(m) - full(ref)).abs().max()
 
+# 1b. optim.groups' norms under FSDP: each group's, reduced over the shards, equals the unsharded model's.
+def halves(mod):
+    ps = list(mod.parameters())
+    return [ps[: len(ps) // 2], ps[len(ps) // 2:]]
+
+gm, gref = model(), model(Precision.create("fp32", cpu), shard=False)
+g = train_step(ce, gm, torch.optim.SGD(gm.parameters(), lr=0.5), fp32.grad_scaler(), fp32, micro, 1.0,
+               groups=halves(gm))
+gg = train_step(ce, gref, torch.optim.SGD(gref.parameters(), lr=0.5), torch.amp.GradScaler("cpu", enabled=False),
+                Precision.create("fp32", cpu), both, 1.0, groups=halves(gref))
+assert torch.allclose(g.group_norms, gg.group_norms, rtol=1e-5), (g.group_norms, gg.group_norms)
+assert math.isclose(g.read()[1], float(torch.linalg.vector_norm(g.group_norms)), rel_tol=1e-6)
+
 # 2. A NaN in one rank's gradient shard only: the clipped norm is NaN on every rank, and no rank steps.
 class Poison(torch.amp.GradScaler):
     def unscale_(self, optimizer):

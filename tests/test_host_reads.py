@@ -111,6 +111,27 @@ def test_the_step_is_todays_step_bitwise_in_fp32_on_cpu():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
+def test_group_norms_combine_to_clip_grad_norms_value_and_the_step_is_unchanged():
+    """optim.groups' grad_norm/<group>: taken in the pass that gives the total, which equals clip_grad_norm_'s over
+    every parameter to float rounding; the clipped step's weights agree with the ungrouped step's as closely."""
+    model, opt = _setup(fused=False)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=True)
+    params = list(model.parameters())
+    groups = [params[:1], params[1:], []]  # an empty group (all frozen) has norm 0
+    prec = Precision.create("fp32", torch.device("cpu"))
+    data = torch.randint(0, 64, (4, 9))
+    for _ in range(3):
+        r = train_step(mean_ce, model, opt, prec.grad_scaler(), prec, [data], 0.5, groups=groups)
+        rr = train_step(mean_ce, ref_model, ref_opt, prec.grad_scaler(), prec, [data], 0.5)
+        g = r.group_norms.tolist()
+        assert len(g) == 3 and g[2] == 0 and g[0] > 0 and g[1] > 0
+        assert float(r.grad_norm) == pytest.approx(float(rr.grad_norm), rel=1e-6)
+        assert (g[0] ** 2 + g[1] ** 2) ** 0.5 == pytest.approx(float(r.grad_norm), rel=1e-6)
+        assert float(rr.grad_norm) > 0.5  # clipped: the threshold acted on both
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
 def test_the_loop_reads_only_at_log_and_checkpoint_steps(tmp_path, tabular_data, monkeypatch):
     """A run of 12 steps, logging every 4, the fused optimizer: every read of the training loop happens at step 0
     (set-up), 4, 8 or 12; none while steps 1-3, 5-7 or 9-11 train. The losses logged are the steps' own."""

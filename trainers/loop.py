@@ -297,6 +297,8 @@ class Trainer:
         self.model = self.raw_model = model  # restore wraps self.model (DDP); raw_model stays the module
         # optim.groups over the trainable parameters as built (before any freezing), then the step-0 freeze
         self.groups = resolve_groups(cfg, model)
+        # With optim.groups, grad_norm/<group> too (one pass over the gradients, as the total alone takes).
+        self.grad_groups = [g.params for g in self.groups] if cfg.optim.groups else None
         self.optimizer = build_optimizer(cfg, model, W, self.task)
         self.peak_lr = scaled_lr(cfg, W)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps, self.groups)
@@ -581,7 +583,8 @@ class Trainer:
         self.unfreeze()
         try:
             result = train_step(self.loss_fn, self.model, self.optimizer, self.scaler, self.precision, batches,
-                                self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe)
+                                self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe,
+                                self.grad_groups)
         except torch.OutOfMemoryError:
             raise TrainingError(
                 f"out of memory at step {self.state.step + 1} with train.batch_size_per_worker="
@@ -664,14 +667,16 @@ class Trainer:
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
-    def gradient_figures(self, norms: list[float]) -> dict[str, float]:
-        """grad_norm: the log step's global gradient norm before clipping (the same on every rank); clipped: the
-        share of the steps since the last log line that optim.grad_clip_norm clipped; loss_scale: fp16's GradScaler
-        scale. Read from what the steps left on the device (NonFinitePolicy.settle): no read of their own."""
+    def gradient_figures(self, norms: list[float], group_norms: list[float]) -> dict[str, float]:
+        """grad_norm: the log step's global gradient norm before clipping (the same on every rank); grad_norm/<group>
+        with optim.groups: each group's, which combine to it (the root of their squares' sum); clipped: the share of
+        the steps since the last log line that optim.grad_clip_norm clipped; loss_scale: fp16's GradScaler scale.
+        Read from what the steps left on the device (NonFinitePolicy.settle): no read of their own."""
         if not norms:
             return {}
         clip = self.cfg.optim.grad_clip_norm
         out = {"grad_norm": norms[-1], "clipped": sum(clip is not None and n > clip for n in norms) / len(norms)}
+        out.update({f"grad_norm/{g.label}": n for g, n in zip(self.groups, group_norms)})
         if self.scaler.is_enabled():
             out["loss_scale"] = float(self.scaler.get_scale())
         return out
@@ -752,7 +757,7 @@ class Trainer:
         def log_train(metrics: dict[str, Any]) -> None:  # the step's training figures, averaged over ranks
             nonlocal since, last_train
             train, own = self.log_figures(nonfinite.loss, clock, since, stream.padding)
-            train.update(self.gradient_figures(nonfinite.take_norms()))
+            train.update(self.gradient_figures(nonfinite.take_norms(), nonfinite.group_norms))
             since = (time.perf_counter(), s.samples_seen)
             metrics.update(train)
             eta = (self.total_steps - s.step) * (time.perf_counter() - train_start) / max(s.step - start_step, 1)

@@ -99,6 +99,7 @@ class NonFinitePolicy:
         self.pending: list[tuple[int, Any]] = []  # (step, StepResult) not read yet
         self.loss: float = math.nan  # the newest read step's loss
         self.norms: list[float] = []  # the gradient norms (before clipping) of the steps read since take_norms()
+        self.group_norms: list[float] = []  # the newest read step's per-group norms (optim.groups), if any
 
     def defer(self, step: int, result) -> None:
         """A step's result (trainers/step.py StepResult, on the device), judged at the next `settle`."""
@@ -124,6 +125,8 @@ class NonFinitePolicy:
             self.norms.append(grad_norm)
             if (warning := self.observe(step, finite, loss, grad_norm)) is not None:
                 warnings.append(warning)
+        if pending and pending[-1][1].group_norms is not None:  # after read_many's copy: it waits for nothing
+            self.group_norms = pending[-1][1].group_norms.tolist()
         return warnings
 
     def observe(self, step: int, finite: bool, loss: float, grad_norm: float | None) -> str | None:

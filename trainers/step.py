@@ -90,6 +90,7 @@ class StepResult:
     loss: torch.Tensor  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
     grad_norm: torch.Tensor
     finite: torch.Tensor  # bool: the optimizer applied the step
+    group_norms: torch.Tensor | None = None  # with parameter groups: each group's gradient norm before clipping
 
     def read(self) -> tuple[float, float, bool]:
         """(loss, grad_norm, finite) as Python values: one device-to-host copy."""
@@ -167,7 +168,8 @@ class TrainMetrics:
 
 def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                precision: Precision, micro_batches: list[Any], grad_clip_norm: float | None,
-               observe: Callable[[nn.Module, Any, Any], None] | None = None) -> StepResult:
+               observe: Callable[[nn.Module, Any, Any], None] | None = None,
+               groups: list[list[nn.Parameter]] | None = None) -> StepResult:
     """Accumulate gradients over `micro_batches`, then one optimizer step.
 
     The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
@@ -176,7 +178,8 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
     A loss_fn returning (loss_sum, count) is instead normalised by the count summed over every micro-batch of every
     rank (one all-reduce; fp16 one more, _fp16_weight), so the step equals one batch of all those terms (tokens)
     whatever their spread.
-    Gradients are unscaled before clipping so the clip threshold is in true units under fp16.
+    Gradients are unscaled before clipping so the clip threshold is in true units under fp16. `groups` (optim.groups'
+    parameters): each group's gradient norm as well, from the same pass as the total's.
     """
     n = len(micro_batches)
     total: torch.Tensor | None = None  # the micro-losses' fp32 sum, left on the device (read once, with the norm)
@@ -207,13 +210,13 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
             own = torch.stack([loss.detach().double(), _on(count, loss.device).double()])
             sums = own if sums is None else sums + own
     if sums is None:
-        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total.double() / n)  # = today's float / n
+        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total.double() / n, groups=groups)
     # Every rank joins the all-reduce, one without terms too; the result is the same everywhere, so is the decision.
     loss_sum, count = all_reduce_sum_here(sums)
     # DDP and FSDP average the ranks' gradients of their weighted sums: x W / (weight x count) makes that the
     # global mean's. No term on any rank (count 0): the factor and the loss are not finite, so the step is skipped.
     return _optimizer_step(model, optimizer, scaler, grad_clip_norm, loss_sum / count,
-                           _world_size() / (weight * count))
+                           _world_size() / (weight * count), groups)
 
 
 def _on(value: Any, device: torch.device) -> torch.Tensor:
@@ -231,9 +234,26 @@ def _fp16_weight(count: Any, device: torch.device) -> torch.Tensor:
     return world / total.clamp(min=world)
 
 
+def group_grad_norms(groups: list[list[nn.Parameter]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each group's gradient norm, the norm of them all), on the gradients' device; under FSDP reduced across the
+    ranks (one small all-reduce per group), so every rank holds the same values. The total is the norm of the group
+    norms: what clip_grad_norm_ computes over all the parameters, up to float rounding."""
+    from torch.distributed.tensor import DTensor
+
+    norms = []
+    for params in groups:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = next((n.device for n in norms if n is not None), torch.device("cpu"))
+    norms = torch.stack([n if n is not None else torch.zeros((), device=device) for n in norms])
+    return norms, torch.linalg.vector_norm(norms)
+
+
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     grad_clip_norm: float | None, loss: torch.Tensor,
-                    grad_factor: torch.Tensor | None = None) -> StepResult:
+                    grad_factor: torch.Tensor | None = None,
+                    groups: list[list[nn.Parameter]] | None = None) -> StepResult:
     """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss or the gradients are not
     finite; the gradients are cleared either way. Decided on the device (skip_nonfinite_step): nothing here waits for
     the GPU."""
@@ -246,7 +266,12 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         if grads:
             # in the gradients' dtype, as a Python number's would be; DTensors under FSDP take it as plain tensors do
             torch._foreach_mul_(grads, grad_factor.to(grads[0].device, grads[0].dtype))
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf"))
+    group_norms = None
+    if groups:
+        group_norms, norm = group_grad_norms(groups)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip_norm or float("inf"), norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf"))
     local_norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP: replicated, the same on every rank
     if scaler.is_enabled():
         # fp16: the scaler skips steps with inf/NaN gradients (its found_inf, handed to a fused optimizer on the
@@ -259,7 +284,7 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         finite = torch.isfinite(local_norm) & torch.isfinite(loss.to(local_norm.device))
         skip_nonfinite_step(optimizer, finite)  # never apply NaN/inf gradients: the weights would be lost
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.detach(), norm.detach(), finite)
+    return StepResult(loss.detach(), norm.detach(), finite, group_norms)
 
 
 def skip_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:

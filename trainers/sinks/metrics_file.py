@@ -16,8 +16,8 @@ from stride.trainers.sinks.base import RunInfo, Sink
 
 log = logging.getLogger("stride")
 
-# The fields of a training line, in order (those present); per-group figures (lr/<group>, samples_seen/<source>)
-# and the task's own train_<name> figures follow them.
+# The fields of a training line, in order (those present); per-group figures (lr/<group>, grad_norm/<group>,
+# samples_seen/<source>) and the task's own train_<name> figures follow them.
 TRAIN_FIELDS = ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second", "step_time_s",
                 "data_wait_s", "data_wait_fraction", "tokens_per_second", "mfu", "checkpoint_blocked_s",
                 "checkpoint_write_s", "padding_fraction", "grad_norm", "clipped", "loss_scale")
@@ -75,7 +75,8 @@ class MetricsFileSink(Sink):
         self._published()
 
     def train(self, metrics: dict[str, Any], own: dict[str, Any], eta_s: float) -> None:
-        extra = [k for k in metrics if k.startswith(("lr/", "samples_seen/", "train_")) and k not in TRAIN_FIELDS]
+        extra = [k for k in metrics if k.startswith(("lr/", "grad_norm/", "samples_seen/", "train_"))
+                 and k not in TRAIN_FIELDS]
         self.file.write({k: metrics[k] for k in (*TRAIN_FIELDS, *extra) if k in metrics})
         self._published()
 

@@ -61,6 +61,10 @@ def test_two_workers_train_and_agree(ray_runs):
     assert curve[-1] < 0.7 * curve[0]  # the loss falls
     c = s["param_checksums"]
     assert len(c) == 2 and c[0] == c[1]  # DDP replicas hold identical weights after training
+    # Each worker's peak resident memory: a Ray worker with torch loaded holds well over 100 MB, and less than this
+    # machine has.
+    assert len(s["peak_rss_bytes_per_worker"]) == 2
+    assert all(100e6 < m < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") for m in s["peak_rss_bytes_per_worker"])
     for key in ("status", "world_size", "global_step", "epochs_completed", "samples_seen", "rows_dropped", "train_loss",
                 "val_loss", "initial_val_loss", "val_accuracy", "samples_per_second", "wall_s", "checkpoint",
                 "mlflow_run_id", "restarts", "config"):

@@ -853,7 +853,7 @@ class Trainer:
         # of the full parameters gathered from the shards) and the parameter bytes each rank holds.
         checksum = (fsdp.full_param_checksum(self.model) if self.sharded
                     else float(sum(p.detach().double().sum() for p in self.raw_model.parameters())))
-        per_rank = [(checksum, fsdp.local_param_bytes(self.raw_model), self.env.node)]
+        per_rank = [(checksum, fsdp.local_param_bytes(self.raw_model), self.env.node, _peak_rss_bytes())]
         if W > 1:
             mine, per_rank = per_rank[0], [None] * W
             torch.distributed.all_gather_object(per_rank, mine)
@@ -870,13 +870,21 @@ class Trainer:
             if trained else None,
             "train_wall_s": wall, **self.sinks.summary(), "restarts": s.restarts, "preemptions": s.preemptions,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
-            "param_checksums": [c for c, _, _ in per_rank], "param_bytes_per_worker": [b for _, b, _ in per_rank],
-            "worker_nodes": [n for _, _, n in per_rank],
-            **({"mesh": self.mesh.summary([n for _, _, n in per_rank]), "offload": self.cfg.train.fsdp.offload,
+            "param_checksums": [c for c, *_ in per_rank], "param_bytes_per_worker": [b for _, b, *_ in per_rank],
+            "worker_nodes": [n for _, _, n, _ in per_rank], "peak_rss_bytes_per_worker": [m for *_, m in per_rank],
+            **({"mesh": self.mesh.summary([n for _, _, n, _ in per_rank]), "offload": self.cfg.train.fsdp.offload,
                 "state_devices": fsdp.state_devices(self.raw_model, self.optimizer)} if self.mesh else {}),
             **({"init": self.init_record} if self.init_record else {}),
             **(self.callbacks.summary_fields() if self.rank0 else {}),  # checkpoint.keep_best's best_checkpoints
         }
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (Linux counts ru_maxrss in KiB): what an OOM on the host
+    would be measured against."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _reportable(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,9 @@ tests/test_bench.py replays benchmarks/results/latest.json's raw runs through th
                    padding_fraction, stride_padding_fraction, tokens, padded_tokens, val_loss}]} (or absent)
     bucket        {hidden, steps, ckpt_every, warmup, runs: [{variant: folder|bucket, phase: train|resume, rep,
                    wall_s, first_step_s, resumed_line_s, checkpoint_bytes, summary, metrics: [log lines]}]} (or absent)
+    hsdp          {model, params, param_bytes, world_size, shard_size, groups, steps, runs: [{strategy: ddp|fsdp|hsdp,
+                   step, rank, loss, param_bytes, grad_bytes, optim_bytes, held_bytes, sent_bytes, cross_group_bytes,
+                   collectives: {op: {calls, groups, tensor_bytes, sent_bytes, cross_group_bytes}}}]} (or absent)
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ COMMAND_GOALS = {"predict_throughput_ratio": (">=", 0.9), "time_to_first_step_ra
 # The runs-on-object-storage issue's (a run on s3:// beside the same in a folder):
 BUCKET_GOALS = {"bucket_checkpoint_blocked_ratio": ("<=", 1.1), "bucket_step_time_ratio": ("<=", 1.01),
                 "bucket_resume_ratio": ("<=", 1.3)}
-GOALS = {**CORE_GOALS, **FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS, **BUCKET_GOALS}
+# The many-nodes sharding issue's (hsdp beside ddp and fsdp on 4 CPU ranks):
+HSDP_GOALS = {"hsdp_param_memory_ratio": ("<=", 0.55), "hsdp_cross_group_bytes_ratio": ("<=", 0.35)}
+GOALS = {**CORE_GOALS, **FORMAT_GOALS, **DATA_GOALS, **SINK_GOALS, **COMMAND_GOALS, **BUCKET_GOALS, **HSDP_GOALS}
 
 # The benchmark parts: which figures each gives, and the code it measures (files or folders of the repository). A
 # part's run header (raw["headers"][part], report.run_header) says at which commit it ran; a figure is stale when
@@ -113,6 +118,9 @@ PARTS = {
     # under torchrun (no Ray); the local S3 server is part of what it measures
     "bucket": {"figures": ("bucket_checkpoint_blocked_ratio", "bucket_step_time_ratio", "bucket_resume_ratio"),
                "paths": ["trainers/", "datasets/", "stride/", "benchmarks/bucket_bench.py", "tests/s3_server.py"]},
+    # Stride's sharding of its char_gpt, trained in the bench's own loop (no Trainer): torch's FSDP2 and DDP do the rest
+    "hsdp": {"figures": ("hsdp_param_memory_ratio", "hsdp_cross_group_bytes_ratio"),
+             "paths": ["trainers/fsdp.py", "trainers/models.py", "benchmarks/hsdp_bench.py"]},
 }
 FIGURE_PART = {name: part for part, p in PARTS.items() for name in p["figures"]}
 
@@ -151,6 +159,8 @@ LABELS = {
     "bucket_checkpoint_blocked_ratio": "seconds checkpoints block training, run on s3:// (local S3 server) / in a folder",
     "bucket_step_time_ratio": "steady-state step time, run on s3:// (uploads in the background) / in a folder",
     "bucket_resume_ratio": "launch to the first step of a resume, from s3:// / from a folder",
+    "hsdp_param_memory_ratio": "per-rank parameter + gradient + AdamW bytes, hsdp (2 groups of 2) / ddp, 4 CPU ranks",
+    "hsdp_cross_group_bytes_ratio": "bytes a rank sends outside its shard group per step, hsdp / fsdp on the same 4 ranks",
 }
 
 
@@ -799,6 +809,74 @@ def bucket_figures(raw: dict) -> dict:
     }
 
 
+def hsdp_runs(raw: dict) -> dict:
+    """benchmarks/hsdp_bench.py's records {strategy: {step: [one per rank]}}."""
+    out: dict = {}
+    for r in (raw.get("hsdp") or {}).get("runs", []):
+        out.setdefault(r["strategy"], {}).setdefault(r["step"], []).append(r)
+    return out
+
+
+def hsdp_largest(raw: dict, strategy: str, key: str) -> dict:
+    """{step: the largest rank's `key`} of one strategy's measured steps: what the busiest machine holds or sends."""
+    return {step: max(r[key] for r in ranks) for step, ranks in hsdp_runs(raw).get(strategy, {}).items()}
+
+
+def hsdp_collectives(raw: dict) -> dict:
+    """{strategy: {op: calls per step}}, rank 0's first measured step: which collectives the wrapper saw."""
+    out = {}
+    for strategy, steps in hsdp_runs(raw).items():
+        first = min(steps[min(steps)], key=lambda r: r["rank"])
+        out[strategy] = {op: c["calls"] for op, c in first["collectives"].items()}
+    return out
+
+
+def hsdp_figures(raw: dict) -> dict:
+    """ddp, fsdp and hsdp in one launch of 4 ranks: a sample per measured step, the largest rank's bytes under hsdp
+    over the largest rank's under the other strategy at the same step."""
+    hs = raw.get("hsdp") or {}
+    missing = [] if hs else ["not measured in this result: python benchmarks/run.py --only hsdp"]
+    p = hs.get("param_bytes")
+
+    def sample(key: str, base: str) -> list:
+        a, b = hsdp_largest(raw, "hsdp", key), hsdp_largest(raw, base, key)
+        return [ratio(a[i], b[i]) for i in sorted(a.keys() & b.keys())]
+
+    def per_strategy(key: str, strategies: tuple) -> dict:
+        """The largest rank's bytes per strategy, and the same in units of P (the model's fp32 parameter bytes)."""
+        return {s: {"bytes": summary(list(hsdp_largest(raw, s, key).values())),
+                    "of_param_bytes": summary([ratio(x, p) for x in hsdp_largest(raw, s, key).values()])}
+                for s in strategies if s in hsdp_runs(raw)}
+
+    m = hs.get("model") or {}
+    model = (f"char_gpt {m.get('layers')} layers x width {m.get('width')}, context {m.get('context')} "
+             f"({hs['params'] / 1e6:.1f}M parameters, fp32), AdamW, {hs.get('world_size')} CPU ranks of one thread "
+             f"(gloo), batch {hs.get('batch')} x {m.get('context')} tokens per rank; hsdp's shard groups "
+             f"{hs.get('groups')}" if hs else None)
+    shape = (f"shard size {hs['shard_size']}, {hs['world_size'] // hs['shard_size']} replicas" if hs else
+             "shard size 2, 2 replicas")
+    counted = (f"; {hs.get('steps')} measured steps after {hs.get('warmup_steps')} warm-up per strategy, in one "
+               f"torch.distributed.run launch (benchmarks/hsdp_bench.py): byte counts, the same at every steady step"
+               if hs else "")
+    return {
+        "hsdp_param_memory_ratio": figure(
+            sample("held_bytes", "ddp"), "ratio",
+            "bytes of a rank's parameters (local shards), their gradients and AdamW's state after a step (tensor "
+            "sizes: DDP's buckets, FSDP's gathered units and activations not counted), train.strategy hsdp "
+            f"({shape}) / ddp, the largest rank, per measured step{counted}", notes=list(missing), model=model,
+            held=per_strategy("held_bytes", ("ddp", "fsdp", "hsdp"))),
+        "hsdp_cross_group_bytes_ratio": figure(
+            sample("cross_group_bytes", "fsdp"), "ratio",
+            "bytes a rank sends per step to the ranks outside its hsdp shard group, hsdp / fsdp (one flat mesh over "
+            "the same ranks), the largest rank, per measured step: torch.distributed's collectives wrapped, each "
+            "call's bytes to each other member of its group modelled independently of the algorithm (all-gather "
+            f"of b bytes: b to each; reduce-scatter of N: N/n to each; all-reduce of N: 2N/n to each){counted}",
+            notes=list(missing), model=model,
+            cross_group=per_strategy("cross_group_bytes", ("fsdp", "hsdp")),
+            sent=per_strategy("sent_bytes", ("fsdp", "hsdp")), collectives_per_step=hsdp_collectives(raw)),
+    }
+
+
 ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time_to_first_step_s (torchrun)",
          "ingest_ratio", "jsonl_ingest_ratio", "data_wait_fraction", "scaling_2_over_1", "ckpt_blocked_fraction",
          "memory_growth_ratio", "jsonl_memory_growth_ratio", "checkpoint_rank0_memory_ratio",
@@ -807,7 +885,7 @@ ORDER = ("step_time_ratio", "wall_ratio", "time_to_first_step_s (stride)", "time
          "init_load_ratio", "file_read_ratio", "bucketing_padding_ratio", "bucketing_step_time_ratio",
          "sink_overhead_ratio", "ema_step_time_ratio", "predict_throughput_ratio", "time_to_first_step_ratio",
          "time_to_first_step_on_head_ratio", "preemption_steps_lost", "bucket_checkpoint_blocked_ratio",
-         "bucket_step_time_ratio", "bucket_resume_ratio")
+         "bucket_step_time_ratio", "bucket_resume_ratio", "hsdp_param_memory_ratio", "hsdp_cross_group_bytes_ratio")
 
 
 def figures(raw: dict) -> dict:
@@ -816,7 +894,8 @@ def figures(raw: dict) -> dict:
             "scaling_2_over_1": scaling_figure(raw), "memory_growth_ratio": memory_figure(raw),
             "jsonl_memory_growth_ratio": jsonl_memory_figure(raw), **checkpoint_figures(raw), **blocks_figures(raw),
             "lock_overhead_ratio": lock_figure(raw), **finetune_figures(raw), "file_read_ratio": file_read_figure(raw),
-            **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw), **bucket_figures(raw)}
+            **bucketing_figures(raw), **sinks_figures(raw), **commands_figures(raw), **bucket_figures(raw),
+            **hsdp_figures(raw)}
     headers = raw.get("headers") or {}  # {part: run header}: when, where, at what commit each part was measured
     return {name: {**figs[name], "part": FIGURE_PART[name], "run": headers.get(FIGURE_PART[name])} for name in ORDER}
 
@@ -1087,6 +1166,7 @@ def markdown(result: dict, stale: dict) -> str:
         out += md_table(["side", "epoch", "forward, backward, AdamW", "padding fraction", "cells (padded) for tokens",
                          "held-out loss"], rows)
     out += bucket_table(result, stale)
+    out += hsdp_table(result, stale)
     return "\n".join(out)
 
 
@@ -1112,6 +1192,32 @@ def bucket_table(result: dict, stale: dict) -> list[str]:
             f"({result['figures']['bucket_step_time_ratio']['job']}; {measured(result, 'bucket', stale)}):", ""] + \
         md_table(["run.storage_path", "blocked by checkpoints (sum)", "a checkpoint's write, until complete on storage",
                   "step time", "launch to first step, fresh", "launch to first step, resume"], rows)
+
+
+def hsdp_table(result: dict, stale: dict) -> list[str]:
+    """benchmarks/hsdp_bench.py per strategy, the largest rank, medians over measured steps ([] where the result has
+    no such runs)."""
+    raw = result["raw"]
+    hs = raw.get("hsdp") or {}
+    if not hsdp_runs(raw):
+        return []
+    p = hs["param_bytes"]
+
+    def size(strategy: str, key: str) -> str:
+        x = summary(list(hsdp_largest(raw, strategy, key).values()))["median"]
+        return "-" if x is None else f"{x / 2**20:.1f} MiB ({x / p:.3f} P)"
+
+    calls = hsdp_collectives(raw)
+    unseen = ["not counted (DDP's reducer, C++)"] * 3  # its all-reduces never pass through torch.distributed's Python
+    rows = [[f"`{s}`"] + [size(s, k) for k in ("param_bytes", "grad_bytes", "optim_bytes", "held_bytes")]
+            + (unseen if s == "ddp" else [size(s, "sent_bytes"), size(s, "cross_group_bytes"),
+                                          ", ".join(f"`{op}` {n}" for op, n in calls.get(s, {}).items())])
+            for s in hs["strategies"]]
+    return ["", f"Hybrid sharding per strategy, the largest rank, median over measured steps (P: the model's fp32 "
+            f"parameter bytes, {p / 2**20:.1f} MiB; {result['figures']['hsdp_param_memory_ratio']['model']}; "
+            f"{measured(result, 'hsdp', stale)}):", ""] + \
+        md_table(["train.strategy", "parameters", "gradients", "AdamW state", "held", "sent to the other ranks",
+                  "sent outside the shard group", "collectives per step (rank 0)"], rows)
 
 
 def headline(result: dict, stale: dict) -> str:

@@ -1,5 +1,6 @@
 """`make bench`: Stride beside torchrun, ingest, scaling, checkpoints, memory, activation checkpointing, compile,
-fine-tuning, files by reference, length bucketing, metric sinks and EMA, the commands, runs on a bucket.
+fine-tuning, files by reference, length bucketing, metric sinks and EMA, the commands, runs on a bucket, hybrid
+sharding.
 
     python benchmarks/run.py --quick            # make bench: 5 repetitions of every measurement
     python benchmarks/run.py --full             # 5 repetitions of longer jobs and a bigger ingest set
@@ -14,6 +15,7 @@ fine-tuning, files by reference, length bucketing, metric sinks and EMA, the com
     python benchmarks/run.py --only sinks       # the same, sinks_bench.py (tracking.sinks, train.ema)
     python benchmarks/run.py --only commands    # the same, commands_bench.py (stride predict, time to the first step)
     python benchmarks/run.py --only bucket      # the same, bucket_bench.py (a run on s3:// beside one in a folder)
+    python benchmarks/run.py --only hsdp        # the same, hsdp_bench.py (train.strategy hsdp beside ddp and fsdp)
 
 Every figure is a ratio (or a time) measured side by side, in one process tree on this machine, and repeated. The
 JSON holds the raw runs ("raw": every run's metrics.jsonl lines, times, memory peaks), and the figures, verdicts
@@ -61,6 +63,9 @@ What runs (each launch is a fresh process tree; temporary storage only, never th
 12. benchmarks/bucket_bench.py: the same torchrun job (tabular_mlp made wide, 2 CPU ranks) with run.storage_path a
    folder and s3:// on a local S3-compatible server (tests/s3_server.py's moto_server), trained and then resumed,
    alternating, `reps` times (-> bucket_checkpoint_blocked_ratio, bucket_step_time_ratio, bucket_resume_ratio).
+13. benchmarks/hsdp_bench.py: a 50.6M-parameter char_gpt on 4 CPU ranks (one torchrun launch) under ddp, fsdp and
+   hsdp (shard groups {0, 1} and {2, 3}), `reps` measured steps each: the bytes each rank holds, and those its
+   collectives send outside its shard group (-> hsdp_param_memory_ratio, hsdp_cross_group_bytes_ratio).
 """
 
 from __future__ import annotations
@@ -299,7 +304,7 @@ def measure(mode: Mode, tmp: Path, mode_name: str) -> dict:
     with run_header(mode_name) as headers["blocks"]:
         raw["blocks"] = blocks_bench(reps=mode.reps, steps=mode.blocks_steps, warmup=mode.blocks_warmup,
                                      smoke=mode.tiny_models, timeout_s=mode.timeout_s)
-    for name in ("lock", "finetune", "file_read", "bucketing", "sinks", "commands", "bucket"):
+    for name in ("lock", "finetune", "file_read", "bucketing", "sinks", "commands", "bucket", "hsdp"):
         key, measure_part = ONLY[name]
         with run_header(mode_name) as headers[key]:
             raw[key] = measure_part(mode)
@@ -378,13 +383,21 @@ def measure_bucket(mode: Mode) -> dict:
     return bucket_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
 
 
+def measure_hsdp(mode: Mode) -> dict:
+    from benchmarks.hsdp_bench import measure as hsdp_bench
+
+    print("bench: train.strategy hsdp beside ddp and fsdp, held and cross-group bytes (benchmarks/hsdp_bench.py)",
+          flush=True)
+    return hsdp_bench(reps=mode.reps, smoke=mode.tiny_models, timeout_s=mode.timeout_s)
+
+
 # --only NAME: raw[key] = measure(mode)
 
 ONLY = {"lock": ("lock", measure_lock), "finetune": ("finetune", measure_finetune),
         "ingest": ("ingest", measure_ingest), "memory": ("memory", measure_memory),
         "file_read": ("file_read", measure_file_read), "bucketing": ("bucketing", measure_bucketing),
         "sinks": ("sinks", measure_sinks), "commands": ("commands", measure_commands),
-        "bucket": ("bucket", measure_bucket)}
+        "bucket": ("bucket", measure_bucket), "hsdp": ("hsdp", measure_hsdp)}
 
 
 def measure_only(name: str, mode: Mode, mode_name: str, latest: Path) -> dict:

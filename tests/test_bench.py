@@ -61,10 +61,11 @@ def test_replaying_latest_json_gives_the_figures_verdicts_and_table_it_stored(F,
 def test_every_figure_is_in_latest_json_with_its_goal_median_spread_and_rule_applied(F, latest):
     figs, verdicts, table = latest["figures"], latest["goals"], latest["table"].splitlines()
     # every goal in the table's goal column: the first issues' 15, the data-format, data-path, sinks and commands
-    # issues' 10 (time_to_first_step_ratio's <= 2 among them) and the runs-on-a-bucket issue's 3
-    assert set(F.GOALS) < set(F.ORDER) and len(F.GOALS) == 28 and F.GOALS["time_to_first_step_ratio"] == ("<=", 2.0)
+    # issues' 10 (time_to_first_step_ratio's <= 2 among them), the runs-on-a-bucket issue's 3 and the HSDP issue's 2
+    assert set(F.GOALS) < set(F.ORDER) and len(F.GOALS) == 30 and F.GOALS["time_to_first_step_ratio"] == ("<=", 2.0)
     assert F.BUCKET_GOALS == {"bucket_checkpoint_blocked_ratio": ("<=", 1.1), "bucket_step_time_ratio": ("<=", 1.01),
                               "bucket_resume_ratio": ("<=", 1.3)}
+    assert F.HSDP_GOALS == {"hsdp_param_memory_ratio": ("<=", 0.55), "hsdp_cross_group_bytes_ratio": ("<=", 0.35)}
     for name in F.ORDER:
         f, v = figs[name], verdicts[name]
         counted = [x for x in f["samples"] if F.finite(x)]
@@ -154,6 +155,29 @@ def test_bucket_figures_sum_every_checkpoints_block_and_pair_runs_of_one_repetit
     assert F.bucket_figures({})["bucket_resume_ratio"]["notes"] == [
         "not measured in this result: python benchmarks/run.py --only bucket"]
 
+
+def test_hsdp_figures_compare_the_largest_rank_of_each_strategy_at_the_same_step(F):
+    """hsdp_bench's figures: per measured step, the largest rank's held bytes under hsdp over ddp's, and its bytes to
+    ranks outside its shard group over fsdp's; a step one side lacks gives no sample."""
+    def run(strategy, step, rank, held, cross):
+        return {"strategy": strategy, "step": step, "rank": rank, "param_bytes": held / 4, "grad_bytes": held / 4,
+                "optim_bytes": held / 2, "held_bytes": held, "sent_bytes": 2 * cross, "cross_group_bytes": cross,
+                "collectives": {"all_reduce": {"calls": 3}} if strategy == "hsdp" else {}}
+
+    runs = [run(s, i, r, held * (1 + r / 100), cross * (1 + r / 100)) for i in range(1, 6) for r in range(4)
+            for s, held, cross in (("ddp", 400, 0), ("fsdp", 100, 150), ("hsdp", 200, 50))]
+    runs.append(run("hsdp", 6, 0, 999, 999))  # no ddp or fsdp step beside it: no sample
+    raw = {"hsdp": {"model": {"layers": 2, "width": 8, "context": 4}, "params": 25, "param_bytes": 100,
+                    "world_size": 4, "shard_size": 2, "groups": [[0, 1], [2, 3]], "batch": 2, "steps": 5,
+                    "warmup_steps": 1, "strategies": ["ddp", "fsdp", "hsdp"], "runs": runs}}
+    memory, cross = (F.hsdp_figures(raw)[n] for n in ("hsdp_param_memory_ratio", "hsdp_cross_group_bytes_ratio"))
+    assert memory["n"] == cross["n"] == 5
+    assert memory["median"] == pytest.approx(0.5) and cross["median"] == pytest.approx(1 / 3)
+    assert cross["cross_group"]["fsdp"]["of_param_bytes"]["median"] == pytest.approx(1.545)  # rank 3's: 150 x 1.03
+    assert cross["collectives_per_step"]["hsdp"] == {"all_reduce": 3}
+    assert [F.verdict(f, F.GOALS[n])["pass"] for n, f in F.hsdp_figures(raw).items()] == [True, True]
+    assert F.hsdp_figures({})["hsdp_cross_group_bytes_ratio"]["notes"] == [
+        "not measured in this result: python benchmarks/run.py --only hsdp"]
 
 
 def test_ingest_at_unequal_threads_says_so_and_gets_no_verdict(F, latest):

@@ -42,7 +42,7 @@ ONE_SOURCE = {
               "batch_size_per_worker": 8, "tokens_per_micro_batch": 512, "grad_accum_steps": 2, "max_steps": 40,
               "epochs": None, "precision": "fp32", "eval_every_steps": 10, "log_every_steps": 5, "deterministic": True,
               "num_threads": 1, "nonfinite": "stop", "max_nonfinite_steps": 2, "gc_every_steps": 10,
-              "collective_timeout_s": 60.0,
+              "collective_timeout_s": 60.0, "straggler_warn_ratio": 1.5,
               "peak_flops": 1e12, "profile_steps": [2, 3], "strategy": "fsdp", "compile": "model",
               "compile_mode": "max-autotune", "activation_checkpointing": True, "activation_checkpointing_every": 2,
               "fsdp": {"shard_size": 2, "offload": "cpu"}},

@@ -111,3 +111,33 @@ def test_ddp_options_are_bucket_views_and_broadcast_only_buffers_that_exist():
 
     assert ddp_options(torch.nn.Linear(2, 2)) == {"gradient_as_bucket_view": True, "broadcast_buffers": False}
     assert ddp_options(torch.nn.BatchNorm1d(2)) == {"gradient_as_bucket_view": True, "broadcast_buffers": True}
+
+
+def _paces(*own):
+    from stride.trainers.policies import RankPace
+
+    return [RankPace(data_wait_s=d, forward_s=f) for d, f in own]
+
+
+def test_a_rank_that_stays_slowest_is_named_once_after_three_intervals_with_what_is_slow():
+    from stride.trainers.policies import Stragglers
+
+    s, nodes = Stragglers(1.3), ["node-a", "node-a", "node-b"]
+    slow_compute = _paces((0.01, 0.10), (0.01, 0.10), (0.01, 0.30))
+    assert s.observe(slow_compute, nodes) == (pytest.approx(0.31 / 0.11), None)
+    assert s.observe(slow_compute, nodes)[1] is None
+    ratio, warning = s.observe(slow_compute, nodes)  # the third interval in a row above 1.3
+    assert "rank 2 on node node-b" in warning and "its compute" in warning and "2.82" in warning, warning
+    assert s.observe(slow_compute, nodes)[1] is None  # said once
+    assert s.observe(_paces((0.01, 0.1), (0.01, 0.1), (0.01, 0.1)), nodes) == (1.0, None)  # back under: reset
+    slow_data = _paces((0.5, 0.1), (0.01, 0.1), (0.01, 0.1))
+    warnings = [s.observe(slow_data, nodes)[1] for _ in range(3)]
+    assert warnings[:2] == [None, None] and "rank 0 on node node-a" in warnings[2] and "its data" in warnings[2]
+
+
+def test_a_ratio_under_the_threshold_or_a_one_rank_gang_never_warns():
+    from stride.trainers.policies import Stragglers
+
+    s = Stragglers(1.3)
+    assert all(s.observe(_paces((0.01, 0.1), (0.01, 0.12)), ["a", "b"])[1] is None for _ in range(5))
+    assert all(s.observe(_paces((0.01, 0.1)), ["a"]) == (1.0, None) for _ in range(5))

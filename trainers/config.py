@@ -331,6 +331,10 @@ class TrainSection(Section):
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
     max_nonfinite_steps: int = Field(5, ge=1, le=MAX_STEPS, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
     gc_every_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Python's garbage collection while training: automatic collection off (what set-up built is frozen out of it), a young-generation collection every N optimizer steps on every rank, as torchtitan does; 0: Python's automatic collection")
+    straggler_warn_ratio: float = Field(1.3, allow_inf_nan=False, gt=1.0, description="Warn (naming the rank, its "
+                                        "node, and whether its data or its compute is slow) when the slowest rank's "
+                                        "own time per step (data wait + forward) stays above this many times the "
+                                        "median rank's for 3 log intervals; straggler_ratio is logged every log step")
     collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")

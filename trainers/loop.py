@@ -8,6 +8,7 @@ nothing here asks which task it runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -36,13 +37,14 @@ from stride.trainers.callbacks import Callbacks, build as build_callbacks
 from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.config import (Config, check_batch_fits, check_mesh_fits, global_batch_size, global_micro_batch,
                                     public_dict, scaled_lr)
-from stride.trainers.policies import TRANSFORM_STREAM, Cadence, GarbageCollection, NonFinitePolicy, Preemption, StopRequest, reseed
+from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, GarbageCollection, NonFinitePolicy, Preemption, RankPace,
+                                     StopRequest, Stragglers, reseed)
 from stride.errors import TrainingError
 from stride.trainers.sinks import Sinks, saved_state
 from stride.trainers.sinks.base import RunInfo
 from stride.trainers.optim import Freezer, build_optimizer, build_scheduler, logged_lrs, resolve_groups
-from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_reduce_mean_many, evaluate, resolve_precision,
-                                  train_step)
+from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_gather_rows, all_reduce_mean_many, evaluate,
+                                  resolve_precision, train_step)
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 
@@ -254,12 +256,19 @@ class Trainer:
         self.strategy = self.mesh.strategy if self.mesh else "ddp" if W > 1 else "none"
         self.precision = Precision.create(self.precision_name, self.env.device, self.sharded)
 
+    @functools.cached_property
+    def gang_nodes(self) -> list[str]:
+        """Every rank's node (Ray's node id, or the host under torchrun), in rank order. A collective on first use:
+        every rank reaches it at the same point (the mesh's plan, the first log step)."""
+        nodes = [self.env.node] * self.env.world_size
+        if self.env.world_size > 1:
+            torch.distributed.all_gather_object(nodes, self.env.node)
+        return nodes
+
     def plan_mesh(self) -> fsdp.Mesh:
         """Which ranks shard together (fsdp.plan_mesh), from every rank's node; rank 0 says what the layout costs."""
         t = self.cfg.train
-        nodes = [self.env.node] * self.env.world_size
-        torch.distributed.all_gather_object(nodes, self.env.node)
-        mesh = fsdp.plan_mesh(t.strategy, t.fsdp.shard_size, nodes)
+        mesh = fsdp.plan_mesh(t.strategy, t.fsdp.shard_size, self.gang_nodes)
         if self.rank0:
             for note in mesh.notes:
                 log.warning("train.strategy=hsdp: %s", note)
@@ -308,6 +317,7 @@ class Trainer:
         # and optimizer, so that a resume can restore their state (tensors too) with the checkpoint's.
         self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
         self.scaler = self.precision.grad_scaler()
+        self.forward_clock, self.stragglers = telemetry.ForwardClock(env.device), Stragglers(t.straggler_warn_ratio)
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
@@ -582,7 +592,7 @@ class Trainer:
     def step(self, batches: list[dict[str, torch.Tensor]]) -> StepResult:
         self.unfreeze()
         try:
-            result = train_step(self.loss_fn, self.model, self.optimizer, self.scaler, self.precision, batches,
+            result = train_step(self.forward_clock.timed(self.loss_fn), self.model, self.optimizer, self.scaler, self.precision, batches,
                                 self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe,
                                 self.grad_groups)
         except torch.OutOfMemoryError:
@@ -692,10 +702,12 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.env.device)
         keys = ("step_time_s", "data_wait_s", "data_wait_fraction", *(("padding_fraction",) if padding is not None else ()))
         mean = all_reduce_mean_many([loss, *(own[k] for k in keys)], self.env.device)
+        own["forward_s"] = self.forward_clock.take() / max(clock.steps, 1)
+        straggler_ratio = self.straggler_check(own)
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
         lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
         metrics = {"train_loss": mean[0], **lrs,
-                   "samples_per_second": sps, **dict(zip(keys, mean[1:])),
+                   "samples_per_second": sps, **dict(zip(keys, mean[1:])), "straggler_ratio": straggler_ratio,
                    **{f"samples_seen/{name}": n for name, n in self.order.source_counts(s.micro_step).items()}}
         if self.train_metrics is not None:
             metrics.update(self.train_metrics.take(self.env.device))
@@ -713,6 +725,15 @@ class Trainer:
             self.env.checkpoint_write_s.clear()
         clock.reset()
         return metrics, own
+
+    def straggler_check(self, own: dict[str, float]) -> float:
+        """straggler_ratio over every rank's own pace this interval (one all-reduce); rank 0 warns of a rank that
+        stays the slowest (policies.Stragglers)."""
+        rows = all_gather_rows([own["data_wait_s"], own["forward_s"]], self.env.device)
+        ratio, warning = self.stragglers.observe([RankPace(*row) for row in rows], self.gang_nodes)
+        if warning and self.rank0:
+            log.warning(warning)
+        return ratio
 
     # ---- the loop ----
 

@@ -142,6 +142,44 @@ class NonFinitePolicy:
         return f"{what}: step skipped ({self.in_a_row} in a row, limit train.max_nonfinite_steps={self.limit})"
 
 
+@dataclass(frozen=True)
+class RankPace:
+    """One rank's own pace over a log interval, per optimizer step: what no other rank's speed changes (its data wait,
+    and its forward, which has no collective under DDP)."""
+
+    data_wait_s: float
+    forward_s: float
+
+    @property
+    def own_s(self) -> float:
+        return self.data_wait_s + self.forward_s
+
+
+class Stragglers:
+    """straggler_ratio at each log step (the slowest rank's own time per step over the median rank's), and one
+    warning once it has stayed above `warn_ratio` for `intervals` log intervals in a row, naming the rank, its node,
+    and whether its data or its compute is slow. Another warning only after the ratio came back under."""
+
+    def __init__(self, warn_ratio: float, intervals: int = 3):
+        self.warn_ratio, self.intervals, self.above = warn_ratio, intervals, 0
+
+    def observe(self, paces: list[RankPace], nodes: list[str]) -> tuple[float, str | None]:
+        median = float(np.median([p.own_s for p in paces]))
+        slowest = max(range(len(paces)), key=lambda r: paces[r].own_s)
+        ratio = paces[slowest].own_s / median if median > 0 else 1.0
+        self.above = self.above + 1 if ratio > self.warn_ratio else 0
+        if self.above != self.intervals:
+            return ratio, None
+        p = paces[slowest]
+        data_excess = p.data_wait_s - float(np.median([q.data_wait_s for q in paces]))
+        forward_excess = p.forward_s - float(np.median([q.forward_s for q in paces]))
+        what = (f"its data (data wait {p.data_wait_s:.3g} s a step)" if data_excess > forward_excess
+                else f"its compute (forward {p.forward_s:.3g} s a step)")
+        return ratio, (f"rank {slowest} on node {nodes[slowest]} has been the slowest for {self.intervals} log "
+                       f"intervals (straggler_ratio {ratio:.2f} > train.straggler_warn_ratio {self.warn_ratio:g}): "
+                       f"{what}, against the median rank's {median:.3g} s; the gang waits for it every step")
+
+
 def step_seed(seed: int, rank: int, step: int, *stream: int) -> int:
     """The seed of `rank`'s random streams for optimizer step `step` (dropout), or for another `stream` of it (the
     transform of step `step`: TRANSFORM_STREAM): different per rank and step, the same after any resume.

@@ -386,6 +386,16 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
+def all_gather_rows(row: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `row` (the same length on each), in rank order: one all-reduce of a world x len(row) matrix that
+    holds this rank's row and zeros elsewhere."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    rows = torch.zeros(world, len(row), dtype=torch.float64)
+    rows[rank] = torch.tensor(row, dtype=torch.float64)
+    return all_reduce_sum(rows, device).tolist()
+
+
 def all_reduce_mean_many(values: list[float], device: torch.device) -> list[float]:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return [float(v) / world for v in all_reduce_sum(torch.tensor(values, dtype=torch.float64), device)]

@@ -146,6 +146,37 @@ class StepClock:
                 "data_wait_fraction": min(self.data_wait / busy, 1.0)}
 
 
+class ForwardClock:
+    """This rank's forward time between log steps (Task.loss: the model's forward and the loss), the part of a step
+    that only this rank's speed sets. On a GPU it is timed with CUDA events, read at the log step, when the step's
+    figures are read anyway: no wait of its own."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host_s, self.events = 0.0, []
+
+    def timed(self, loss_fn):
+        def forward(model, batch):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = loss_fn(model, batch)
+                end.record()
+                self.events.append((start, end))
+                return out
+            t0 = time.perf_counter()
+            out = loss_fn(model, batch)
+            self.host_s += time.perf_counter() - t0
+            return out
+        return forward
+
+    def take(self) -> float:
+        """Seconds of forward since the last take."""
+        seconds = self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
+        self.host_s, self.events = 0.0, []
+        return seconds
+
+
 def tag_value(text: str) -> str:
     """`text` as a metric tag value Ray accepts: Ray encodes tag values as ASCII (a Unicode run.name failed every
     record), so other characters are percent-encoded as UTF-8 bytes, and so is "%" itself, which keeps the value

@@ -28,6 +28,8 @@ def error_lines(capsys) -> list[str]:
                                 "torchrun's --max-restarts, or run on Ray"),
     ("scaling.resize_check_s=30", "scaling.resize_check_s (30) is a Ray setting that torchrun cannot honour; use "
                                   "torchrun's elastic --nnodes MIN:MAX, or run on Ray"),
+    ("scaling.hang_detector=fail", "scaling.hang_detector (fail) is a Ray setting that torchrun cannot honour; use "
+                                   "train.hang_timeout_s (Stride's own watchdog, on both launchers), or run on Ray"),
 ])
 def test_a_ray_only_scaling_setting_is_refused_under_torchrun_naming_what_to_use(override, line, tmp_path, capsys):
     from stride.trainers.launch import torchrun

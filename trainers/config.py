@@ -335,6 +335,11 @@ class TrainSection(Section):
                                         "node, and whether its data or its compute is slow) when the slowest rank's "
                                         "own time per step (data wait + forward) stays above this many times the "
                                         "median rank's for 3 log intervals; straggler_ratio is logged every log step")
+    hang_timeout_s: float | None = Field(None, allow_inf_nan=False, gt=0, description="A step unfinished after this "
+                                         "many seconds is a hang: every rank writes its threads' stacks to "
+                                         "<run>/diagnostics/hang-<step>/, says whether it arrived at the collective, "
+                                         "and ends the attempt (Ray restarts it; torchrun exits 1); null: 50 x the "
+                                         "recent step time, at least 300 (docs/long-runs.md)")
     collective_timeout_s: float = Field(600.0, allow_inf_nan=False, gt=0, description="Report a hung collective (all-reduce) after this many seconds")
     peak_flops: float | None = Field(None, allow_inf_nan=False, gt=0, description="Peak FLOP/s of one worker's device for MFU (null: GPU table; unknown on CPU)")
     profile_steps: list[int] | None = Field(None, description="[start, end]: torch.profiler trace of these optimizer steps on every rank, into profile/rank<k>.json")
@@ -389,6 +394,10 @@ class ScalingSection(Section):
     use_gpu: bool | Literal["auto"] = Field("auto", description="Train on GPUs (auto: when the cluster has them)")
     cpus_per_worker: float = Field(1.0, allow_inf_nan=False, gt=0.0, description="CPUs reserved by each worker (also its torch threads)")
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the last checkpoint (-1: unlimited)")
+    hang_detector: Literal["off", "observe", "fail"] = Field("off", description="Ray's NCCL hang detector "
+                                                             "(RAS; GPU gangs on Ray): observe logs a hang and its "
+                                                             "stacks, fail also ends the attempt (counted in "
+                                                             "max_failures); Ray only")
     preflight: bool = Field(False, description="Before training, check the gang (versions, GEMM, storage, all-reduce) "
                                                "with ray_cluster.doctor's quick checks; stop on a failure")
 

@@ -30,6 +30,7 @@ from stride.errors import DataError
 from stride.datasets.stream import TrainStream, eval_batch_counts, eval_sources, eval_stream
 from stride.trainers import blocks as trainer_blocks
 from stride.trainers import fsdp, pretrained, sinks as run_sinks, telemetry
+from stride.trainers.hang import HangWatchdog
 from stride.trainers.run import checkpointing
 from stride.trainers.run import lock as runlock
 from stride.trainers.run.remote import RunRemote
@@ -227,6 +228,7 @@ class Trainer:
         # Checked before every checkpoint and metrics write: a worker whose run lost the folder never writes again.
         self.fence = runlock.fence_for(cfg, self.run_dir, plan.run_lock_token)
         self.remote = RunRemote.of(cfg)  # a run on a bucket: what reaches it, and when (None: a folder)
+        self.watchdog: HangWatchdog | None = None  # while train_loop runs
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
@@ -749,6 +751,8 @@ class Trainer:
             self.writer.settle()  # the checkpoint being written when the run failed is completed, not torn
             raise
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
             stream.close()
             self.writer.close()
 
@@ -769,6 +773,8 @@ class Trainer:
             log.info("untrained val_loss %.4f", s.initial_val_loss)
         self.model.train()
         clock, profiler = telemetry.StepClock(), telemetry.Profiler(cfg.train.profile_steps, self.run_dir, env)
+        watchdog = self.watchdog = HangWatchdog(self.run_dir, env.world_rank, env.node, cfg.train.hang_timeout_s,
+                                                nccl=env.device.type == "cuda").start()
         train_start, start_step, since = time.perf_counter(), s.step, (time.perf_counter(), s.samples_seen)
         # Until this run logs and evaluates, its latest figures are the checkpoint's (a finished run rerun keeps them).
         last_train = {k: v for k, v in self.checkpoint_metrics.items() if k == "train_loss"}
@@ -786,6 +792,7 @@ class Trainer:
             last_train = metrics
 
         while s.step < self.total_steps:
+            watchdog.beat(s.step + 1)
             profiler.before_step(s.step)
             t_data = time.perf_counter()
             batches = self.micro_batches(stream, sample_log)  # augmentation: a function of the micro-step
@@ -810,7 +817,8 @@ class Trainer:
                 log_train(metrics)
             if due.eval:
                 t_eval = time.perf_counter()
-                last_val = self.evaluate()
+                with watchdog.paused():
+                    last_val = self.evaluate()
                 clock.excluded += time.perf_counter() - t_eval
                 metrics.update(last_val)
                 sinks.eval(s.step, last_val)
@@ -833,7 +841,8 @@ class Trainer:
                 continue
             sinks.step(s.step, metrics)
             t_ckpt = time.perf_counter()
-            staged = self.checkpoint(metrics) if due.checkpoint else None
+            with watchdog.paused():
+                staged = self.checkpoint(metrics) if due.checkpoint else None
             # Ray's report is a round trip through Train's synchronization actor on every rank (~7 ms here): done
             # where someone reads it (checkpoints, evaluations; a Tune trial's every log step), not every log step.
             if due.checkpoint or due.eval or self.plan.report_log_steps:
@@ -843,8 +852,10 @@ class Trainer:
                 clock.excluded += clock.checkpoint_blocked_s
                 callbacks.checkpoint()
             if stopping and stop.preemption is not None and s.step < self.total_steps:
-                self.writer.wait()  # complete before the node goes; then nothing is trained that the restart loses
-                if not stop.wait_out_preemption():
+                with watchdog.paused():
+                    self.writer.wait()  # complete before the node goes; then nothing is trained that the restart loses
+                    waited_out = stop.wait_out_preemption()
+                if not waited_out:
                     if self.rank0:
                         log.warning("the gang was not ended by the preemption's deadline: training on")
                     continue
@@ -856,6 +867,7 @@ class Trainer:
             # Resumed from its last checkpoint with nothing left to train (a sweep killed after that checkpoint, a
             # finished run rerun): report its figures once more, so that Ray's and Tune's last result is the run's.
             env.report(_reportable(self.checkpoint_metrics), None)
+        watchdog.close()
         self.writer.wait()  # a run never ends before its last checkpoint is complete
         profiler.close(sinks)
         stop.uninstall()

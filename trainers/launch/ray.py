@@ -42,6 +42,14 @@ def choose_pipeline(cfg: Config, num_workers: int, use_gpu: bool, resources: dic
     return "ray_data", min(1.0, free / workers)
 
 
+def hang_detector_for(mode: str) -> None:
+    """scaling.hang_detector: Ray Train's NCCL RAS hang detector, which its controller registers when these are set
+    in the driver's environment (read when the trainer is built)."""
+    if mode != "off":
+        os.environ["RAY_TRAIN_ENABLE_NCCL_HANG_DETECTOR"] = "1"
+        os.environ["RAY_TRAIN_NCCL_RAS_ACTION"] = mode
+
+
 def ray_train_metrics_for(run_name: str) -> None:
     """Ray Train tags its own metrics with the run name, and Ray encodes tag values as ASCII: with a non-ASCII
     run.name each record fails the run. Its metrics are switched off for such a run (the variable is read by fit() in
@@ -68,6 +76,7 @@ def build_trainer(cfg: Config, specs: dict[str, DataSpec], facts: dict, *, progr
     plan = plan_run(cfg, specs, facts, progress_bar=progress_bar, data_pipeline=pipeline, data_cpus_per_task=data_cpus,
                     **plan_extra)
     ray_train_metrics_for(cfg.run.name)
+    hang_detector_for(cfg.scaling.hang_detector)
     trainer = torch_trainer(
         cfg, train_loop_per_worker, {"cfg": cfg.to_dict(), "plan": plan}, elastic(cfg) or num_workers, use_gpu,
         # num_workers=auto on CPU means one worker per node: SPREAD places them so (PACK would stack them).

@@ -83,6 +83,7 @@ def show_error(e: StrideError) -> None:
 RAY_ONLY_SCALING = {
     "max_failures": "torchrun's --max-restarts",
     "resize_check_s": "torchrun's elastic --nnodes MIN:MAX",
+    "hang_detector": "train.hang_timeout_s (Stride's own watchdog, on both launchers)",
 }
 
 
@@ -95,7 +96,8 @@ def check_scaling(cfg, local_world_size: int, cores: int) -> None:
     for key, instead in RAY_ONLY_SCALING.items():
         value = getattr(cfg.scaling, key)
         if value != ScalingSection.model_fields[key].default:
-            raise UsageError(f"scaling.{key} ({value:g}) is a Ray setting that torchrun cannot honour; use {instead}, "
+            shown = f"{value:g}" if isinstance(value, (int, float)) else value
+            raise UsageError(f"scaling.{key} ({shown}) is a Ray setting that torchrun cannot honour; use {instead}, "
                              f"or run on Ray")
     cpus = cfg.scaling.cpus_per_worker
     if local_world_size * cpus > cores + 1e-9:

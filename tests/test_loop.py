@@ -22,9 +22,10 @@ def test_one_process_loop_trains_checkpoints_and_resumes(tmp_path, tabular_data)
     assert [r["step"] for r in logs] == [5, 10, 15, 20, 25, 30]
     timing = {"step_time_s", "data_wait_s", "data_wait_fraction"}
     assert set(logs[0]) == {"step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second", "grad_norm",
-                            "clipped", "straggler_ratio"} | timing
+                            "clipped", "straggler_ratio", "goodput"} | timing
     assert all(r["grad_norm"] > 0 and 0 <= r["clipped"] <= 1 for r in logs)
     assert all(r["straggler_ratio"] == 1.0 for r in logs)  # one rank: it is its own median
+    assert all(0 < r["goodput"] < 1 for r in logs)
     for r in logs:
         assert r["step_time_s"] > 0 and 0 < r["data_wait_s"] < r["step_time_s"] and 0 < r["data_wait_fraction"] < 1
         assert "mfu" not in r and "tokens_per_second" not in r  # CPU without train.peak_flops; tabular

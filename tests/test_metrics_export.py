@@ -54,8 +54,9 @@ LOSS = "ray_stride_train_loss"
 LR = "ray_stride_learning_rate"
 MFU = "ray_stride_mfu"
 GPU_MEMORY = "ray_stride_gpu_memory_bytes"
-ALL = {SAMPLES, TOKENS, STEP_TIME, DATA_WAIT, DATA_WAIT_FRACTION, CKPT_BLOCKED, LOSS, LR, MFU, GPU_MEMORY}
-ON_EVERY_RUN = {SAMPLES, STEP_TIME, DATA_WAIT, DATA_WAIT_FRACTION, CKPT_BLOCKED, LOSS, LR}
+GOODPUT = "ray_stride_goodput"
+ALL = {SAMPLES, TOKENS, STEP_TIME, DATA_WAIT, DATA_WAIT_FRACTION, CKPT_BLOCKED, LOSS, LR, MFU, GPU_MEMORY, GOODPUT}
+ON_EVERY_RUN = {SAMPLES, STEP_TIME, DATA_WAIT, DATA_WAIT_FRACTION, CKPT_BLOCKED, LOSS, LR, GOODPUT}
 
 # MFU on CPU needs train.peak_flops. 1e11 FLOP/s is above what a tiny model reaches on one CPU thread (a few
 # GFLOP/s), so the MFU lands in (0, 1].
@@ -273,6 +274,7 @@ def check_run(run: Scraped, want: set[str]) -> None:
     assert all(v > 0 for v in run.all_values(STEP_TIME))
     assert all(v >= 0 for v in run.all_values(DATA_WAIT))
     assert all(0 <= v <= 1 for v in run.all_values(DATA_WAIT_FRACTION))
+    assert all(0 < v < 1 for v in run.all_values(GOODPUT))
     assert all(v > 0 for v in run.all_values(CKPT_BLOCKED))
     assert all(v > 0 for v in run.all_values(LOSS))
     assert all(v > 0 for v in run.all_values(LR))
@@ -327,7 +329,7 @@ def test_dashboard_is_importable_json():
             assert t["expr"].count("(") == t["expr"].count(")")
     titles = " ".join(p["title"].lower() for p in board["panels"])
     for word in ("samples", "tokens", "step time", "data wait", "mfu", "loss", "learning rate", "checkpoint",
-                 "gpu memory", "straggler"):
+                 "gpu memory", "straggler", "goodput"):
         assert word in titles
     used = {n for q in dashboard_queries() for n in re.findall(r"\bray_stride_[a-z_]+\b", q)}
     assert used == ALL

@@ -63,6 +63,8 @@ def test_two_workers_train_and_agree(ray_runs):
     assert len(c) == 2 and c[0] == c[1]  # DDP replicas hold identical weights after training
     # Each worker's peak resident memory: a Ray worker with torch loaded holds well over 100 MB, and less than this
     # machine has.
+    badput = sum(v for k, v in s.items() if k.startswith("badput/"))
+    assert 0 < s["goodput"] < 1 and s["productive_s"] + badput == pytest.approx(s["goodput_wall_s"], rel=0.01)
     assert len(s["peak_rss_bytes_per_worker"]) == 2
     assert all(100e6 < m < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") for m in s["peak_rss_bytes_per_worker"])
     for key in ("status", "world_size", "global_step", "epochs_completed", "samples_seen", "rows_dropped", "train_loss",

@@ -229,6 +229,7 @@ class Trainer:
         self.fence = runlock.fence_for(cfg, self.run_dir, plan.run_lock_token)
         self.remote = RunRemote.of(cfg)  # a run on a bucket: what reaches it, and when (None: a folder)
         self.watchdog: HangWatchdog | None = None  # while train_loop runs
+        self.goodput = telemetry.Goodput()  # this attempt starts now; a resume adds what the checkpoint saved
 
     # ---- setup: data, order, model, precision, sharding, optimizer ----
 
@@ -489,6 +490,7 @@ class Trainer:
         self.checkpoint_metrics = meta.get("metrics") or {}
         s.sinks = saved_state(meta)
         s.initial_val_loss = meta.get("initial_val_loss")
+        self.goodput.resume(meta.get("goodput"))
         log.info("resumed from %s at step %d (epoch %d, +%d samples), restart %d", ckpt_dir, s.step, epoch, offset,
                  s.restarts)
 
@@ -666,7 +668,8 @@ class Trainer:
                 "callbacks": self.callbacks.state_dict(), "ended": self.stop.final_status(),
                 "world_size": self.env.world_size, "model": self.cfg.model.name, "facts": self.plan.facts,
                 "initial_val_loss": s.initial_val_loss, "metrics": metrics, "strategy": self.strategy,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "goodput": self.goodput.state()}
         self.fence.still_holds()  # save() clears a torn folder of this step on rank 0 before its background write
         return self.writer.save(checkpointing.checkpoint_folder(self.run_dir, s.step), state, meta)
 
@@ -708,8 +711,10 @@ class Trainer:
         straggler_ratio = self.straggler_check(own)
         sps = (s.samples_seen - since[1]) / max(now - since[0], 1e-9)
         lrs = logged_lrs(self.cfg, self.scheduler, self.groups, self.peak_lr, self.total_steps)
+        own["goodput"] = self.goodput.figures()["goodput"]  # rank 0's is the run's; every rank's on Prometheus
         metrics = {"train_loss": mean[0], **lrs,
                    "samples_per_second": sps, **dict(zip(keys, mean[1:])), "straggler_ratio": straggler_ratio,
+                   "goodput": own["goodput"],
                    **{f"samples_seen/{name}": n for name, n in self.order.source_counts(s.micro_step).items()}}
         if self.train_metrics is not None:
             metrics.update(self.train_metrics.take(self.env.device))
@@ -791,12 +796,14 @@ class Trainer:
             sinks.train(metrics, own, eta)
             last_train = metrics
 
+        self.goodput.training()
         while s.step < self.total_steps:
             watchdog.beat(s.step + 1)
             profiler.before_step(s.step)
             t_data = time.perf_counter()
             batches = self.micro_batches(stream, sample_log)  # augmentation: a function of the micro-step
-            clock.data_wait += time.perf_counter() - t_data
+            clock.data_wait += (waited := time.perf_counter() - t_data)
+            self.goodput.waited_for("data_wait", waited)
             reseed(cfg.run.seed, env.world_rank, s.step)  # dropout: a function of the step
             result = self.step(batches)
             callbacks.optimizer_step()  # train.ema's update
@@ -819,7 +826,8 @@ class Trainer:
                 t_eval = time.perf_counter()
                 with watchdog.paused():
                     last_val = self.evaluate()
-                clock.excluded += time.perf_counter() - t_eval
+                clock.excluded += (waited := time.perf_counter() - t_eval)
+                self.goodput.waited_for("evaluation", waited)
                 metrics.update(last_val)
                 sinks.eval(s.step, last_val)
                 callbacks.eval_end(last_val)
@@ -850,6 +858,7 @@ class Trainer:
             if due.checkpoint:  # what training waited for: the previous write (if still going) and staging
                 clock.checkpoint_blocked_s = time.perf_counter() - t_ckpt
                 clock.excluded += clock.checkpoint_blocked_s
+                self.goodput.waited_for("checkpoint", clock.checkpoint_blocked_s)
                 callbacks.checkpoint()
             if stopping and stop.preemption is not None and s.step < self.total_steps:
                 with watchdog.paused():
@@ -901,7 +910,8 @@ class Trainer:
             "initial_val_loss": s.initial_val_loss, **{k: v for k, v in last_val.items() if k != "val_loss"},
             "samples_per_second": trained * self.global_micro * self.cfg.train.grad_accum_steps / max(wall, 1e-9)
             if trained else None,
-            "train_wall_s": wall, **self.sinks.summary(), "restarts": s.restarts, "preemptions": s.preemptions,
+            "train_wall_s": wall, **self.goodput.figures(), **self.sinks.summary(), "restarts": s.restarts,
+            "preemptions": s.preemptions,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, *_ in per_rank], "param_bytes_per_worker": [b for _, b, *_ in per_rank],
             "worker_nodes": [n for _, _, n, _ in per_rank], "peak_rss_bytes_per_worker": [m for *_, m in per_rank],

@@ -56,6 +56,7 @@ GAUGES = {
     "lr": ("stride_learning_rate", "Learning rate"),
     "mfu": ("stride_mfu", "Model FLOPs utilisation of this rank's device (0..1)"),
     "gpu_memory_bytes": ("stride_gpu_memory_bytes", "Peak GPU memory allocated by this rank since the last log step"),
+    "goodput": ("stride_goodput", "Share of the wall time since the run first started that trained (0..1)"),
 }
 
 
@@ -144,6 +145,56 @@ class StepClock:
         steps = max(self.steps, 1)
         return {"step_time_s": busy / steps, "data_wait_s": self.data_wait / steps,
                 "data_wait_fraction": min(self.data_wait / busy, 1.0)}
+
+
+class Goodput:
+    """Where the wall time since the run first started went (MaxText's goodput): training steps (`productive`), and
+    `badput` by cause: restarts (from a checkpoint to the attempt that resumed it: the steps trained since and lost,
+    and the time down), startup (an attempt's start to its first step: set-up, loading, the untrained evaluation),
+    data_wait, evaluation and checkpoint (what training waited for). Each attempt adds to the parts its checkpoint
+    saved (`state`, in meta.json), so the parts always sum to the wall time since the first start."""
+
+    BADPUT = ("restarts", "startup", "data_wait", "evaluation", "checkpoint")
+
+    def __init__(self, attempt_start: float | None = None):
+        self.attempt_start = attempt_start or time.time()
+        self.first_start = self.attempt_start
+        self.before = dict.fromkeys(("productive", *self.BADPUT), 0.0)  # earlier attempts, to their checkpoint
+        self.waited = dict.fromkeys(("data_wait", "evaluation", "checkpoint"), 0.0)  # this attempt's
+        self.first_step: float | None = None
+
+    def resume(self, saved: dict[str, Any] | None) -> None:
+        """The parts a checkpoint saved (meta.json's "goodput"); the time since it was written is a restart's."""
+        if not saved:
+            return
+        self.first_start = saved["first_start"]
+        self.before.update({k: float(v) for k, v in saved["parts"].items() if k in self.before})
+        self.before["restarts"] += max(0.0, self.attempt_start - saved["at"])
+
+    def training(self) -> None:
+        """The first step starts: the attempt's start-up ends."""
+        self.first_step = time.time()
+
+    def waited_for(self, cause: str, seconds: float) -> None:
+        self.waited[cause] += seconds
+
+    def parts(self, now: float | None = None) -> dict[str, float]:
+        now = now or time.time()
+        first = self.first_step or now
+        here = {"startup": first - self.attempt_start, **self.waited,
+                "productive": now - first - sum(self.waited.values())}
+        return {k: self.before[k] + here.get(k, 0.0) for k in self.before}
+
+    def state(self) -> dict[str, Any]:
+        now = time.time()
+        return {"first_start": self.first_start, "at": now, "parts": self.parts(now)}
+
+    def figures(self) -> dict[str, float]:
+        """goodput (productive over wall) and badput/<cause> in seconds, with the wall time they split."""
+        now = time.time()
+        parts, wall = self.parts(now), max(now - self.first_start, 1e-9)
+        return {"goodput": parts["productive"] / wall, "goodput_wall_s": wall, "productive_s": parts["productive"],
+                **{f"badput/{k}": parts[k] for k in self.BADPUT}}
 
 
 class ForwardClock:

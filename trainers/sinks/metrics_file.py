@@ -20,7 +20,7 @@ log = logging.getLogger("stride")
 # samples_seen/<source>) and the task's own train_<name> figures follow them.
 TRAIN_FIELDS = ("step", "epoch", "samples_seen", "train_loss", "lr", "samples_per_second", "step_time_s",
                 "data_wait_s", "data_wait_fraction", "tokens_per_second", "mfu", "checkpoint_blocked_s",
-                "checkpoint_write_s", "padding_fraction", "grad_norm", "clipped", "loss_scale", "straggler_ratio")
+                "checkpoint_write_s", "padding_fraction", "grad_norm", "clipped", "loss_scale", "straggler_ratio", "goodput")
 
 
 class MetricsFile:

@@ -43,6 +43,7 @@ ONE_SOURCE = {
               "epochs": None, "precision": "fp32", "eval_every_steps": 10, "log_every_steps": 5, "deterministic": True,
               "num_threads": 1, "nonfinite": "stop", "max_nonfinite_steps": 2, "gc_every_steps": 10,
               "collective_timeout_s": 60.0, "straggler_warn_ratio": 1.5, "hang_timeout_s": 900.0,
+              "spike": {"metric": "grad_norm", "window": 50, "factor": 4.0, "action": "skip"},
               "peak_flops": 1e12, "profile_steps": [2, 3], "strategy": "fsdp", "compile": "model",
               "compile_mode": "max-autotune", "activation_checkpointing": True, "activation_checkpointing_every": 2,
               "fsdp": {"shard_size": 2, "offload": "cpu"}},

@@ -152,3 +152,35 @@ def test_the_loop_reads_only_at_log_and_checkpoint_steps(tmp_path, tabular_data,
     at = sorted(set(reads))
     assert reads and set(at) <= {0, 4, 8, 12}, f"reads at steps {at}"
     assert sorted(losses(tmp_path / "r")) == [4, 8, 12]
+
+
+def test_a_spike_is_judged_on_the_device_and_skip_drops_only_its_update():
+    """train.spike (SpikeGuard): after 10 ordinary steps, a step whose loss is 100 times theirs is a spike; with skip
+    its update is dropped (the weights stay as they were) and the next ordinary step trains again, judged against a
+    window the spike never entered."""
+    from stride.trainers.step import SpikeGuard
+
+    model, opt = _setup(fused=False)
+    prec = Precision.create("fp32", torch.device("cpu"))
+    guard = SpikeGuard("train_loss", window=20, factor=3.0, skip=True)
+    data = torch.randint(0, 64, (4, 9))
+
+    def scaled(k):
+        return lambda m, b: mean_ce(m, b) * k
+
+    verdicts = [train_step(scaled(1.0), model, opt, prec.grad_scaler(), prec, [data], 1.0, guard=guard).spike
+                for _ in range(10)]
+    assert all(v[0] == 0 for v in verdicts)  # no spikes while the window fills
+    before = [p.detach().clone() for p in model.parameters()]
+    r = train_step(scaled(100.0), model, opt, prec.grad_scaler(), prec, [data], 1.0, guard=guard)
+    spike, median, value = r.spike.tolist()
+    assert spike == 1 and value > 3 * median and bool(r.finite)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped
+    r = train_step(scaled(1.0), model, opt, prec.grad_scaler(), prec, [data], 1.0, guard=guard)
+    assert r.spike[0] == 0 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    warn = SpikeGuard("grad_norm", window=20, factor=3.0, skip=False)
+    for _ in range(10):
+        train_step(scaled(1.0), model, opt, prec.grad_scaler(), prec, [data], 1.0, guard=warn)
+    before = [p.detach().clone() for p in model.parameters()]
+    r = train_step(scaled(100.0), model, opt, prec.grad_scaler(), prec, [data], 1.0, guard=warn)
+    assert r.spike[0] == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # warned only

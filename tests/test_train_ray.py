@@ -42,7 +42,7 @@ def ray_runs(tmp_path_factory, tabular_data, mlflow_server, shared_ray_head):
     ray = shared_ray_head.env()
     a = run_cli([str(REPO / "trainers/main.py"), *tiny_args(tabular_data, storage, "a", STEPS, mlflow),
                  "tracking.sinks=[mlflow, tensorboard]", "train.callbacks=[my_callbacks:Counter]",
-                 "train.compile=model"],
+                 "train.compile=model", "train.spike={metric: grad_norm, action: skip}"],
                 env={**ray, "STRIDE_SAMPLE_LOG": str(storage / "samples_a")}, cwd=project)
     assert not shared_ray_head.wait_idle()
     return {"storage": storage, "a": a, "mlflow": mlflow_server, "ray": ray}
@@ -74,6 +74,7 @@ def test_two_workers_train_and_agree(ray_runs):
     assert s["checkpoint"] and os.path.isdir(s["checkpoint"])
     assert "stride: summary" in a.stdout and "stride: mlflow" in a.stdout
     assert s["compiled_modules"] == 1  # train.compile=model reached both workers from the driver's dict
+    assert s["spikes"] == s["spikes_skipped"] and s["spikes"] >= 0  # train.spike reached them too (a healthy run)
     logged = [r for r in read_jsonl(run / "metrics.jsonl") if "train_loss" in r]
     assert all(r["grad_norm"] > 0 and 0 <= r["clipped"] <= 1 and r["straggler_ratio"] >= 1 for r in logged), logged[0]
 

@@ -285,6 +285,17 @@ class EMASection(Section):
                                                 "the average's), raw, or both (val_loss and val_loss_ema)")
 
 
+class SpikeSection(Section):
+    metric: Literal["train_loss", "grad_norm"] = Field("train_loss", description="The step's figure watched: the "
+                                                      "loss (averaged over the ranks) or the gradient norm before "
+                                                      "clipping")
+    window: int = Field(100, ge=2, le=MAX_STEPS, description="A spike exceeds factor x the median of this many "
+                        "recent steps' figures (spikes never enter them)")
+    factor: float = Field(3.0, gt=1.0, allow_inf_nan=False, description="How many times the median a spike exceeds")
+    action: Literal["warn", "skip"] = Field("warn", description="warn: log each spike and train on; skip: also drop "
+                                            "the spike's update, as train.nonfinite=skip drops a non-finite one")
+
+
 class FsdpSection(Section):
     shard_size: int | None = Field(None, ge=1, description="train.strategy=hsdp: ranks per shard group (each group "
                                    "holds one copy of the model, sharded; the groups are replicas); null: the workers "
@@ -328,6 +339,9 @@ class TrainSection(Section):
     log_every_steps: int = Field(20, ge=1, le=MAX_STEPS, description="Log, report and write metrics.jsonl every N optimizer steps")
     deterministic: bool = Field(False, description="Use deterministic algorithms (bitwise repeatable on CPU)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (null: from cpus_per_worker)")
+    spike: SpikeSection | None = Field(None, description="Loss spikes: {metric, window, factor, action}; every rank "
+                                       "takes the same decision on the device, the log names each spike at the next "
+                                       "log step, summary.json counts them (docs/long-runs.md)")
     nonfinite: Literal["skip", "stop"] = Field("skip", description="On a NaN/inf loss or gradient: skip the step, or stop the run")
     max_nonfinite_steps: int = Field(5, ge=1, le=MAX_STEPS, description="Stop after this many non-finite steps in a row (with nonfinite=skip)")
     gc_every_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Python's garbage collection while training: automatic collection off (what set-up built is frozen out of it), a young-generation collection every N optimizer steps on every rank, as torchtitan does; 0: Python's automatic collection")
@@ -372,6 +386,13 @@ class TrainSection(Section):
             raise ValueError(f"must be [start, end] with 1 <= start <= end <= {MAX_STEPS}; use e.g. "
                              f"train.profile_steps=[10,12]")
         return v
+
+    @model_validator(mode="after")
+    def _spike_skip_needs_a_step_it_can_veto(self) -> "TrainSection":
+        if self.spike is not None and self.spike.action == "skip" and self.precision == "fp16":
+            raise ValueError("train.spike.action (skip) cannot veto a step under train.precision=fp16 (the GradScaler "
+                             "takes that decision); use train.precision=bf16, or train.spike.action=warn")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> "TrainSection":

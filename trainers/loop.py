@@ -39,13 +39,13 @@ from stride.trainers.callbacks.base import CallbackState
 from stride.trainers.config import (Config, check_batch_fits, check_mesh_fits, global_batch_size, global_micro_batch,
                                     public_dict, scaled_lr)
 from stride.trainers.policies import (TRANSFORM_STREAM, Cadence, GarbageCollection, NonFinitePolicy, Preemption, RankPace,
-                                     StopRequest, Stragglers, reseed)
+                                     SpikeLog, StopRequest, Stragglers, reseed)
 from stride.errors import TrainingError
 from stride.trainers.sinks import Sinks, saved_state
 from stride.trainers.sinks.base import RunInfo
 from stride.trainers.optim import Freezer, build_optimizer, build_scheduler, logged_lrs, resolve_groups
-from stride.trainers.step import (Precision, StepResult, TrainMetrics, all_gather_rows, all_reduce_mean_many, evaluate,
-                                  resolve_precision, train_step)
+from stride.trainers.step import (Precision, SpikeGuard, StepResult, TrainMetrics, all_gather_rows, all_reduce_mean_many,
+                                  evaluate, resolve_precision, train_step)
 from stride.trainers.task import Task
 from stride.trainers.tasks import make_task
 
@@ -321,6 +321,7 @@ class Trainer:
         self.callbacks = Callbacks(build_callbacks(cfg, self.task), CallbackState(self))
         self.scaler = self.precision.grad_scaler()
         self.forward_clock, self.stragglers = telemetry.ForwardClock(env.device), Stragglers(t.straggler_warn_ratio)
+        self.spike_guard, self.spike_log = self.spike_watch()
         # Checkpoints are written in the background over a gloo group of their own (DCP's collectives, CPU tensors).
         self.checkpoint_group = (torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized()
                                  else None)
@@ -332,6 +333,18 @@ class Trainer:
                                                      fence=self.fence.still_holds, remote=self.remote,
                                                      sync=cfg.checkpoint.upload == "sync")
         self.writer.keep_last = cfg.checkpoint.keep_last
+
+    def spike_watch(self) -> tuple[SpikeGuard | None, SpikeLog | None]:
+        """train.spike: the guard the step consults on the device, and the log the loop reads it into."""
+        spike = self.cfg.train.spike
+        if spike is None:
+            return None, None
+        skip = spike.action == "skip" and not self.scaler.is_enabled()
+        if spike.action == "skip" and not skip and self.rank0:
+            log.warning("train.spike.action=skip: train.precision resolved to fp16 on this device, whose GradScaler "
+                        "decides each step; spikes are logged, not skipped (use train.precision=bf16 to skip them)")
+        return (SpikeGuard(spike.metric, spike.window, spike.factor, skip),
+                SpikeLog(spike.metric, spike.factor, spike.window, skip))
 
     def written(self, folder: Path, seconds: float) -> None:
         """Rank 0, once a checkpoint's files are all in (the writer's thread)."""
@@ -598,7 +611,7 @@ class Trainer:
         try:
             result = train_step(self.forward_clock.timed(self.loss_fn), self.model, self.optimizer, self.scaler, self.precision, batches,
                                 self.cfg.optim.grad_clip_norm, self.train_metrics and self.train_metrics.observe,
-                                self.grad_groups)
+                                self.grad_groups, self.spike_guard)
         except torch.OutOfMemoryError:
             raise TrainingError(
                 f"out of memory at step {self.state.step + 1} with train.batch_size_per_worker="
@@ -679,6 +692,10 @@ class Trainer:
         for warning in nonfinite.settle():
             if self.rank0 and not self.scaler.is_enabled():
                 log.warning(warning)
+        if self.spike_log is not None:  # logged under fp16 too: a spike is not the GradScaler's business
+            for warning in self.spike_log.warnings if self.rank0 else ():
+                log.warning(warning)
+            self.spike_log.warnings.clear()
 
     # ---- log: the loss and this rank's timings, averaged over ranks with one all-reduce ----
 
@@ -771,7 +788,7 @@ class Trainer:
         callbacks = self.callbacks
         cadence = Cadence(self.total_steps, cfg.train.log_every_steps, cfg.train.eval_every_steps,
                           cfg.checkpoint.every_steps, self.plan.val is not None)
-        nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps)
+        nonfinite = NonFinitePolicy(cfg.train.nonfinite, cfg.train.max_nonfinite_steps, self.spike_log)
         callbacks.fit_start()  # before the untrained evaluation, which may evaluate train.ema's average
         if s.initial_val_loss is None and self.plan.val is not None:
             s.initial_val_loss = self.evaluate()["val_loss"]
@@ -910,7 +927,8 @@ class Trainer:
             "initial_val_loss": s.initial_val_loss, **{k: v for k, v in last_val.items() if k != "val_loss"},
             "samples_per_second": trained * self.global_micro * self.cfg.train.grad_accum_steps / max(wall, 1e-9)
             if trained else None,
-            "train_wall_s": wall, **self.goodput.figures(), **self.sinks.summary(), "restarts": s.restarts,
+            "train_wall_s": wall, **self.goodput.figures(), **(self.spike_log.summary() if self.spike_log else {}),
+            **self.sinks.summary(), "restarts": s.restarts,
             "preemptions": s.preemptions,
             "precision": self.precision_name, "strategy": self.strategy, **self.block_settings,
             "param_checksums": [c for c, *_ in per_rank], "param_bytes_per_worker": [b for _, b, *_ in per_rank],

@@ -94,8 +94,8 @@ class NonFinitePolicy:
     """train.nonfinite: `skip` leaves the weights as they were and goes on, up to train.max_nonfinite_steps in a
     row; `stop` ends the run at the first. Ending keeps the last good checkpoint (TrainingError, exit 1)."""
 
-    def __init__(self, mode: str, limit: int):
-        self.mode, self.limit, self.in_a_row = mode, limit, 0
+    def __init__(self, mode: str, limit: int, spikes: "SpikeLog | None" = None):
+        self.mode, self.limit, self.in_a_row, self.spikes = mode, limit, 0, spikes
         self.pending: list[tuple[int, Any]] = []  # (step, StepResult) not read yet
         self.loss: float = math.nan  # the newest read step's loss
         self.norms: list[float] = []  # the gradient norms (before clipping) of the steps read since take_norms()
@@ -127,6 +127,9 @@ class NonFinitePolicy:
                 warnings.append(warning)
         if pending and pending[-1][1].group_norms is not None:  # after read_many's copy: it waits for nothing
             self.group_norms = pending[-1][1].group_norms.tolist()
+        if self.spikes is not None and pending:
+            verdicts = torch.stack([r.spike for _, r in pending]).tolist()
+            self.spikes.warnings += [w for (step, _), v in zip(pending, verdicts) if (w := self.spikes.observe(step, *v))]
         return warnings
 
     def observe(self, step: int, finite: bool, loss: float, grad_norm: float | None) -> str | None:
@@ -140,6 +143,26 @@ class NonFinitePolicy:
             raise TrainingError(f"{what}, {self.in_a_row} in a row; the last good checkpoint is kept: lower optim.lr, "
                                 f"set optim.grad_clip_norm, or check the data for NaN")
         return f"{what}: step skipped ({self.in_a_row} in a row, limit train.max_nonfinite_steps={self.limit})"
+
+
+class SpikeLog:
+    """train.spike's verdicts (trainers/step.py SpikeGuard), as the loop reads them: a warning per spike, and the
+    counts summary.json gives."""
+
+    def __init__(self, figure: str, factor: float, window: int, skip: bool):
+        self.figure, self.factor, self.window, self.skip = figure, factor, window, skip
+        self.count, self.steps, self.warnings = 0, [], []  # warnings: read since the loop last logged them
+
+    def observe(self, step: int, spike: float, median: float, value: float) -> str | None:
+        if not spike:
+            return None
+        self.count += 1
+        self.steps.append(step)
+        return (f"spike at step {step}: {self.figure} {value:.4g} > {self.factor:g} x {median:.4g}, the median of "
+                f"the last {self.window} steps: " + ("its update skipped" if self.skip else "trained on"))
+
+    def summary(self) -> dict[str, Any]:
+        return {"spikes": self.count, "spike_steps": self.steps[-100:], "spikes_skipped": self.count * self.skip}
 
 
 @dataclass(frozen=True)

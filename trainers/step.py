@@ -89,8 +89,9 @@ class StepResult:
 
     loss: torch.Tensor  # mean over micro-steps, this rank; with (loss_sum, count) losses, the global sum / global count
     grad_norm: torch.Tensor
-    finite: torch.Tensor  # bool: the optimizer applied the step
+    finite: torch.Tensor  # bool: the loss and gradients were finite (applied, unless train.spike skipped it)
     group_norms: torch.Tensor | None = None  # with parameter groups: each group's gradient norm before clipping
+    spike: torch.Tensor | None = None  # with train.spike: [spike (0/1), the window's median, the figure]
 
     def read(self) -> tuple[float, float, bool]:
         """(loss, grad_norm, finite) as Python values: one device-to-host copy."""
@@ -166,10 +167,37 @@ class TrainMetrics:
         return {f"train_{n}": float(s / c) if c else math.nan for n, (s, c) in zip(self.names, totals.tolist())}
 
 
+class SpikeGuard:
+    """train.spike on the device: a step whose figure (the loss averaged over the ranks, or the gradient norm before
+    clipping, the same on every rank) exceeds `factor` x the median of the last `window` steps' figures is a spike,
+    once the window holds MIN_HISTORY of them; with `skip` its update is dropped as a non-finite step's is. Every rank
+    takes the same decision; spikes (and non-finite figures) never enter the window. Nothing is read: the verdict
+    goes back in StepResult.spike and the loop reads it with the loss at the next log step."""
+
+    MIN_HISTORY = 10
+
+    def __init__(self, figure: str, window: int, factor: float, skip: bool):
+        self.figure, self.factor, self.skip = figure, factor, skip
+        self.window, self.slot = window, 0
+        self.values: torch.Tensor | None = None
+
+    def judge(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        figures = {"grad_norm": lambda: norm, "train_loss": lambda: all_reduce_sum_here(loss.float()) / _world_size()}
+        x = figures[self.figure]().detach().float().reshape(())
+        if self.values is None:
+            self.values = torch.full((self.window,), float("nan"), device=x.device)
+        median = torch.nanmedian(self.values)
+        known = (~torch.isnan(self.values)).sum() >= min(self.MIN_HISTORY, self.window)
+        spike = known & torch.isfinite(x) & (x > self.factor * median)
+        self.values[self.slot] = torch.where(spike | ~torch.isfinite(x), self.values[self.slot], x)
+        self.slot = (self.slot + 1) % self.window
+        return torch.stack([spike.float(), median, x])
+
+
 def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                precision: Precision, micro_batches: list[Any], grad_clip_norm: float | None,
                observe: Callable[[nn.Module, Any, Any], None] | None = None,
-               groups: list[list[nn.Parameter]] | None = None) -> StepResult:
+               groups: list[list[nn.Parameter]] | None = None, guard: SpikeGuard | None = None) -> StepResult:
     """Accumulate gradients over `micro_batches`, then one optimizer step.
 
     The all-reduce (FSDP: reduce-scatter) runs only on the last micro-step (`no_sync`, or FSDP's
@@ -210,13 +238,14 @@ def train_step(loss_fn: LossFn, model: nn.Module, optimizer: torch.optim.Optimiz
             own = torch.stack([loss.detach().double(), _on(count, loss.device).double()])
             sums = own if sums is None else sums + own
     if sums is None:
-        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total.double() / n, groups=groups)
+        return _optimizer_step(model, optimizer, scaler, grad_clip_norm, total.double() / n, groups=groups,
+                               guard=guard)
     # Every rank joins the all-reduce, one without terms too; the result is the same everywhere, so is the decision.
     loss_sum, count = all_reduce_sum_here(sums)
     # DDP and FSDP average the ranks' gradients of their weighted sums: x W / (weight x count) makes that the
     # global mean's. No term on any rank (count 0): the factor and the loss are not finite, so the step is skipped.
     return _optimizer_step(model, optimizer, scaler, grad_clip_norm, loss_sum / count,
-                           _world_size() / (weight * count), groups)
+                           _world_size() / (weight * count), groups, guard)
 
 
 def _on(value: Any, device: torch.device) -> torch.Tensor:
@@ -253,7 +282,7 @@ def group_grad_norms(groups: list[list[nn.Parameter]]) -> tuple[torch.Tensor, to
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     grad_clip_norm: float | None, loss: torch.Tensor,
                     grad_factor: torch.Tensor | None = None,
-                    groups: list[list[nn.Parameter]] | None = None) -> StepResult:
+                    groups: list[list[nn.Parameter]] | None = None, guard: SpikeGuard | None = None) -> StepResult:
     """Unscale, multiply the gradients by grad_factor, clip, then step unless the loss or the gradients are not
     finite; the gradients are cleared either way. Decided on the device (skip_nonfinite_step): nothing here waits for
     the GPU."""
@@ -273,6 +302,7 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm or float("inf"))
     local_norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP: replicated, the same on every rank
+    spike = guard.judge(loss, local_norm) if guard is not None else None
     if scaler.is_enabled():
         # fp16: the scaler skips steps with inf/NaN gradients (its found_inf, handed to a fused optimizer on the
         # device) and lowers the scale; a lowered scale is a step not taken.
@@ -282,9 +312,10 @@ def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         finite = scaler._scale >= scale_before
     else:
         finite = torch.isfinite(local_norm) & torch.isfinite(loss.to(local_norm.device))
-        skip_nonfinite_step(optimizer, finite)  # never apply NaN/inf gradients: the weights would be lost
+        apply = finite & (spike[0] == 0) if spike is not None and guard.skip else finite
+        skip_nonfinite_step(optimizer, apply)  # never apply NaN/inf gradients: the weights would be lost
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.detach(), norm.detach(), finite, group_norms)
+    return StepResult(loss.detach(), norm.detach(), finite, group_norms, spike)
 
 
 def skip_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:

@@ -117,8 +117,10 @@ def test_a_second_run_of_the_same_name_exits_2_naming_the_holder_and_the_first_l
 def test_a_stale_lock_is_taken_over_with_one_warning(s3_server, bucket, tabular_data, tmp_path):
     stale = {"token": "x" * 32, "fence": 4, "host": "elsewhere", "pid": 1, "started": time.time() - 3600}
     _put(s3_server, f"{bucket}/runs/st/stride.lock", json.dumps(stale).encode())  # another host's, long silent
-    time.sleep(2.5)  # run.lock_stale_s=2: the lock's heartbeat is older than that on the server's clock
-    done = launch.forked(args(tabular_data, bucket, "st", 4, tmp_path / "s", "run.lock_stale_s=2"),
+    # run.lock_stale_s=6: the lock's heartbeat is older than that on the server's clock. (Not less: the run's own
+    # heartbeat must never look stale to its fence on a loaded machine, where a beat can be seconds late.)
+    time.sleep(6.5)
+    done = launch.forked(args(tabular_data, bucket, "st", 4, tmp_path / "s", "run.lock_stale_s=6"),
                          env=s3_server.child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     warnings = [ln for ln in done.stderr.splitlines() if "taking over the run lock" in ln]

@@ -112,7 +112,13 @@ def runs(tmp_path_factory, text_data):
     hsdp = ["train.strategy=hsdp", "train.fsdp.shard_size=2"]
     cases = [{"label": name, "args": gpt_args(text_data, storage, name, steps, 4, *extra)}
              for name, steps, extra in (("ddp", STEPS, []), ("hsdp", STEPS, hsdp),
-                                        ("offload", 10, [*hsdp, "train.fsdp.offload=cpu"]))]
+                                        ("offload", 10, [*hsdp, "train.fsdp.offload=cpu"]),
+                                        # what works under fsdp works under hsdp: compiled blocks, activation
+                                        # checkpointing, bf16, accumulation (sync at the last micro-step), clipping
+                                        ("together", 6, [*hsdp, "train.compile=auto", "train.precision=bf16",
+                                                         "train.activation_checkpointing=true",
+                                                         "train.grad_accum_steps=2", "optim.grad_clip_norm=0.5",
+                                                         "train.batch_size_per_worker=2"]))]
     # torchrun's 4 ranks, which scaling.num_workers does not name: the gang refuses a size that does not divide them.
     cases.append({"label": "refused", "args": gpt_args(text_data, storage, "refused", 2, 4, *hsdp[:1],
                                                        "train.fsdp.shard_size=3")})
@@ -120,14 +126,16 @@ def runs(tmp_path_factory, text_data):
     (results / "cases.json").write_text(json.dumps(cases))
     r = launch.torchrun([str(results / "cases.json"), str(results)], nproc=4, entry=("tests/torchrun_cases.py",))
     done = {c["label"]: c for c in json.loads((results / "rank0.json").read_text())}
-    assert [done[c["label"]]["code"] for c in cases] == [0, 0, 0, 2], r.stdout[-3000:] + r.stderr[-3000:]
+    assert [done[c["label"]]["code"] for c in cases] == [0, 0, 0, 0, 2], r.stdout[-3000:] + r.stderr[-3000:]
     resumed = {}
     for name, src, step, nproc, batch, strategy in (("fsdp2", "hsdp", 10, 2, 8, "fsdp"),
-                                                     ("ddp1", "fsdp2", 20, 1, 16, "ddp")):
+                                                     ("ddp1", "fsdp2", 20, 1, 16, "ddp"),
+                                                     ("hsdp4", "fsdp2", 20, 4, 4, "hsdp")):
         (storage / name).mkdir()
         shutil.copytree(storage / src / f"checkpoint_{step:08d}", storage / name / f"checkpoint_{step:08d}")
-        r = launch.torchrun(gpt_args(text_data, storage, name, step + 10, batch, f"train.strategy={strategy}"),
-                            nproc=nproc)
+        layout = ["train.fsdp.shard_size=2"] if strategy == "hsdp" else []
+        r = launch.torchrun(gpt_args(text_data, storage, name, step + 10, batch, f"train.strategy={strategy}",
+                                     *layout), nproc=nproc)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         resumed[name] = r.stdout + r.stderr
     return {"storage": storage, "resumed": resumed, "refused": done["refused"]}
@@ -197,6 +205,29 @@ def test_an_hsdp_checkpoint_resumes_under_fsdp_on_2_then_ddp_on_1_and_ends_where
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
     assert one["global_step"] == STEPS and one["param_checksums"][0] == pytest.approx(hsdp["param_checksums"][0],
                                                                                      rel=1e-6)
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_2_ranks_resumes_under_hsdp_on_4(runs):
+    storage = runs["storage"]
+    assert "at step 20" in runs["resumed"]["hsdp4"]
+    s = summary(storage / "hsdp4")
+    assert (s["strategy"], s["world_size"], s["mesh"]["groups"]) == ("hsdp", 4, [[0, 1], [2, 3]])
+    got, want = losses(storage / "hsdp4"), losses(storage / "hsdp")
+    assert sorted(got) == list(range(21, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_compile_checkpointing_bf16_accumulation_and_clipping_work_under_hsdp(runs):
+    s = summary(runs["storage"] / "together")
+    assert s["status"] == "completed" and s["strategy"] == "hsdp" and s["precision"] == "bf16"
+    assert s["compiled_modules"] > 0 and s["activation_checkpointed_blocks"] > 0, s
+    lines = [x for x in map(json.loads, (runs["storage"] / "together" / "metrics.jsonl").read_text().splitlines())
+             if "train_loss" in x]
+    assert len(lines) == 6 and all(x["grad_norm"] > 0 and 0 <= x["clipped"] <= 1 for x in lines)
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"]
 
 
 @pytest.mark.slow

@@ -106,6 +106,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s per GPU for MFU, all modes (default: table)")
     p.add_argument("--allow-tf32", action="store_true", help="let fp32 matmuls use TF32 (MFU then against the TF32 peak)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-<device>.json)")
+    p.add_argument("--offload", default=None, metavar="SHAPE",
+                   help="first, train.fsdp.offload=cpu's peak GPU memory over without, for one rank at SHAPE (issue "
+                        "47: L; goal <= 0.5), recorded in the JSON's notes")
     p.add_argument("--sync-check", action="store_true",
                    help="first, Stride's step (eager, fused AdamW) under torch.cuda.set_sync_debug_mode('error') in "
                         "every mode: host syncs between log steps, recorded in the JSON's notes")
@@ -115,6 +118,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--device ({a.device}) must be cuda or cpu; use --device cuda or --device cpu")
     a.shapes = split_list("--shapes", a.shapes or ("S,M,L" if a.device == "cuda" else "tiny"), list(SHAPES))
     a.modes = split_list("--modes", a.modes, list(MODES))
+    if a.offload is not None and a.offload not in SHAPES:
+        raise UsageError(f"--offload ({a.offload}) is not a shape; use one of {', '.join(SHAPES)}, e.g. --offload L")
     if a.compile not in ("both", "on", "off"):
         raise UsageError(f"--compile ({a.compile}) must be both, on or off; use e.g. --compile off")
     a.ac = a.ac or ("both" if a.device == "cuda" else "off")
@@ -568,6 +573,51 @@ def write_report(args, results: list[dict], skipped: list[dict], device: torch.d
     return out
 
 
+def offload_peak(shape: tuple[int, ...], device: torch.device, offload: bool, steps: int = 3) -> float | None:
+    """Peak device memory of `steps` bf16 steps of one rank's FSDP2 model (stride.trainers.fsdp.shard_model over a
+    1-rank mesh, as train.strategy=fsdp builds it), with train.fsdp.offload=cpu or without; None on CPU."""
+    from stride.trainers import fsdp
+
+    free_memory(device)
+    torch.manual_seed(0)
+    layers, width, heads, context, batch = shape
+    model = CharGPT(VOCAB_SIZE, context, layers, heads, width, dropout=0.0)
+    if not offload:
+        model = model.to(device)
+    model = fsdp.shard_model(model, list(model.blocks), device, fsdp.Mesh.flat(1), torch.bfloat16, offload=offload)
+    opt = adamw(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for x, y in random_batches(shape, device, seed=0)[:steps]:
+        loss = char_gpt_loss(model, {"inputs": x, "targets": y})
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync(device)
+    peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    del model, opt
+    free_memory(device)
+    return peak
+
+
+def offload_check(shape_name: str, device: torch.device) -> list[str]:
+    """train.fsdp.offload=cpu against the same FSDP2 model without it, one rank (a process group of one)."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    try:
+        without, with_offload = (offload_peak(SHAPES[shape_name], device, off) for off in (False, True))
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    if without is None or with_offload is None:
+        return [f"offload check at {shape_name}: ran on {device.type}, no device memory to compare"]
+    return [f"offload check at {shape_name}, one rank, bf16: peak GPU memory {with_offload / 2**30:.2f} GiB with "
+            f"train.fsdp.offload=cpu against {without / 2**30:.2f} GiB without: ratio {with_offload / without:.3f} "
+            f"(goal <= 0.5)"]
+
+
 def sync_check(modes: list[str], device: torch.device, ddp: bool) -> list[str]:
     """Stride's step between log steps may not wait for the GPU (issue 45): 3 steps of each mode under
     torch.cuda.set_sync_debug_mode("error"), after 2 untimed ones. One note per mode."""
@@ -625,6 +675,9 @@ def main(argv: list[str]) -> int:
     if compile_reason:
         notes.append(f"torch.compile skipped: {compile_reason}")
 
+    if args.offload and rank == 0 and not ddp:
+        notes += offload_check(args.offload, device)
+        print(notes[-1], file=sys.stderr, flush=True)
     if args.sync_check and device.type == "cuda":
         notes += sync_check(args.modes, device, ddp)
         print("\n".join(notes[-len(args.modes):]), file=sys.stderr, flush=True)

@@ -370,7 +370,9 @@ class Trainer:
         self.apply_block_settings(model)
         model = fsdp.shard_model(model, self.task.blocks(model), env.device, self.mesh,
                                  self.precision.fsdp_param_dtype, offload=self.cfg.train.fsdp.offload == "cpu")
-        fsdp.materialize(model, env.device)
+        # Offloaded shards live in host memory (FSDP2 copies each unit to the device for its compute), as
+        # torchtitan initialises them.
+        fsdp.materialize(model, torch.device("cpu") if cfg.train.fsdp.offload == "cpu" else env.device)
         if self.init_source() is None and type(self.task).init_weights is Task.init_weights:
             torch.manual_seed(cfg.run.seed)
             fsdp.broadcast_full_model(model, self.task.build_model() if self.rank0 else None, env.world_rank)

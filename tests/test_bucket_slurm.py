@@ -23,7 +23,7 @@ from test_slurm import FINISHED, assert_job_cleaned_up, output, sbatch, work  # 
 
 s3_server = s3_server_fixture()
 LAUNCH = str(REPO / "ray_cluster" / "slurm" / "launch.py")
-STEPS, LOG_EVERY = 600, 10  # long enough that the preemption lands mid-run on a slow, loaded machine
+STEPS, LOG_EVERY = 400, 10  # long enough that the preemption lands mid-run on a slow, loaded machine
 
 
 @pytest.fixture

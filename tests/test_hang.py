@@ -112,7 +112,7 @@ class SleepyTask(MLPTask):
 def test_on_ray_a_rank_asleep_is_named_its_stacks_kept_and_the_restarted_gang_completes(ray_cluster, tmp_path,
                                                                                        tabular_data):
     (tmp_path / "sleepy_task.py").write_text(SLEEPY_TASK)
-    args = tiny(tmp_path / "runs", tabular_data, 10, "model.name=sleepy_task:SleepyTask", "train.hang_timeout_s=15",
+    args = tiny(tmp_path / "runs", tabular_data, 10, "model.name=sleepy_task:SleepyTask", "train.hang_timeout_s=8",
                 "train.log_every_steps=2", "train.eval_every_steps=null", "checkpoint.every_steps=4",
                 "scaling.max_failures=1", "scaling.num_workers=2", "scaling.cpus_per_worker=0.5",
                 "tracking.mlflow=false", config=str(REPO / "trainers" / "configs" / "tabular_mlp.yaml"))

@@ -113,9 +113,10 @@ def runs(tmp_path_factory, text_data):
     cases = [{"label": name, "args": gpt_args(text_data, storage, name, steps, 4, *extra)}
              for name, steps, extra in (("ddp", STEPS, []), ("hsdp", STEPS, hsdp),
                                         ("offload", 10, [*hsdp, "train.fsdp.offload=cpu"]),
-                                        # what works under fsdp works under hsdp: compiled blocks, activation
-                                        # checkpointing, bf16, accumulation (sync at the last micro-step), clipping
-                                        ("together", 6, [*hsdp, "train.compile=auto", "train.precision=bf16",
+                                        # what works under fsdp works under hsdp: activation checkpointing, bf16,
+                                        # accumulation (sync at the last micro-step), clipping. (Compiled blocks: the
+                                        # fsdp path, test_fsdp.py; the mesh does not change what is compiled.)
+                                        ("together", 6, [*hsdp, "train.precision=bf16",
                                                          "train.activation_checkpointing=true",
                                                          "train.grad_accum_steps=2", "optim.grad_clip_norm=0.5",
                                                          "train.batch_size_per_worker=2"]))]
@@ -220,10 +221,10 @@ def test_an_fsdp_checkpoint_of_2_ranks_resumes_under_hsdp_on_4(runs):
 
 
 @pytest.mark.slow
-def test_compile_checkpointing_bf16_accumulation_and_clipping_work_under_hsdp(runs):
+def test_checkpointing_bf16_accumulation_and_clipping_work_under_hsdp(runs):
     s = summary(runs["storage"] / "together")
     assert s["status"] == "completed" and s["strategy"] == "hsdp" and s["precision"] == "bf16"
-    assert s["compiled_modules"] > 0 and s["activation_checkpointed_blocks"] > 0, s
+    assert s["activation_checkpointed_blocks"] > 0, s
     lines = [x for x in map(json.loads, (runs["storage"] / "together" / "metrics.jsonl").read_text().splitlines())
              if "train_loss" in x]
     assert len(lines) == 6 and all(x["grad_norm"] > 0 and 0 <= x["clipped"] <= 1 for x in lines)

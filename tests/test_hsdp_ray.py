@@ -34,8 +34,8 @@ def two_nodes():
 
 
 def train(head, tmp_path, tabular_data, name, *extra) -> tuple[dict, str]:
-    args = tiny(tmp_path, tabular_data, 4, "scaling.num_workers=4", "train.strategy=hsdp", "train.log_every_steps=2",
-                "train.eval_every_steps=4", "checkpoint.every_steps=4", "model.hidden_sizes=[64, 64]",
+    args = tiny(tmp_path, tabular_data, 2, "scaling.num_workers=4", "train.strategy=hsdp", "train.log_every_steps=2",
+                "train.eval_every_steps=2", "checkpoint.every_steps=2", "model.hidden_sizes=[64, 64]",
                 "tracking.mlflow=false", "scaling.use_gpu=false", *extra, name=name)
     # Both nodes read the data set from this machine's disk: say it is shared, as a cluster with NFS would.
     r = subprocess.run([PYTHON, "trainers/main.py", *args], cwd=REPO, capture_output=True, text=True, timeout=600,
